@@ -1,0 +1,67 @@
+"""WeightSync: push the trainer's weights into the rollout engine (the sync contract).
+
+gather (state_dict of the policy) → send (engine.update_weights, which casts to the
+engine's dtype) → acknowledge: the policy version advances only when the engine
+reports the new version. Pushes the current weights once at the start of fit,
+so a resumed run's engine serves the restored weights.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+class WeightSync(pl.Callback):
+    syncs_weights = True  # build() checks that some callback keeps the engine up to date
+
+    def __init__(self, every_n_steps: int = 1, reset_optimizer: bool = False):
+        if every_n_steps < 1:
+            raise ValueError("WeightSync.every_n_steps must be >= 1")
+        self.every_n_steps = every_n_steps
+        self.reset_optimizer = reset_optimizer
+        self.num_syncs = 0
+
+    @staticmethod
+    def _engine(trainer: pl.Trainer):
+        dm = trainer.datamodule
+        if dm is None or not hasattr(dm, "engine"):
+            raise RuntimeError("WeightSync needs a RolloutDataModule (trainer.datamodule.engine)")
+        return dm.engine
+
+    def push(self, trainer: pl.Trainer, module: pl.LightningModule, version: int) -> dict[str, float]:
+        engine = self._engine(trainer)
+        t0 = time.perf_counter()
+        named = [(k, v.detach()) for k, v in module.policy.state_dict().items()]
+        engine.update_weights(named, version=version)
+        if engine.version != version:
+            raise RuntimeError(f"engine acknowledged version {engine.version}, expected {version}")
+        module.policy_version = version
+        self.num_syncs += 1
+        nbytes = sum(v.numel() * v.element_size() for _, v in named)
+        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes),
+                "sync/version": float(version)}
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.push(trainer, module, module.policy_version)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if module.rl_step % self.every_n_steps:
+            return
+        metrics = self.push(trainer, module, module.policy_version + 1)
+        if self.reset_optimizer:
+            module.reset_optimizer_state()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_syncs": self.num_syncs}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.num_syncs = state_dict.get("num_syncs", 0)
+
+

@@ -1,0 +1,263 @@
+"""RLModule: the LightningModule every algorithm builds on.
+
+One training step = one rollout batch:
+
+    Experience ─► train-side old log-probs (θ_old, no grad) [+ reference log-probs]
+               ─► on_experience hooks (corrections, monitors), in callback order
+               ─► advantages (the algorithm's own)
+               ─► ppo_epochs × num_minibatches optimizer steps (micro-batched)
+
+Subclasses implement `compute_advantages` and may add loss terms through
+`extra_loss`. `trainer.max_steps` in the config counts RL steps; Lightning's
+global_step counts optimizer steps (`optimizer_steps_per_rl_step` per RL step).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any, Iterator
+
+import lightning.pytorch as pl
+import torch
+
+from glmlight.config import AlgoConfig
+from glmlight.ops.dis import dis_loss_per_token
+from glmlight.ops.kl import kl_penalty
+from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
+from glmlight.ops.policy_loss import ppo_clip_loss
+from glmlight.ops.reduce import aggregate_loss, masked_mean
+from glmlight.sample import Experience
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class RLModule(pl.LightningModule):
+    def __init__(self, cfg: AlgoConfig, policy: torch.nn.Module, *, temperature: float = 1.0,
+                 max_new_tokens: int = 64, pad_token_id: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.policy = policy.train()
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.max_new_tokens = max_new_tokens
+        self.pad_token_id = pad_token_id
+        self.automatic_optimization = False
+        self.policy_version = 0
+        self._nonfinite_streak = 0
+        # The frozen reference lives outside the module's parameters: never trained, never checkpointed.
+        self._reference: list[torch.nn.Module] = []
+        if cfg.kl_coef > 0:
+            ref = copy.deepcopy(policy).eval()
+            ref.requires_grad_(False)
+            self._reference.append(ref)
+
+    # ----------------------------------------------------------------- steps
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        return self.cfg.ppo_epochs * self.cfg.num_minibatches
+
+    @property
+    def rl_step(self) -> int:
+        return self.global_step // self.optimizer_steps_per_rl_step
+
+    def training_step(self, dataloader_iter: Iterator[Experience]) -> None:
+        item = next(dataloader_iter)  # Lightning yields (batch, batch_idx, dataloader_idx)
+        batch = (item[0] if isinstance(item, tuple) else item).to(self.device)
+        self.prepare_experience(batch)
+        self.run_experience_hooks(batch)
+        self.compute_advantages(batch)
+        metrics = self.update(batch)
+        metrics.update(batch.stats)
+        metrics["policy_version"] = float(self.policy_version)
+        metrics["rl_step"] = float(self.rl_step)
+        self.log_dict(metrics, on_step=True, batch_size=batch.batch_size)
+        for key in ("rollout/reward_mean", "eval/reward"):
+            if key in metrics:
+                self.log(key.split("/")[-1], metrics[key], prog_bar=True, on_step=True, logger=False,
+                         batch_size=batch.batch_size)
+
+    def compute_advantages(self, batch: Experience) -> None:
+        raise NotImplementedError
+
+    def extra_loss(self, mb: Experience, logits: torch.Tensor, logprobs: torch.Tensor,
+                   mask: torch.Tensor, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Additional loss terms of a subclass (already aggregated); default none."""
+        return logprobs.new_zeros(()), {}
+
+    # ----------------------------------------------------------------- log-probs
+    def forward_logits(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
+        """Logits predicting each response token: [B, T, V]."""
+        out = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
+                    use_cache=False)
+        P = exp.prompt_length
+        return out.logits[:, P - 1 : -1]
+
+    @torch.no_grad()
+    def compute_logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
+        chunks = []
+        for idx in self._micro_batches(torch.arange(exp.batch_size)):
+            mb = exp.select(idx)
+            chunks.append(logprobs_from_logits(self.forward_logits(model, mb), mb.response_ids, self.temperature))
+        return torch.cat(chunks)
+
+    def prepare_experience(self, batch: Experience) -> None:
+        was_training = self.policy.training
+        self.policy.eval()
+        batch.old_logprobs = self.compute_logprobs(self.policy, batch)
+        if self._reference:
+            ref = self._reference[0].to(self.device)
+            batch.ref_logprobs = self.compute_logprobs(ref, batch)
+        self.policy.train(was_training)
+        batch.token_weights = torch.ones_like(batch.loss_mask)
+
+    def run_experience_hooks(self, batch: Experience) -> None:
+        """Call `on_experience(trainer, module, batch)` on every callback that defines it, in order."""
+        if self._trainer is None:
+            return
+        for cb in self.trainer.callbacks:
+            hook = getattr(cb, "on_experience", None)
+            if callable(hook):
+                hook(self.trainer, self, batch)
+
+    # ----------------------------------------------------------------- update
+    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return list(rows.split(self.cfg.micro_batch_size))
+
+    def _minibatches(self, n: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(self.global_step)
+        perm = torch.randperm(n, generator=g) if self.cfg.num_minibatches > 1 else torch.arange(n)
+        return [c for c in perm.chunk(self.cfg.num_minibatches) if len(c)]
+
+    def update(self, batch: Experience) -> dict[str, float]:
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        sums: dict[str, float] = {}
+        n_updates = 0
+        for _ in range(self.cfg.ppo_epochs):
+            minibatches = self._minibatches(batch.batch_size)
+            for mb_rows in minibatches:
+                stats = self._minibatch_step(batch, mb_rows, opt)
+                if sched is not None:
+                    sched.step()
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                n_updates += 1
+            # Keep the optimizer-step count fixed per RL step even if a minibatch came out empty.
+            for _ in range(self.cfg.num_minibatches - len(minibatches)):
+                opt.zero_grad(set_to_none=True)
+                opt.step()
+                if sched is not None:
+                    sched.step()
+        metrics = {k: v / max(n_updates, 1) for k, v in sums.items()}
+        metrics["train/lr"] = opt.param_groups[0]["lr"]
+        return metrics
+
+    def _minibatch_step(self, batch: Experience, rows: torch.Tensor, opt: Any) -> dict[str, float]:
+        self.policy.train()
+        opt.zero_grad(set_to_none=True)
+        mb_all = batch.select(rows)
+        scale = {"total_tokens": float(mb_all.loss_mask.sum().item()), "num_sequences": float(len(rows))}
+        totals: dict[str, float] = {}
+        loss_value = 0.0
+        for micro in self._micro_batches(torch.arange(len(rows))):
+            mb = mb_all.select(micro)
+            loss, stats = self.micro_batch_loss(mb, scale)
+            self.manual_backward(loss)
+            loss_value += loss.item()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(rows)
+        if not math.isfinite(loss_value) or not self._grads_finite():
+            self._nonfinite_streak += 1
+            opt.zero_grad(set_to_none=True)
+            log.warning("non-finite loss at step %d (%d in a row): update skipped", self.global_step,
+                        self._nonfinite_streak)
+            if self._nonfinite_streak >= self.cfg.max_nonfinite_steps:
+                raise NonFiniteLossError(f"loss was not finite in {self._nonfinite_streak} consecutive updates; "
+                                         "stopping (lower the learning rate or check rewards and data)")
+            opt.step()  # no gradients: parameters stay, the step count advances
+            return {"train/skipped_nonfinite": 1.0}
+        self._nonfinite_streak = 0
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.grad_clip or float("inf"))
+        opt.step()
+        totals.update({"train/loss": loss_value, "train/grad_norm": float(grad_norm), "train/skipped_nonfinite": 0.0})
+        return totals
+
+    def _grads_finite(self) -> bool:
+        return all(torch.isfinite(p.grad).all() for p in self.policy.parameters() if p.grad is not None)
+
+    def micro_batch_loss(self, mb: Experience, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        logits = self.forward_logits(self.policy, mb)
+        logprobs = logprobs_from_logits(logits, mb.response_ids, self.temperature)
+        mask = mb.loss_mask
+        if cfg.policy_loss == "dis":
+            pg, kept = dis_loss_per_token(logprobs, mb.rollout_logprobs, mb.advantages, cfg.dis_eps_low, cfg.dis_eps_high)
+            stats = {"train/dis_masked_frac": 1.0 - masked_mean(kept.float(), mask)}
+        else:
+            out = ppo_clip_loss(logprobs, mb.old_logprobs, mb.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+            pg = out.loss
+            stats = {"train/clip_frac": masked_mean(out.clipped, mask),
+                     "train/dual_clip_frac": masked_mean(out.dual_clipped, mask),
+                     "train/ratio_mean": masked_mean(out.ratio, mask)}
+        if mb.token_weights is not None:
+            pg = pg * mb.token_weights
+        per_token = pg
+        if mb.ref_logprobs is not None:
+            kl = kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_estimator)
+            per_token = per_token + cfg.kl_coef * kl
+            stats["train/kl"] = masked_mean(kl.detach(), mask)
+        entropy = entropy_from_logits(logits if cfg.entropy_coef else logits.detach(), self.temperature)
+        if cfg.entropy_coef:
+            per_token = per_token - cfg.entropy_coef * entropy
+        stats["train/entropy"] = masked_mean(entropy.detach(), mask)
+        loss = aggregate_loss(per_token, mask, cfg.loss_agg, constant=cfg.loss_agg_constant or self.max_new_tokens,
+                              num_sequences=int(scale["num_sequences"]), total_tokens=scale["total_tokens"])
+        extra, extra_stats = self.extra_loss(mb, logits, logprobs, mask, scale)
+        stats.update(extra_stats)
+        stats["train/pg_loss"] = loss.detach()
+        return loss + extra, {k: torch.as_tensor(v).detach().float() for k, v in stats.items()}
+
+    # ----------------------------------------------------------------- optim
+    def configure_optimizers(self) -> Any:
+        cfg = self.cfg
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        total = max(int(self.trainer.max_steps), 1) if self._trainer is not None else 1
+        warmup = cfg.warmup_steps * self.optimizer_steps_per_rl_step
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.lr_schedule, warmup, total, cfg.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def reset_optimizer_state(self) -> None:
+        """Forget Adam moments (GLM-5 agentic RL resets the optimizer after a weight push)."""
+        for opt in self.trainer.optimizers:
+            opt.state.clear()
+
+    # ----------------------------------------------------------------- checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["glmlight"] = {"policy_version": self.policy_version, "nonfinite_streak": self._nonfinite_streak}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("glmlight", {})
+        self.policy_version = state.get("policy_version", 0)
+        self._nonfinite_streak = state.get("nonfinite_streak", 0)
+
+
+def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
+    """Linear warm-up, then constant, cosine or linear decay to min_ratio."""
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+        if schedule == "cosine":
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return min_ratio + (1 - min_ratio) * (1 - progress)
+
+    return f

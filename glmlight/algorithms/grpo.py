@@ -1,0 +1,21 @@
+"""GRPO (Shao et al. 2024) with the DAPO / Dr.GRPO options: group-normalised
+outcome advantages broadcast to every action token."""
+
+from __future__ import annotations
+
+import torch
+
+from glmlight.algorithms.base import RLModule
+from glmlight.config import GRPOConfig
+from glmlight.ops.advantages import group_advantages
+from glmlight.sample import Experience
+
+
+class GRPO(RLModule):
+    cfg: GRPOConfig
+
+    def compute_advantages(self, batch: Experience) -> None:
+        group_ids = torch.tensor([s.group_id for s in batch.samples], device=batch.rewards.device)
+        adv = group_advantages(batch.rewards.cpu(), group_ids.cpu(), normalize_std=self.cfg.normalize_std)
+        batch.advantages = adv.to(batch.rewards.device).unsqueeze(-1) * batch.loss_mask
+        batch.stats["train/advantage_abs_mean"] = adv.abs().mean().item()

@@ -1,0 +1,163 @@
+"""`build(cfg)`: turn a validated config into a Trainer, an algorithm module and a
+RolloutDataModule. User code can add callbacks before calling `run.fit()`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+from glmlight.config import validate
+from glmlight.data.rollout import RolloutDataModule
+from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
+from glmlight.errors import ConfigError
+from glmlight.models.loading import load_causal_lm, load_tokenizer
+from glmlight.models.warm_start import supervised_warm_start
+from glmlight.rewards import build_reward
+from glmlight.rollout.local import LocalEngine
+
+log = logging.getLogger(__name__)
+
+# RLModule pulls its batch from `dataloader_iter` on purpose (no prefetch: a batch is generated
+# with the newest weights, after the previous step's sync); Lightning warns about that flavour.
+for _msg in (".*dataloader_iter.*", ".*`isinstance\\(treespec, LeafSpec\\)` is deprecated.*"):
+    warnings.filterwarnings("ignore", message=_msg)
+
+
+@dataclass
+class Run:
+    trainer: pl.Trainer
+    module: pl.LightningModule
+    datamodule: RolloutDataModule
+    cfg: DictConfig
+
+    def fit(self) -> None:
+        self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg))
+
+
+def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSource | None]:
+    if task.source == "synthetic":
+        make = lambda s: ArithmeticTask(task.max_operand, task.operators, seed=s, system_prompt=task.system_prompt)  # noqa: E731
+        return make(seed), make(seed + 1)
+    keys = dict(prompt_key=task.prompt_key, label_key=task.label_key, domain_key=task.domain_key,
+                system_prompt=task.system_prompt)
+    if not task.path:
+        raise ConfigError(f"config error: task.source={task.source} needs task.path")
+    if task.source == "jsonl":
+        return JsonlSource(task.path, **keys), (JsonlSource(task.eval_path, **keys) if task.eval_path else None)
+    return (HFDatasetSource(task.path, task.split, **keys),
+            HFDatasetSource(task.eval_path, task.split, **keys) if task.eval_path else None)
+
+
+def build_engine(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any):
+    r = cfg.rollout
+    if r.backend == "local":
+        return LocalEngine(policy, dtype=r.dtype, device=r.device or "cpu", pad_token_id=tokenizer.pad_token_id,
+                           seed=r.seed)
+    from glmlight.rollout import servers  # server clients are optional extras
+
+    return servers.build_server_engine(cfg, tokenizer)
+
+
+def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
+    out = []
+    for name, spec in cfg.callbacks.items():
+        if spec is None:
+            continue
+        if "_target_" not in spec:
+            raise ConfigError(f"config error: callbacks.{name} needs a _target_")
+        try:
+            out.append(instantiate(spec, _convert_="all"))
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"config error: callbacks.{name}: cannot build {spec['_target_']} ({_root_cause(e)})") from None
+    if not any(getattr(cb, "syncs_weights", False) for cb in out) and cfg.rollout.backend == "local":
+        log.warning("no weight-sync callback configured: the engine will keep serving the initial weights")
+    return out
+
+
+def _root_cause(e: BaseException) -> str:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {e}"
+
+
+def build_loggers(cfg: DictConfig) -> list[Any]:
+    lg = cfg.logger
+    save_dir = lg.save_dir or cfg.trainer.default_root_dir
+    if lg.name == "none":
+        return []
+    if lg.name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return [CSVLogger(save_dir, name="csv")]
+    from lightning.pytorch.loggers import WandbLogger
+
+    extra = {"mode": "disabled"} if lg.mode == "disabled" else {}
+    logger = WandbLogger(project=lg.project, name=cfg.run_name, save_dir=save_dir, offline=lg.mode == "offline",
+                         config=_public_config(cfg), **extra)
+    return [logger]
+
+
+def _public_config(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as stored with the run (it holds env-variable names, never their values)."""
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _resume_path(cfg: DictConfig) -> str | None:
+    resume = cfg.trainer.resume
+    if resume in (None, ""):
+        return None
+    if resume == "last":
+        path = os.path.join(cfg.trainer.default_root_dir, "checkpoints", "last.ckpt")
+        return path if os.path.exists(path) else None
+    if not os.path.exists(resume):
+        raise ConfigError(f"config error: trainer.resume={resume!r} does not exist")
+    return resume
+
+
+def build(cfg: DictConfig | dict) -> Run:
+    """Everything a run needs, from a (composed) config. Raises ConfigError on bad config."""
+    cfg = validate(cfg)
+    from glmlight.algorithms import ALGORITHMS
+
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
+                            seed=cfg.model.seed, trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.model.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    source, eval_source = build_sources(cfg.task, cfg.seed)
+    if cfg.model.warm_start.steps > 0:
+        identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
+        identity["seed"] = cfg.seed
+        supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
+    engine = build_engine(cfg, policy, tokenizer)
+    datamodule = RolloutDataModule(engine, tokenizer, source, build_reward(cfg.task.reward), cfg.rollout,
+                                   eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts)
+    module_cls = ALGORITHMS[cfg.algo.name]
+    module = module_cls(cfg.algo, policy, temperature=cfg.rollout.temperature,
+                        max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    callbacks = build_callbacks(cfg)
+    steps = module.optimizer_steps_per_rl_step
+    ckpt_every = cfg.trainer.checkpoint_every_n_steps
+    callbacks.append(ModelCheckpoint(dirpath=os.path.join(cfg.trainer.default_root_dir, "checkpoints"),
+                                     every_n_train_steps=ckpt_every * steps if ckpt_every else None,
+                                     save_last=True, save_top_k=-1 if ckpt_every else 0))
+    t = cfg.trainer
+    trainer = pl.Trainer(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
+        precision=t.precision, max_steps=t.max_steps * steps, max_epochs=-1,
+        log_every_n_steps=t.log_every_n_steps * steps, enable_progress_bar=t.enable_progress_bar,
+        deterministic=t.deterministic, default_root_dir=t.default_root_dir, callbacks=callbacks,
+        logger=build_loggers(cfg) or False, num_sanity_val_steps=0, limit_val_batches=0,
+        enable_model_summary=False,
+    )
+    return Run(trainer=trainer, module=module, datamodule=datamodule, cfg=cfg)

@@ -1,0 +1,292 @@
+"""Typed configuration. Hydra composes YAML from `conf/`; `validate` checks it against
+these dataclasses so that a misspelt key or a wrong type stops the run at start-up
+with one line naming the key.
+
+Every knob has a typed default here; the YAML files only choose among them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from glmlight.errors import ConfigError
+
+# ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
+OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default'}", replace=True)
+
+
+@dataclass
+class WarmStartConfig:
+    """A short supervised warm start on the task's reference answers, cached on disk."""
+
+    steps: int = 0
+    lr: float = 3e-3
+    batch_size: int = 64
+    cache_dir: str = ".cache/glmlight"
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # a local Hugging Face checkpoint; None = the tiny GLM-5 default
+    preset: str = "tiny"  # tiny GLM-5 size when path is None: test | tiny | small
+    dtype: str = "float32"  # training dtype
+    seed: int = 0
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+@dataclass
+class ServerConfig:
+    """Rollout servers (rollout.backend = sglang | vllm | vllm_ascend)."""
+
+    urls: list[str] = field(default_factory=list)  # one or more servers, or one router URL
+    router: bool = False  # urls[0] is a router (sglang-router): send everything there
+    api_key_env: Optional[str] = None  # name of the environment variable holding the API key
+    max_in_flight: int = 64
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    retry_backoff_s: float = 0.5
+    weight_sync: str = "disk"  # disk | tensor | distributed
+    weight_sync_dir: str = ".cache/glmlight/weights"
+    launch: bool = False  # start the server as a managed child process
+    launch_args: list[str] = field(default_factory=list)
+    launch_timeout_s: float = 900.0
+    model_path: Optional[str] = None  # the path the server loads (default: model.path)
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "local"  # local | sglang | vllm | vllm_ascend
+    mode: str = "sync"  # sync | async
+    dtype: str = "float32"  # the engine's own weight copy (e.g. bfloat16 while training runs in fp32)
+    device: Optional[str] = None  # embedded engine device; None = the trainer's device
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    rollout_batch_size: int = 16  # prompts per training step
+    n_samples_per_prompt: int = 8  # group size
+    over_sample: float = 1.0  # draw this many times rollout_batch_size prompts per round
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
+    max_refill_rounds: int = 4
+    overlong: str = "none"  # none | mask | soft_penalty (DAPO)
+    overlong_cache: int = 4  # L_cache of the soft overlong penalty
+    max_context: int = 2048  # prompt + response token budget
+    seed: int = 0
+    server: "ServerConfig" = field(default_factory=lambda: ServerConfig())
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    source: str = "synthetic"  # synthetic | jsonl | hf
+    path: Optional[str] = None  # jsonl file or local datasets directory
+    eval_path: Optional[str] = None  # held-out prompts (same format); synthetic tasks make their own
+    split: str = "train"
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    domain_key: str = "domain"
+    system_prompt: Optional[str] = None
+    # Synthetic arithmetic: operands in [0, max_operand], these operators.
+    max_operand: int = 9
+    operators: str = "+"
+    num_eval_prompts: int = 64
+    # The reward: any callable sample -> float | (float, info), built with Hydra's _target_.
+    reward: dict[str, Any] = field(default_factory=lambda: {"_target_": "glmlight.rewards.verifiers.ExactMatch"})
+
+
+@dataclass
+class AlgoConfig:
+    """Fields every algorithm shares: the optimizer and the loss assembly."""
+
+    name: str = "grpo"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine | linear
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    num_minibatches: int = 1  # optimizer steps per epoch over one rollout batch
+    micro_batch_size: int = 64  # rows per forward pass (gradient accumulation inside a minibatch)
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | constant
+    loss_agg_constant: Optional[float] = None  # Dr.GRPO divisor; default max_new_tokens
+    policy_loss: str = "ppo"  # ppo | dis
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip_c: Optional[float] = None  # > 1 enables dual clip for negative advantages
+    dis_eps_low: float = 0.3
+    dis_eps_high: float = 5.0
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # > 0 loads a frozen reference model
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite losses
+
+
+@dataclass
+class GRPOConfig(AlgoConfig):
+    name: str = "grpo"
+    normalize_std: bool = True  # False = Dr.GRPO
+
+
+ALGO_SCHEMAS: dict[str, type] = {}
+
+
+def register_algo_schema(name: str, schema: type) -> None:
+    """Algorithms call this so `algo.name=<name>` validates against their own dataclass;
+    conf/algo/<name>.yaml starts from it via `defaults: [<name>_schema]`."""
+    ALGO_SCHEMAS[name] = schema
+    ConfigStore.instance().store(group="algo", name=f"{name}_schema", node=schema)
+
+
+register_algo_schema("grpo", GRPOConfig)
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning Trainer arguments. max_steps counts RL steps (rollout batches)."""
+
+    max_steps: int = 100
+    accelerator: str = "cpu"
+    devices: Any = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    log_every_n_steps: int = 1
+    enable_progress_bar: bool = True
+    deterministic: bool = False
+    default_root_dir: str = "runs/default"
+    checkpoint_every_n_steps: int = 0  # 0 = only at the end
+    resume: Optional[str] = None  # a checkpoint path, or "last"
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"  # wandb | csv | none
+    project: str = "glmlight"
+    mode: str = "offline"  # wandb: offline | online | disabled
+    save_dir: Optional[str] = None  # default: trainer.default_root_dir
+    table_every_n_steps: int = 10
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algo: Any = None  # the chosen algorithm's own dataclass (ALGO_SCHEMAS)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # Lightning callbacks, each a dict with _target_ (instantiated in this order).
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    run_name: Optional[str] = None
+    eval_every_n_steps: int = 10
+
+
+# conf/train.yaml starts from this schema, so every typed key can be overridden from the
+# command line and an unknown one is rejected by name.
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def _schema_for(cfg: DictConfig) -> Any:
+    algo_name = OmegaConf.select(cfg, "algo.name", default="grpo")
+    if algo_name not in ALGO_SCHEMAS:
+        _load_algorithms()
+    if algo_name not in ALGO_SCHEMAS:
+        raise ConfigError(f"config error: algo.name={algo_name!r} is not an algorithm; choose one of {sorted(ALGO_SCHEMAS)}")
+    schema = OmegaConf.structured(TrainConfig)
+    schema.algo = OmegaConf.structured(ALGO_SCHEMAS[algo_name])
+    return schema
+
+
+def _load_algorithms() -> None:
+    import glmlight.algorithms  # noqa: F401  (registers every algorithm's schema)
+
+
+def _suggest(key: str, parent_type: Any) -> str:
+    if parent_type is None or not is_dataclass(parent_type):
+        return ""
+    names = [f.name for f in fields(parent_type)]
+    close = difflib.get_close_matches(key, names, n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def validate(cfg: DictConfig | dict) -> DictConfig:
+    """Merge `cfg` into the typed schema; raise ConfigError with one line naming the bad key."""
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.create(cfg)
+    schema = _schema_for(cfg)
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+    except ConfigKeyError as e:
+        key = e.full_key or e.key
+        return _raise(f"config error: unknown key '{key}'{_suggest(str(e.key), e.object_type)}")
+    except ValidationError as e:
+        return _raise(f"config error: {e.full_key}: {_first_line(e.msg)}")
+    except OmegaConfBaseException as e:
+        return _raise(f"config error: {getattr(e, 'full_key', '')}: {_first_line(str(e))}")
+    _check_choices(merged)
+    OmegaConf.set_readonly(merged, False)
+    return merged
+
+
+def _raise(msg: str):
+    raise ConfigError(msg)
+
+
+def _first_line(s: str) -> str:
+    return s.strip().splitlines()[0] if s else s
+
+
+CHOICES = {
+    "rollout.backend": ("local", "sglang", "vllm", "vllm_ascend"),
+    "rollout.mode": ("sync", "async"),
+    "rollout.overlong": ("none", "mask", "soft_penalty"),
+    "task.source": ("synthetic", "jsonl", "hf"),
+    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "constant"),
+    "algo.policy_loss": ("ppo", "dis"),
+    "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.lr_schedule": ("constant", "cosine", "linear"),
+    "logger.name": ("wandb", "csv", "none"),
+    "model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"),
+    "rollout.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"),
+    "logger.mode": ("offline", "online", "disabled"),
+}
+
+
+def _check_choices(cfg: DictConfig) -> None:
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value not in allowed:
+            raise ConfigError(f"config error: {key}={value!r} is not one of {list(allowed)}")
+    for key in ("rollout.rollout_batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
+                "algo.ppo_epochs", "algo.num_minibatches", "algo.micro_batch_size"):
+        if OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"config error: {key} must be >= 1, got {OmegaConf.select(cfg, key)}")
+
+
+def format_config_error(e: BaseException) -> str:
+    """One line for a Hydra/OmegaConf composition error, naming the key."""
+    cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+    full_key = getattr(cause, "full_key", None)
+    msg = str(getattr(cause, "msg", None) or cause).strip()
+    if full_key and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        leaf = full_key.rsplit(".", 1)[-1]
+        return f"config error: unknown key '{full_key}'{_suggest(leaf, getattr(cause, 'object_type', None))}"
+    if full_key:
+        return f"config error: {full_key}: {_first_line(msg)}"
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    options = [ln for ln in lines[1:] if not ln.startswith(("Config search path", "provider=", "Available"))
+               and not ln.endswith("_schema")]
+    if "Could not find" in lines[0] and options:
+        return f"config error: {lines[0]} (available: {', '.join(options)})"
+    return f"config error: {lines[0] if lines else type(e).__name__}"

@@ -1,0 +1,142 @@
+"""Prompt sources: JSONL files, local Hugging Face datasets, synthetic verifiable tasks.
+
+A source is an indexable sequence of `Prompt`s. The data module walks it in a
+seeded, reshuffled-every-epoch order and remembers its position (for resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from glmlight.errors import DataError
+
+
+@dataclass
+class Prompt:
+    messages: list[dict[str, str]]  # chat messages rendered with the tokenizer's chat template
+    label: Any = None
+    domain: str = "default"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptSource(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Prompt: ...
+
+
+def _as_messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict[str, str]]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: empty prompt")
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+    else:
+        raise DataError(f"{where}: prompt must be a non-empty string or a list of {{role, content}} messages")
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return messages
+
+
+class ListSource:
+    """Prompts held in memory (also the base of the file-backed sources)."""
+
+    def __init__(self, prompts: Sequence[Prompt]):
+        if not prompts:
+            raise DataError("prompt source is empty")
+        self.prompts = list(prompts)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> Prompt:
+        return self.prompts[index]
+
+
+def _row_to_prompt(row: dict[str, Any], where: str, prompt_key: str, label_key: str, domain_key: str,
+                    system_prompt: str | None) -> Prompt:
+    if prompt_key not in row:
+        raise DataError(f"{where}: missing field {prompt_key!r} (fields: {sorted(row)})")
+    meta = {k: v for k, v in row.items() if k not in (prompt_key, label_key, domain_key)}
+    return Prompt(messages=_as_messages(row[prompt_key], system_prompt, where), label=row.get(label_key),
+                  domain=str(row.get(domain_key) or "default"), metadata=meta)
+
+
+class JsonlSource(ListSource):
+    """One JSON object per line with prompt, label and domain fields (names configurable)."""
+
+    def __init__(self, path: str, prompt_key: str = "prompt", label_key: str = "label",
+                 domain_key: str = "domain", system_prompt: str | None = None):
+        if not os.path.isfile(path):
+            raise DataError(f"prompt file {path} does not exist")
+        prompts = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+                prompts.append(_row_to_prompt(row, where, prompt_key, label_key, domain_key, system_prompt))
+        if not prompts:
+            raise DataError(f"prompt file {path} holds no prompts")
+        super().__init__(prompts)
+
+
+class HFDatasetSource(ListSource):
+    """A Hugging Face `datasets` dataset from a local path (save_to_disk directory or data files)."""
+
+    def __init__(self, path: str, split: str = "train", prompt_key: str = "prompt", label_key: str = "label",
+                 domain_key: str = "domain", system_prompt: str | None = None):
+        try:
+            import datasets
+        except ImportError:
+            raise DataError("task.source=hf needs the datasets package: pip install 'glmlight[datasets]'") from None
+        if not os.path.exists(path):
+            raise DataError(f"dataset path {path} does not exist (datasets are read from local paths only)")
+        try:
+            ds = datasets.load_from_disk(path)
+        except FileNotFoundError:
+            ds = datasets.load_dataset(path, split=split)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(f"dataset {path} has no split {split!r} (splits: {list(ds)})")
+            ds = ds[split]
+        super().__init__([_row_to_prompt(dict(row), f"{path}[{i}]", prompt_key, label_key, domain_key, system_prompt)
+                          for i, row in enumerate(ds)])
+
+
+class ArithmeticTask:
+    """Synthetic verifiable arithmetic: 'a+b=' with the exact answer as label.
+
+    Item i is a pure function of (seed, i), so train and held-out streams are
+    fixed and reproducible; the held-out stream uses a different seed.
+    """
+
+    def __init__(self, max_operand: int = 9, operators: str = "+", seed: int = 0, size: int = 100_000,
+                 system_prompt: str | None = None):
+        if max_operand < 1 or not operators or set(operators) - set("+-*"):
+            raise DataError("arithmetic task needs max_operand >= 1 and operators drawn from '+-*'")
+        self.max_operand, self.operators, self.seed, self.size = max_operand, operators, seed, size
+        self.system_prompt = system_prompt
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Prompt:
+        rng = random.Random(self.seed * 1_000_003 + index)
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        op = rng.choice(self.operators)
+        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+        question = f"{a}{op}{b}="
+        return Prompt(messages=_as_messages(question, self.system_prompt, "arithmetic"), label=str(answer),
+                      domain="math", metadata={"question": question})

@@ -1,0 +1,83 @@
+"""The RolloutEngine protocol: token ids in, token ids and log-probs out.
+
+Every engine (embedded, SGLang, vLLM) owns its own copy of the weights; only
+`update_weights` moves weights into it, and `version` changes only when the
+engine has acknowledged the new weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+from glmlight.sample import Status
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None  # per-request seed; None = engine's own stream
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Generation:
+    """One engine answer. `logprobs[i]` is the log-prob of `token_ids[i]` under the
+    distribution the engine sampled it from; `versions[i]` the weights that produced it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    versions: list[int]
+
+    @property
+    def status(self) -> Status:
+        return finish_reason_to_status(self.finish_reason)
+
+
+def finish_reason_to_status(reason: str) -> Status:
+    try:
+        return {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}[reason]
+    except KeyError:
+        raise ValueError(f"unknown finish_reason {reason!r} (expected stop, length or abort)") from None
+
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    @property
+    def version(self) -> int:
+        """The policy version of the weights the engine serves now."""
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Generation]:
+        """Generate one answer per prompt (token ids), in order."""
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+        """Prefill: log-prob of each completion token given its prompt (teacher log-probs, probes)."""
+
+    def update_weights(
+        self, named_tensors: NamedTensors | None = None, *, path: str | None = None, version: int
+    ) -> None:
+        """Load new weights (tensors, or a safetensors checkpoint path); then serve `version`."""
+
+    def close(self) -> None:
+        """Release the engine's resources."""

@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Train with glmlight from the Hydra configs in conf/.
+
+    python scripts/train.py                         # GRPO, tiny GLM-5, embedded engine, CPU
+    python scripts/train.py algo=grpo trainer.max_steps=20 rollout.dtype=bfloat16
+    python scripts/train.py --cfg job               # print the composed config and exit
+    python scripts/train.py --help
+
+Overrides are Hydra's `key=value`, `group=option`, `+new.key=value`, `~key`.
+A bad key or value stops the run with one line naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONF = os.path.join(REPO, "conf")
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=overrides)
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        print("config groups:", ", ".join(sorted(d for d in os.listdir(CONF) if os.path.isdir(os.path.join(CONF, d)))))
+        return 0
+    show = None
+    overrides = []
+    it = iter(argv)
+    for a in it:
+        if a == "--cfg":
+            show = next(it, "job")
+        elif a.startswith("--cfg="):
+            show = a.split("=", 1)[1]
+        else:
+            overrides.append(a)
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("glmlight").addHandler(handler)
+    logging.getLogger("glmlight").setLevel(logging.INFO)
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from glmlight.config import format_config_error, validate
+    from glmlight.errors import GlmlightError
+
+    try:
+        cfg = compose(overrides)
+        if show is not None:
+            print(OmegaConf.to_yaml(validate(cfg), resolve=show == "resolved"))
+            return 0
+        import glmlight
+
+        run = glmlight.build(cfg)
+        run.fit()
+    except GlmlightError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (HydraException, OmegaConfBaseException) as e:
+        print(format_config_error(e), file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

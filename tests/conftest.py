@@ -1,0 +1,48 @@
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from glmlight.models.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+@pytest.fixture()
+def tiny_model(tokenizer):
+    from glmlight.models.loading import load_causal_lm
+
+    return load_causal_lm(None, tokenizer, preset="test", seed=0).eval()
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    from glmlight.models.tokenizer import encode_chat
+
+    return encode_chat(tokenizer, [{"role": "user", "content": text}])
+
+
+def overrides_for_tests(tmp_path, *extra: str) -> list[str]:
+    """A fast configuration of the real default run: the test-size GLM-5, few prompts."""
+    return [
+        "model.preset=test", "model.warm_start.steps=0", "logger=csv", f"trainer.default_root_dir={tmp_path}",
+        "trainer.max_steps=2", "trainer.enable_progress_bar=false", "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4", "task.num_eval_prompts=8",
+        "trainer.checkpoint_every_n_steps=0", "task.reward._target_=tests.conftest.digit_fraction_reward", *extra,
+    ]
+
+
+def digit_fraction_reward(sample) -> float:
+    """A dense test reward (fraction of digit characters) so that a random tiny model gets
+    non-zero advantages; the arithmetic exact-match reward is all zeros before training."""
+    text = sample.metadata["completion_text"]
+    return sum(c.isdigit() for c in text) / max(len(text), 1)

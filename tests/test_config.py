@@ -1,0 +1,48 @@
+"""Config validation: typed keys, one-line errors from the command line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from glmlight.config import validate
+from glmlight.errors import ConfigError
+from tests.conftest import REPO
+
+
+def _train(*args):
+    return subprocess.run([sys.executable, "scripts/train.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("algo.lrr=1", "config error: unknown key 'algo.lrr'; did you mean 'lr'?"),
+    ("trainer.max_stepz=3", "config error: unknown key 'trainer.max_stepz'; did you mean 'max_steps'?"),
+    ("algo.lr=abc", "config error: algo.lr: Value 'abc' of type 'str' could not be converted to Float"),
+    ("rollout.backend=nope", "rollout.backend='nope' is not one of"),
+    ("algo=nope", "Could not find 'algo/nope'"),
+])
+def test_bad_override_gives_one_line(override, expected):
+    out = _train(override, "--cfg", "job")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_cfg_job_prints_composed_config():
+    out = _train("--cfg", "job", "rollout.max_new_tokens=7")
+    assert out.returncode == 0, out.stderr
+    assert "max_new_tokens: 7" in out.stdout and "name: grpo" in out.stdout
+
+
+def test_validate_in_python():
+    cfg = validate({"algo": {"name": "grpo", "lr": 0.5}})
+    assert cfg.algo.lr == 0.5 and cfg.algo.eps_high == 0.28 and cfg.rollout.backend == "local"
+    with pytest.raises(ConfigError, match="unknown key 'rollout.temprature'; did you mean 'temperature'"):
+        validate({"rollout": {"temprature": 1.0}})
+    with pytest.raises(ConfigError, match="algo.name='x' is not an algorithm"):
+        validate({"algo": {"name": "x"}})
+    with pytest.raises(ConfigError, match="rollout.rollout_batch_size must be >= 1"):
+        validate({"rollout": {"rollout_batch_size": 0}})

@@ -1,0 +1,174 @@
+"""Prompt sources, rewards and the RolloutDataModule's accounting (real engine, tiny model)."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from glmlight.config import RolloutConfig
+from glmlight.data.groups import pad_or_drop_group
+from glmlight.data.rollout import RolloutDataModule
+from glmlight.data.sources import ArithmeticTask, JsonlSource
+from glmlight.errors import DataError
+from glmlight.rewards import build_reward
+from glmlight.rewards.base import score_samples
+from glmlight.rewards.verifiers import BoxedMatch, ExactMatch, NumericMatch, extract_boxed
+from glmlight.rollout.local import LocalEngine
+from glmlight.sample import Sample, Status
+
+
+def _s(text, label, **kw):
+    return Sample(prompt_ids=[1], metadata={"completion_text": text, "label": label}, **kw)
+
+
+def test_verifiers():
+    assert ExactMatch()(_s(" 12 ", "12"))[0] == 1.0
+    assert ExactMatch()(_s("12.0", "12"))[0] == 0.0
+    assert NumericMatch()(_s("the answer is 1,234.0", "1234"))[0] == 1.0
+    assert NumericMatch()(_s("no number", "3"))[0] == 0.0
+    assert extract_boxed(r"x \boxed{\frac{1}{2}} y") == r"\frac{1}{2}"
+    assert BoxedMatch()(_s(r"so \boxed{42}", "42"))[0] == 1.0
+    assert BoxedMatch()(_s(r"so \boxed{42.0}", "42"))[0] == 1.0
+    assert BoxedMatch(format_penalty=0.5)(_s("42", "42"))[0] == -0.5
+
+
+def test_reward_failures_are_counted_not_raised():
+    def flaky(sample):
+        if sample.metadata["label"] == "boom":
+            raise RuntimeError("verifier crashed")
+        return 1.0
+
+    samples = [_s("1", "1"), _s("2", "boom"), _s("3", "nan")]
+    samples[2].metadata["label"] = "1"
+    counts = score_samples(flaky, samples)
+    assert counts == Counter(scored=2, failed=1)
+    assert samples[1].status is Status.FAILED and "verifier crashed" in samples[1].metadata["reward_error"]
+    nan = score_samples(lambda s: float("nan"), [_s("1", "1")])
+    assert nan["failed"] == 1
+
+
+def test_async_reward():
+    async def reward(sample):
+        return 0.5, {"why": "async"}
+
+    samples = [_s("1", "1"), _s("2", "2")]
+    assert score_samples(reward, samples)["scored"] == 2
+    assert [s.reward for s in samples] == [0.5, 0.5]
+    assert samples[0].metadata["reward_info"] == {"why": "async"}
+
+
+def test_build_reward_from_target():
+    assert isinstance(build_reward({"_target_": "glmlight.rewards.verifiers.NumericMatch", "rel_tol": 0.1}),
+                      NumericMatch)
+    fn = build_reward({"_target_": "tests.conftest.digit_fraction_reward"})
+    assert fn(_s("a1", "x")) == 0.5
+
+
+def test_jsonl_source_and_errors(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "label": "2", "domain": "math", "extra": 3}) + "\n\n"
+                    + json.dumps({"prompt": [{"role": "user", "content": "hi"}], "label": "x"}) + "\n")
+    src = JsonlSource(str(path), system_prompt="be brief")
+    assert len(src) == 2
+    assert src[0].messages[0] == {"role": "system", "content": "be brief"}
+    assert src[0].domain == "math" and src[0].metadata == {"extra": 3} and src[1].domain == "default"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: malformed JSON"):
+        JsonlSource(str(bad))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"prompt": "  "}) + "\n")
+    with pytest.raises(DataError, match=r"empty.jsonl:1: empty prompt"):
+        JsonlSource(str(empty))
+    with pytest.raises(DataError, match="missing field 'prompt'"):
+        (tmp_path / "m.jsonl").write_text(json.dumps({"question": "x"}) + "\n")
+        JsonlSource(str(tmp_path / "m.jsonl"))
+    with pytest.raises(DataError, match="does not exist"):
+        JsonlSource(str(tmp_path / "nope.jsonl"))
+
+
+def test_hf_dataset_source(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from glmlight.data.sources import HFDatasetSource
+
+    datasets.Dataset.from_list([{"prompt": "2+2=", "label": "4"}]).save_to_disk(str(tmp_path / "ds"))
+    src = HFDatasetSource(str(tmp_path / "ds"))
+    assert len(src) == 1 and src[0].label == "4"
+
+
+def test_arithmetic_task_is_deterministic():
+    a, b = ArithmeticTask(seed=3), ArithmeticTask(seed=3)
+    assert [a[i] for i in range(5)] == [b[i] for i in range(5)]
+    p = a[0]
+    x, y = p.metadata["question"].rstrip("=").split("+")
+    assert int(x) + int(y) == int(p.label)
+
+
+def test_pad_or_drop_group_rule():
+    g = [Sample(prompt_ids=[1], rollout_id=i) for i in range(4)]
+    counts = Counter()
+    # 3 of 4 valid (> half): padded back to 4 by repeating a valid one
+    out = pad_or_drop_group(g, [True, False, True, True], counts, "stale")
+    assert len(out) == 4 and g[1] not in out and out[3] is g[0]
+    assert counts == Counter({"dropped/stale": 1, "padded/stale": 1})
+    # exactly half valid: dropped
+    counts = Counter()
+    assert pad_or_drop_group(g, [True, True, False, False], counts, "stale") is None
+    assert counts == Counter({"dropped/stale": 2, "dropped/group_stale": 2})
+
+
+def _datamodule(tokenizer, model, reward, **cfg):
+    rc = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, max_new_tokens=4, **cfg)
+    return RolloutDataModule(LocalEngine(model), tokenizer, ArithmeticTask(seed=0), reward, rc,
+                             eval_source=ArithmeticTask(seed=1), num_eval_prompts=4)
+
+
+def test_datamodule_batch_and_accounting(tokenizer, tiny_model):
+    calls = []
+
+    def reward(sample):
+        calls.append(sample.rollout_id)
+        if sample.rollout_id == 1:
+            raise ValueError("broken")
+        return float(sample.rollout_id % 2)
+
+    dm = _datamodule(tokenizer, tiny_model, reward)
+    exp = dm.next_experience()
+    # group 0 lost one sample (reward crash) and was padded back: 16 rows, 15 distinct samples
+    assert exp.batch_size == 16
+    assert dm.totals["produced"] == 16 and dm.totals["trained"] == 15 and dm.totals["dropped/failed"] == 1
+    assert exp.stats["rollout/produced"] == 16.0
+    assert all(s.metadata["completion_text"] == tokenizer.decode(s.response_ids, skip_special_tokens=True)
+               for s in exp.samples)
+    assert exp.loss_mask.sum() == exp.response_mask.sum()
+
+
+def test_dynamic_sampling_refills_and_counts(tokenizer, tiny_model):
+    # reward depends only on the group: groups with even id are all-zero (dropped), odd groups mixed
+    def reward(sample):
+        return float(sample.group_id % 2 == 1 and sample.rollout_id % 2 == 0)
+
+    dm = _datamodule(tokenizer, tiny_model, reward, dynamic_sampling=True, max_refill_rounds=8)
+    exp = dm.next_experience()
+    assert len({s.group_id for s in exp.samples}) == 4
+    assert all(s.group_id % 2 == 1 for s in exp.samples)
+    t = dm.totals
+    assert t["produced"] == t["trained"] + sum(v for k, v in t.items() if k.startswith("dropped/"))
+    assert t["dropped/zero_variance_group"] >= 16
+
+
+def test_overlong_mask_and_prompt_too_long(tokenizer, tiny_model):
+    dm = _datamodule(tokenizer, tiny_model, lambda s: float(s.rollout_id % 2), overlong="mask")
+    exp = dm.next_experience()
+    truncated = [i for i, s in enumerate(exp.samples) if s.status is Status.TRUNCATED]
+    assert truncated and all(exp.loss_mask[i].sum() == 0 for i in truncated)
+    dm = _datamodule(tokenizer, tiny_model, lambda s: 1.0, max_context=5)
+    counts = Counter()
+    assert dm.rollout(dm.draw_prompts(2), 2, counts) == []
+    assert counts["dropped/prompt_too_long"] == 4
+
+
+def test_evaluate_is_greedy_and_fixed(tokenizer, tiny_model):
+    dm = _datamodule(tokenizer, tiny_model, ExactMatch())
+    a, b = dm.evaluate(), dm.evaluate()
+    assert a == b and set(a) >= {"eval/reward", "eval/pass_rate", "eval/response_length"}
