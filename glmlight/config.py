@@ -35,6 +35,7 @@ class WarmStartConfig:
 class ModelConfig:
     path: Optional[str] = None  # a local Hugging Face checkpoint; None = the tiny GLM-5 default
     preset: str = "tiny"  # tiny GLM-5 size when path is None: test | tiny | small
+    index_topk: Optional[int] = None  # tiny GLM-5: DSA indexer top-k (below the sequence length = sparse)
     dtype: str = "float32"  # training dtype
     seed: int = 0
     trust_remote_code: bool = False

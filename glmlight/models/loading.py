@@ -31,12 +31,14 @@ def load_tokenizer(path: str | None, trust_remote_code: bool = False) -> PreTrai
 
 
 def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, preset: str = "tiny",
-                   dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False) -> PreTrainedModel:
+                   dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
+                   **tiny_overrides) -> PreTrainedModel:
     """A local checkpoint (safetensors only), or the tiny GLM-5 initialised from `seed`."""
     torch_dtype = resolve_dtype(dtype)
     if path is None:
         config = tiny_glm5_config(len(tokenizer), preset, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id)
+                                  eos_token_id=tokenizer.eos_token_id,
+                                  **{k: v for k, v in tiny_overrides.items() if v is not None})
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = GlmMoeDsaForCausalLM(config)
