@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+
+from callbacks._logging import log_metrics
 from lightning.pytorch.utilities import rank_zero_info
 
 
@@ -23,8 +25,7 @@ class HeldOutEval(pl.Callback):
         if not metrics:
             return
         self.history.append((rl_step, metrics))
-        for logger in trainer.loggers:
-            logger.log_metrics({**metrics, "rl_step": float(rl_step)}, step=trainer.global_step)
+        log_metrics(trainer, {**metrics, "rl_step": float(rl_step)})
         rank_zero_info(f"[eval] rl_step {rl_step}: " + "  ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

@@ -28,7 +28,8 @@ class SampleTable(pl.Callback):
                 for s in batch.samples[: self.num_samples]]
         wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
         for lg in wandb_loggers:
-            lg.log_table(key="samples", columns=self.columns, data=rows, step=trainer.global_step)
+            lg.log_table(key="samples", columns=self.columns, data=rows,
+                         step=trainer.fit_loop.epoch_loop._batches_that_stepped)
         if not wandb_loggers and trainer.is_global_zero:
             path = os.path.join(trainer.default_root_dir, "samples.jsonl")
             os.makedirs(trainer.default_root_dir, exist_ok=True)

@@ -34,6 +34,10 @@ class PolicyVersionGate(pl.Callback):
             dm.filters.append(self.filter)
         self._module = module
 
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(max_staleness=self.max_staleness)
+
     def is_stale(self, sample: Sample, current: int) -> bool:
         w0 = sample.first_version
         return w0 >= 0 and current - w0 > self.max_staleness

@@ -12,6 +12,8 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+
+from callbacks._logging import log_metrics
 import torch
 
 
@@ -55,8 +57,7 @@ class WeightSync(pl.Callback):
         metrics = self.push(trainer, module, module.policy_version + 1)
         if self.reset_optimizer:
             module.reset_optimizer_state()
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics)
 
     def state_dict(self) -> dict[str, Any]:
         return {"num_syncs": self.num_syncs}

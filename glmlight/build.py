@@ -44,6 +44,11 @@ class Run:
 
 
 def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSource | None]:
+    if task.source == "running_sum":
+        from glmlight.agents.envs import RunningSumTask
+
+        return (RunningSumTask(task.num_steps, task.max_operand, seed=seed),
+                RunningSumTask(task.num_steps, task.max_operand, seed=seed + 1))
     if task.source == "synthetic":
         make = lambda s: ArithmeticTask(task.max_operand, task.operators, seed=s, system_prompt=task.system_prompt)  # noqa: E731
         return make(seed), make(seed + 1)
@@ -57,14 +62,42 @@ def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSour
             HFDatasetSource(task.eval_path, task.split, **keys) if task.eval_path else None)
 
 
+def engine_device(cfg: DictConfig) -> torch.device:
+    """The embedded engine's device: rollout.device, else the trainer's accelerator (first device)."""
+    if cfg.rollout.device:
+        return torch.device(cfg.rollout.device)
+    if cfg.trainer.accelerator in ("gpu", "cuda"):
+        return torch.device("cuda", 0)
+    if cfg.trainer.accelerator == "npu":
+        from glmlight.accelerators.npu import npu_device, require_npu
+
+        require_npu()
+        return npu_device(0)
+    return torch.device("cpu")
+
+
 def build_engine(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any):
     r = cfg.rollout
     if r.backend == "local":
-        return LocalEngine(policy, dtype=r.dtype, device=r.device or "cpu", pad_token_id=tokenizer.pad_token_id,
+        return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
                            seed=r.seed)
     from glmlight.rollout import servers  # server clients are optional extras
 
     return servers.build_server_engine(cfg, tokenizer)
+
+
+def build_env_factory(agent: DictConfig):
+    """A zero-argument factory of fresh environments (one per episode), or None for single-turn tasks."""
+    if agent.env is None:
+        return None
+    spec = OmegaConf.to_container(agent.env, resolve=True)
+    if "_target_" not in spec:
+        raise ConfigError("config error: task.agent.env needs a _target_ (an Environment class)")
+    try:
+        instantiate(spec)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"config error: task.agent.env: cannot build {spec['_target_']} ({_root_cause(e)})") from None
+    return lambda: instantiate(spec)
 
 
 def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
@@ -123,6 +156,20 @@ def _resume_path(cfg: DictConfig) -> str | None:
     return resume
 
 
+def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
+    """Accelerator, devices, strategy and precision; the NPU plugin builds its own objects."""
+    if t.accelerator == "npu":
+        from glmlight.accelerators import make_npu_trainer_kwargs
+
+        return make_npu_trainer_kwargs(t.strategy, t.devices, t.precision, zero_stage=t.zero_stage,
+                                       num_nodes=t.num_nodes)
+    strategy = t.strategy
+    if strategy == "deepspeed":
+        strategy = f"deepspeed_stage_{t.zero_stage}"
+    return dict(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
+                precision=t.precision)
+
+
 def build(cfg: DictConfig | dict) -> Run:
     """Everything a run needs, from a (composed) config. Raises ConfigError on bad config."""
     cfg = validate(cfg)
@@ -142,7 +189,8 @@ def build(cfg: DictConfig | dict) -> Run:
         supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
     engine = build_engine(cfg, policy, tokenizer)
     datamodule = RolloutDataModule(engine, tokenizer, source, build_reward(cfg.task.reward), cfg.rollout,
-                                   eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts)
+                                   eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
+                                   env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns)
     module_cls = ALGORITHMS[cfg.algo.name]
     module = module_cls(cfg.algo, policy, temperature=cfg.rollout.temperature,
                         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
@@ -154,9 +202,8 @@ def build(cfg: DictConfig | dict) -> Run:
                                      save_last=True, save_top_k=-1 if ckpt_every else 0))
     t = cfg.trainer
     trainer = pl.Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
-        precision=t.precision, max_steps=t.max_steps * steps, max_epochs=-1,
-        log_every_n_steps=t.log_every_n_steps * steps, enable_progress_bar=t.enable_progress_bar,
+        **hardware_kwargs(t), max_steps=t.max_steps * steps, max_epochs=-1,
+        log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
         deterministic=t.deterministic, default_root_dir=t.default_root_dir, callbacks=callbacks,
         logger=build_loggers(cfg) or False, num_sanity_val_steps=0, limit_val_batches=0,
         enable_model_summary=False,

@@ -80,14 +80,24 @@ class RolloutConfig:
     overlong: str = "none"  # none | mask | soft_penalty (DAPO)
     overlong_cache: int = 4  # L_cache of the soft overlong penalty
     max_context: int = 2048  # prompt + response token budget
+    queue_size: int = 1  # async: rollout batches that may wait in the queue
+    on_weight_update: str = "continue"  # async: in-flight generations continue (per-token versions) or abort
     seed: int = 0
     server: "ServerConfig" = field(default_factory=lambda: ServerConfig())
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn episodes: set env to an Environment class (_target_) to turn the task into an agent task."""
+
+    env: Optional[dict[str, Any]] = None
+    max_turns: int = 4
+
+
+@dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    source: str = "synthetic"  # synthetic | jsonl | hf
+    source: str = "synthetic"  # synthetic | running_sum | jsonl | hf
     path: Optional[str] = None  # jsonl file or local datasets directory
     eval_path: Optional[str] = None  # held-out prompts (same format); synthetic tasks make their own
     split: str = "train"
@@ -98,7 +108,9 @@ class TaskConfig:
     # Synthetic arithmetic: operands in [0, max_operand], these operators.
     max_operand: int = 9
     operators: str = "+"
+    num_steps: int = 8  # running_sum: numbers per episode
     num_eval_prompts: int = 64
+    agent: AgentConfig = field(default_factory=AgentConfig)
     # The reward: any callable sample -> float | (float, info), built with Hydra's _target_.
     reward: dict[str, Any] = field(default_factory=lambda: {"_target_": "glmlight.rewards.verifiers.ExactMatch"})
 
@@ -159,7 +171,8 @@ class TrainerConfig:
     accelerator: str = "cpu"
     devices: Any = 1
     num_nodes: int = 1
-    strategy: str = "auto"
+    strategy: str = "auto"  # auto | ddp | deepspeed | fsdp (or any Lightning strategy name)
+    zero_stage: int = 2  # strategy=deepspeed: ZeRO stage
     precision: str = "32-true"
     log_every_n_steps: int = 1
     enable_progress_bar: bool = True
@@ -252,7 +265,8 @@ CHOICES = {
     "rollout.backend": ("local", "sglang", "vllm", "vllm_ascend"),
     "rollout.mode": ("sync", "async"),
     "rollout.overlong": ("none", "mask", "soft_penalty"),
-    "task.source": ("synthetic", "jsonl", "hf"),
+    "task.source": ("synthetic", "running_sum", "jsonl", "hf"),
+    "rollout.on_weight_update": ("continue", "abort"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "constant"),
     "algo.policy_loss": ("ppo", "dis"),
     "algo.kl_estimator": ("k1", "k2", "k3"),

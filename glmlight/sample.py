@@ -104,6 +104,7 @@ class Experience:
     position_ids: torch.Tensor
     response_mask: torch.Tensor  # 1 on real response tokens (actions and observations)
     loss_mask: torch.Tensor  # 1 on action tokens that are trained on; corrections may zero more
+    action_mask: torch.Tensor  # 1 on the policy's own tokens as produced (never changed by corrections)
     rollout_logprobs: torch.Tensor
     versions: torch.Tensor
     rewards: torch.Tensor  # [B]
@@ -194,6 +195,7 @@ class Experience:
             position_ids=position_ids,
             response_mask=response_mask,
             loss_mask=loss_mask,
+            action_mask=loss_mask.clone(),
             rollout_logprobs=rollout_logprobs,
             versions=versions,
             rewards=rewards,

@@ -24,6 +24,8 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    import glmlight.algorithms  # noqa: F401  (registers each algorithm's config schema)
+
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return hydra_compose(config_name="train", overrides=overrides)
 

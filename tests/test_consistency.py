@@ -131,7 +131,7 @@ def test_version_advances_only_on_acknowledgement(tmp_path):
 
 def test_callback_state_round_trips_through_checkpoint(tmp_path):
     extra = ["trainer.checkpoint_every_n_steps=1", "~callbacks.held_out_eval", "~callbacks.sample_table",
-             "+callbacks.gate._target_=callbacks.PolicyVersionGate", "+callbacks.gate.max_staleness=0"]
+             "callbacks.version_gate.max_staleness=0"]
     run = _build(tmp_path, "trainer.max_steps=2", *extra)
     run.fit()
     sync = next(cb for cb in run.trainer.callbacks if isinstance(cb, WeightSync))

@@ -2,9 +2,13 @@
 
 from glmlight.algorithms.base import RLModule
 from glmlight.algorithms.grpo import GRPO
+from glmlight.algorithms.opd import OPD, OPDConfig
+from glmlight.algorithms.sao import SAO, SAOConfig
 from glmlight.config import GRPOConfig, register_algo_schema
 
-ALGORITHMS: dict[str, type[RLModule]] = {"grpo": GRPO}
+ALGORITHMS: dict[str, type[RLModule]] = {"grpo": GRPO, "sao": SAO, "opd": OPD}
 register_algo_schema("grpo", GRPOConfig)
+register_algo_schema("opd", OPDConfig)
+register_algo_schema("sao", SAOConfig)
 
-__all__ = ["ALGORITHMS", "GRPO", "RLModule"]
+__all__ = ["ALGORITHMS", "GRPO", "OPD", "RLModule", "SAO"]

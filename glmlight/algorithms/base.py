@@ -74,6 +74,10 @@ class RLModule(pl.LightningModule):
         metrics = self.update(batch)
         metrics.update(batch.stats)
         metrics["policy_version"] = float(self.policy_version)
+        staleness = [self.policy_version - s.first_version for s in batch.samples if s.first_version >= 0]
+        if staleness:
+            metrics["rollout/staleness_max"] = float(max(staleness))
+            metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness)
         metrics["rl_step"] = float(self.rl_step)
         self.log_dict(metrics, on_step=True, batch_size=batch.batch_size)
         for key in ("rollout/reward_mean", "eval/reward"):
@@ -129,49 +133,60 @@ class RLModule(pl.LightningModule):
         return list(rows.split(self.cfg.micro_batch_size))
 
     def _minibatches(self, n: int) -> list[torch.Tensor]:
+        """Exactly num_minibatches row sets (some empty when the batch is smaller), shuffled per step."""
+        k = self.cfg.num_minibatches
         g = torch.Generator().manual_seed(self.global_step)
-        perm = torch.randperm(n, generator=g) if self.cfg.num_minibatches > 1 else torch.arange(n)
-        return [c for c in perm.chunk(self.cfg.num_minibatches) if len(c)]
+        perm = torch.randperm(n, generator=g) if k > 1 else torch.arange(n)
+        chunks = list(perm.chunk(k))
+        return chunks + [perm[:0]] * (k - len(chunks))
+
+    def _optimizer(self, index: int = 0) -> Any:
+        opts = self.optimizers()
+        return opts[index] if isinstance(opts, (list, tuple)) else opts
+
+    def _scheduler(self, index: int = 0) -> Any:
+        scheds = self.lr_schedulers()
+        return scheds[index] if isinstance(scheds, (list, tuple)) else scheds
 
     def update(self, batch: Experience) -> dict[str, float]:
-        opt = self.optimizers()
-        sched = self.lr_schedulers()
         sums: dict[str, float] = {}
-        n_updates = 0
+        counts: dict[str, int] = {}
         for _ in range(self.cfg.ppo_epochs):
-            minibatches = self._minibatches(batch.batch_size)
-            for mb_rows in minibatches:
-                stats = self._minibatch_step(batch, mb_rows, opt)
-                if sched is not None:
-                    sched.step()
-                for k, v in stats.items():
+            for rows in self._minibatches(batch.batch_size):
+                for k, v in self.minibatch_update(batch, rows).items():
                     sums[k] = sums.get(k, 0.0) + v
-                n_updates += 1
-            # Keep the optimizer-step count fixed per RL step even if a minibatch came out empty.
-            for _ in range(self.cfg.num_minibatches - len(minibatches)):
-                opt.zero_grad(set_to_none=True)
-                opt.step()
-                if sched is not None:
-                    sched.step()
-        metrics = {k: v / max(n_updates, 1) for k, v in sums.items()}
-        metrics["train/lr"] = opt.param_groups[0]["lr"]
+                    counts[k] = counts.get(k, 0) + 1
+        metrics = {k: v / counts[k] for k, v in sums.items()}
+        metrics["train/lr"] = self._optimizer().param_groups[0]["lr"]
         return metrics
 
-    def _minibatch_step(self, batch: Experience, rows: torch.Tensor, opt: Any) -> dict[str, float]:
-        self.policy.train()
+    def minibatch_update(self, batch: Experience, rows: torch.Tensor) -> dict[str, float]:
+        """The optimizer steps of one minibatch (subclasses add critic steps)."""
+        return self.optimizer_step(self._optimizer(), self._scheduler(), self.policy,
+                                   lambda mb, scale: self.micro_batch_loss(mb, scale), batch, rows)
+
+    def optimizer_step(self, opt: Any, sched: Any, model: torch.nn.Module, loss_fn: Any, batch: Experience,
+                       rows: torch.Tensor, skip: bool = False) -> dict[str, float]:
+        """One optimizer step over `rows` of `batch`, micro-batched. With no rows (or skip) the step
+        still counts (no gradients: parameters stay), so every RL step has the same number of steps."""
         opt.zero_grad(set_to_none=True)
+        if skip or len(rows) == 0:
+            opt.step()
+            if sched is not None:
+                sched.step()
+            return {}
+        model.train()
         mb_all = batch.select(rows)
         scale = {"total_tokens": float(mb_all.loss_mask.sum().item()), "num_sequences": float(len(rows))}
         totals: dict[str, float] = {}
         loss_value = 0.0
         for micro in self._micro_batches(torch.arange(len(rows))):
-            mb = mb_all.select(micro)
-            loss, stats = self.micro_batch_loss(mb, scale)
+            loss, stats = loss_fn(mb_all.select(micro), scale)
             self.manual_backward(loss)
             loss_value += loss.item()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(rows)
-        if not math.isfinite(loss_value) or not self._grads_finite():
+        if not math.isfinite(loss_value) or not _grads_finite(model):
             self._nonfinite_streak += 1
             opt.zero_grad(set_to_none=True)
             log.warning("non-finite loss at step %d (%d in a row): update skipped", self.global_step,
@@ -179,16 +194,20 @@ class RLModule(pl.LightningModule):
             if self._nonfinite_streak >= self.cfg.max_nonfinite_steps:
                 raise NonFiniteLossError(f"loss was not finite in {self._nonfinite_streak} consecutive updates; "
                                          "stopping (lower the learning rate or check rewards and data)")
-            opt.step()  # no gradients: parameters stay, the step count advances
+            opt.step()
+            if sched is not None:
+                sched.step()
             return {"train/skipped_nonfinite": 1.0}
         self._nonfinite_streak = 0
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.grad_clip or float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.requires_grad], self.cfg.grad_clip or float("inf"))
         opt.step()
-        totals.update({"train/loss": loss_value, "train/grad_norm": float(grad_norm), "train/skipped_nonfinite": 0.0})
+        if sched is not None:
+            sched.step()
+        prefix = "train" if model is self.policy else "critic"
+        totals.update({f"{prefix}/loss": loss_value, f"{prefix}/grad_norm": float(grad_norm),
+                       "train/skipped_nonfinite": 0.0})
         return totals
-
-    def _grads_finite(self) -> bool:
-        return all(torch.isfinite(p.grad).all() for p in self.policy.parameters() if p.grad is not None)
 
     def micro_batch_loss(self, mb: Experience, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
@@ -224,11 +243,17 @@ class RLModule(pl.LightningModule):
 
     # ----------------------------------------------------------------- optim
     def configure_optimizers(self) -> Any:
+        return self.make_optimizer(self.policy, self.cfg.lr)
+
+    def make_optimizer(self, model: torch.nn.Module, lr: float, steps_per_update: int = 1) -> dict[str, Any]:
+        """AdamW over the trainable parameters with warm-up and the configured schedule; the schedule
+        counts this optimizer's steps (`steps_per_update` of them per policy update)."""
         cfg = self.cfg
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-        total = max(int(self.trainer.max_steps), 1) if self._trainer is not None else 1
-        warmup = cfg.warmup_steps * self.optimizer_steps_per_rl_step
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        rl_steps = max(int(self.trainer.max_steps) // self.optimizer_steps_per_rl_step, 1) if self._trainer else 1
+        per_rl = self.cfg.ppo_epochs * self.cfg.num_minibatches * steps_per_update
+        warmup, total = cfg.warmup_steps * per_rl, rl_steps * per_rl
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.lr_schedule, warmup, total, cfg.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -245,6 +270,10 @@ class RLModule(pl.LightningModule):
         state = checkpoint.get("glmlight", {})
         self.policy_version = state.get("policy_version", 0)
         self._nonfinite_streak = state.get("nonfinite_streak", 0)
+
+
+def _grads_finite(model: torch.nn.Module) -> bool:
+    return all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):

@@ -1,17 +1,25 @@
 """RolloutDataModule: the one DataModule every algorithm shares.
 
 Each training step it draws prompts, asks the engine for `n_samples_per_prompt`
-answers per prompt (token ids and log-probs), scores them, applies the sample
-filters (failed samples, DAPO dynamic sampling, callback filters such as the
-policy-version gate) and yields one `Experience`. Every sample that is produced
-is either in the batch or counted under a drop reason.
+answers per prompt (token ids and log-probs; whole multi-turn episodes for agent
+tasks), scores them, applies the sample filters (failed samples, DAPO dynamic
+sampling, callback filters such as the policy-version gate) and yields one
+`Experience`. Every sample that is produced is either trained on or counted
+under a drop reason.
+
+mode="sync" generates each batch when the training step asks for it, with the
+newest weights. mode="async" runs a producer thread that keeps the engine busy
+while training runs and hands finished groups over through a bounded queue;
+staleness is bounded by the queue size and by the policy-version gate.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import queue
 import random
+import threading
 import time
 from collections import Counter
 from typing import Any, Callable, Iterator
@@ -20,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from glmlight.agents.loop import AgentLoop, episode_to_sample
 from glmlight.config import RolloutConfig
 from glmlight.data.groups import pad_or_drop_group
 from glmlight.data.sources import Prompt, PromptSource
@@ -38,9 +47,11 @@ SampleFilter = Callable[[list[Sample], Counter], list[Sample]]
 class RolloutDataModule(pl.LightningDataModule):
     def __init__(self, engine: RolloutEngine, tokenizer: Any, source: PromptSource, reward_fn: RewardFn,
                  cfg: RolloutConfig, eval_source: PromptSource | None = None, num_eval_prompts: int = 64,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, env_factory: Callable[[], Any] | None = None,
+                 max_turns: int = 4):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
+        self.env_factory, self.max_turns = env_factory, max_turns
         self.eval_source, self.num_eval_prompts = eval_source, num_eval_prompts
         self.rank, self.world_size = rank, world_size
         self.stop_ids = stop_token_ids(tokenizer)
@@ -49,7 +60,12 @@ class RolloutDataModule(pl.LightningDataModule):
         self._cursor = 0  # prompts consumed from the source (per rank)
         self._next_rollout_id = 0
         self._next_group_id = 0
-        self._encoded: dict[int, list[int]] = {}
+        self._lock = threading.RLock()  # prompt cursor, ids and totals (the async producer shares them)
+        self._producer: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._producer_error: BaseException | None = None
+        self._producer_counts: Counter = Counter()
 
     # ----------------------------------------------------------------- Lightning
     def train_dataloader(self) -> DataLoader:
@@ -78,9 +94,10 @@ class RolloutDataModule(pl.LightningDataModule):
         return order[pos]
 
     def draw_prompts(self, n: int) -> list[Prompt]:
-        out = [self.source[self._prompt_index(self._cursor + i)] for i in range(n)]
-        self._cursor += n
-        return out
+        with self._lock:
+            out = [self.source[self._prompt_index(self._cursor + i)] for i in range(n)]
+            self._cursor += n
+            return out
 
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_chat(self.tokenizer, prompt.messages, add_generation_prompt=True)
@@ -92,7 +109,33 @@ class RolloutDataModule(pl.LightningDataModule):
                               top_k=self.cfg.top_k, max_new_tokens=max(budget, 1), stop_token_ids=self.stop_ids)
 
     def rollout(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool = False) -> list[Sample]:
-        """Generate `n` answers per prompt and score them. Returns samples grouped by prompt."""
+        """Generate `n` answers (or agent episodes) per prompt and score them; grouped by prompt."""
+        t0 = time.perf_counter()
+        samples = self._episodes(prompts, n, counts, greedy) if self.env_factory else \
+            self._single_turn(prompts, n, counts, greedy)
+        counts["rollout_seconds"] += time.perf_counter() - t0
+        counts["produced"] += len(samples)
+        counts["rollout_tokens"] += sum(s.num_action_tokens for s in samples)
+        if not self.env_factory:
+            counts["reward_failed"] += score_samples(self.reward_fn, samples)["failed"]
+        else:
+            counts["env_failed"] += sum(s.status is Status.FAILED for s in samples)
+            counts["env_aborted"] += sum(s.status is Status.ABORTED for s in samples)
+        self._apply_overlong(samples, counts)
+        return samples
+
+    def _new_group_id(self) -> int:
+        with self._lock:
+            self._next_group_id += 1
+            return self._next_group_id - 1
+
+    def _take_rollout_ids(self, k: int) -> int:
+        with self._lock:
+            start = self._next_rollout_id
+            self._next_rollout_id += k
+            return start
+
+    def _single_turn(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool) -> list[Sample]:
         todo: list[tuple[Prompt, list[int]]] = []
         for p in prompts:
             ids = self.encode(p)
@@ -103,28 +146,33 @@ class RolloutDataModule(pl.LightningDataModule):
                 continue
             todo.append((p, ids))
         flat_ids = [ids for _, ids in todo for _ in range(n)]
-        params = [self.sampling_params(len(ids), greedy) for ids in flat_ids]
-        t0 = time.perf_counter()
-        gens = self.engine.generate(flat_ids, params)
-        counts["rollout_seconds"] += time.perf_counter() - t0
+        gens = self.engine.generate(flat_ids, [self.sampling_params(len(ids), greedy) for ids in flat_ids])
         samples = []
         for k, (prompt, ids) in enumerate(todo):
-            group_id = self._next_group_id
-            self._next_group_id += 1
+            group_id = self._new_group_id()
+            first = self._take_rollout_ids(n)
             for j in range(n):
                 g = gens[k * n + j]
                 s = Sample(prompt_ids=list(ids), response_ids=list(g.token_ids), loss_mask=[1] * len(g.token_ids),
                            rollout_logprobs=list(g.logprobs), versions=list(g.versions), status=g.status,
-                           group_id=group_id, rollout_id=self._next_rollout_id,
+                           group_id=group_id, rollout_id=first + j,
                            metadata={"label": prompt.label, "domain": prompt.domain, **prompt.metadata})
-                self._next_rollout_id += 1
                 s.metadata["completion_text"] = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
                 samples.append(s)
-        counts["produced"] += len(samples)
-        counts["rollout_tokens"] += sum(s.response_length for s in samples)
-        reward_counts = score_samples(self.reward_fn, samples)
-        counts["reward_failed"] += reward_counts["failed"]
-        self._apply_overlong(samples, counts)
+        return samples
+
+    def _episodes(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool) -> list[Sample]:
+        loop = AgentLoop(self.engine, self.tokenizer, self.env_factory,
+                         lambda ctx: self.sampling_params(ctx, greedy), self.max_turns, self.cfg.max_context)
+        episodes = loop.run(prompts, n)
+        samples = []
+        for k in range(len(prompts)):
+            group_id = self._new_group_id()
+            first = self._take_rollout_ids(n)
+            for j in range(n):
+                ep = episodes[k * n + j]
+                samples.append(episode_to_sample(ep, group_id, first + j))
+                counts["agent_turns"] += ep.turns
         return samples
 
     def _apply_overlong(self, samples: list[Sample], counts: Counter) -> None:
@@ -160,33 +208,136 @@ class RolloutDataModule(pl.LightningDataModule):
     def next_experience(self) -> Experience:
         """One training batch: exactly rollout_batch_size groups (fewer only if refills run out)."""
         counts: Counter = Counter()
-        need, n = self.cfg.rollout_batch_size, self.cfg.n_samples_per_prompt
+        need = self.cfg.rollout_batch_size
+        if self.cfg.mode == "async":
+            groups = self._collect_async(need, counts)
+        else:
+            groups = self._collect_sync(need, counts)
+        if len(groups) > need:
+            counts["dropped/over_sampled"] += sum(len(set(map(id, g))) for g in groups[need:])
+            groups = groups[:need]
+        batch = [s for g in groups for s in g]
+        counts["trained"] += len({id(s) for s in batch})
+        self._account(counts)
+        if not batch:
+            raise RuntimeError(f"no trainable samples in this step (counts: {dict(counts)}); "
+                               "check the reward function and filters")
+        exp = Experience.collate(batch, pad_token_id=self.tokenizer.pad_token_id)
+        exp.stats.update(_rollout_stats(batch, counts))
+        return exp
+
+    def _account(self, counts: Counter) -> None:
+        with self._lock:
+            self.totals.update({k: v for k, v in counts.items() if k.startswith(("produced", "trained", "dropped/"))})
+
+    def _accept(self, samples: list[Sample], counts: Counter) -> list[list[Sample]]:
+        for f in self.filters:
+            samples = f(samples, counts)
+        return self._filter_groups(samples, counts)
+
+    def _collect_sync(self, need: int, counts: Counter) -> list[list[Sample]]:
         groups: list[list[Sample]] = []
         rounds = 0
         while len(groups) < need and rounds <= self.cfg.max_refill_rounds:
             missing = need - len(groups)
-            prompts = self.draw_prompts(max(missing, math.ceil(missing * self.cfg.over_sample)))
-            samples = self.rollout(prompts, n, counts)
-            for f in self.filters:
-                samples = f(samples, counts)
-            groups.extend(self._filter_groups(samples, counts))
+            samples = self.rollout(self.draw_prompts(max(missing, math.ceil(missing * self.cfg.over_sample))),
+                                   self.cfg.n_samples_per_prompt, counts)
+            groups.extend(self._accept(samples, counts))
             rounds += 1
             if not self.cfg.dynamic_sampling and not self.filters:
                 break
-        if len(groups) > need:
-            counts["dropped/over_sampled"] += sum(len(g) for g in groups[need:])
-            groups = groups[:need]
         counts["refill_rounds"] = rounds - 1
-        batch = [s for g in groups for s in g]
-        if not batch:
-            self.totals.update({k: v for k, v in counts.items() if k.startswith(("produced", "dropped/"))})
-            raise RuntimeError(f"no trainable samples after {rounds} rollout rounds (counts: {dict(counts)}); "
-                               "check the reward function and filters")
-        counts["trained"] += len({id(s) for s in batch})
-        self.totals.update({k: v for k, v in counts.items() if k.startswith(("produced", "trained", "dropped/"))})
-        exp = Experience.collate(batch, pad_token_id=self.tokenizer.pad_token_id)
-        exp.stats.update(_rollout_stats(batch, counts))
-        return exp
+        return groups
+
+    # ----------------------------------------------------------------- async
+    def _collect_async(self, need: int, counts: Counter) -> list[list[Sample]]:
+        self._ensure_producer()
+        groups: list[list[Sample]] = []
+        while len(groups) < need:
+            try:
+                group = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if self._producer_error is not None:
+                    raise RuntimeError("the rollout producer failed") from self._producer_error
+                if not self._producer.is_alive():
+                    raise RuntimeError("the rollout producer stopped")
+                continue
+            groups.extend(self._accept(group, counts))
+        with self._lock:
+            counts.update(self._producer_counts)
+            self._producer_counts.clear()
+        return groups
+
+    def _ensure_producer(self) -> None:
+        if self._producer is not None and self._producer.is_alive():
+            return
+        self._stop.clear()
+        self._producer_error = None
+        self._queue = queue.Queue(maxsize=max(1, self.cfg.queue_size * self.cfg.rollout_batch_size))
+        self._producer = threading.Thread(target=self._produce, name="glmlight-rollout-producer", daemon=True)
+        self._producer.start()
+
+    def _produce(self) -> None:
+        try:
+            while not self._stop.is_set():
+                counts: Counter = Counter()
+                with self._lock:
+                    prompts = self.draw_prompts(self.cfg.rollout_batch_size)
+                samples = self.rollout(prompts, self.cfg.n_samples_per_prompt, counts)
+                with self._lock:
+                    self.totals.update({k: v for k, v in counts.items() if k.startswith(("produced", "dropped/"))})
+                    self._producer_counts.update({k: v for k, v in counts.items()
+                                                  if not k.startswith(("produced", "dropped/"))})
+                groups: dict[int, list[Sample]] = {}
+                for smp in samples:
+                    groups.setdefault(smp.group_id, []).append(smp)
+                pending = list(groups.values())
+                while pending and not self._stop.is_set():
+                    try:
+                        self._queue.put(pending[0], timeout=0.1)
+                        pending.pop(0)
+                    except queue.Full:
+                        continue
+                self._count_shutdown(pending)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            self._producer_error = e
+            log.error("rollout producer failed: %s: %s", type(e).__name__, e)
+
+    def _count_shutdown(self, groups: list[list[Sample]]) -> None:
+        n = sum(len(g) for g in groups)
+        if n:
+            with self._lock:
+                self.totals["dropped/shutdown"] += n
+
+    def stop_producer(self) -> None:
+        """Stop the producer; whatever it produced and nobody trained on is counted as dropped/shutdown."""
+        if self._producer is None:
+            return
+        self._stop.set()
+        leftovers = []
+        while self._producer.is_alive():
+            leftovers.extend(self._drain())
+            self._producer.join(timeout=0.1)
+        leftovers.extend(self._drain())
+        self._count_shutdown(leftovers)
+        self._producer = None
+
+    def _drain(self) -> list[list[Sample]]:
+        out = []
+        while self._queue is not None:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def teardown(self, stage: str) -> None:
+        self.stop_producer()
+
+    def close(self) -> None:
+        """Stop the producer and release the engine."""
+        self.stop_producer()
+        self.engine.close()
 
     # ----------------------------------------------------------------- evaluation
     def eval_prompts(self) -> list[Prompt]:

@@ -1,0 +1,138 @@
+"""The agent loop: token in, token out, over many turns.
+
+Each turn the engine continues the episode's exact context; its output ids are
+appended as they are (loss_mask 1, with their rollout log-probs and versions),
+then only the environment's new observation is tokenized with the chat template
+and appended (loss_mask 0, log-prob 0, version -1). Nothing already in the
+context is ever re-tokenized. Episodes of a batch advance turn by turn together,
+so each turn is one batched engine call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from glmlight.agents.env import Environment
+from glmlight.data.sources import Prompt
+from glmlight.models.tokenizer import encode_chat
+from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
+from glmlight.sample import Sample, Status
+
+log = logging.getLogger(__name__)
+
+
+def encode_observation(tokenizer: Any, text: str) -> list[int]:
+    """The ids of one observation turn followed by the assistant's generation prompt."""
+    ids = encode_chat(tokenizer, [{"role": "observation", "content": text}], add_generation_prompt=True)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ids[1:] if bos is not None and ids and ids[0] == bos else ids
+
+
+@dataclass
+class Episode:
+    prompt: Prompt
+    env: Environment
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    done: bool = False
+    status: Status = Status.COMPLETED
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def add_action(self, g: Generation) -> None:
+        self.response_ids += g.token_ids
+        self.loss_mask += [1] * len(g.token_ids)
+        self.logprobs += g.logprobs
+        self.versions += g.versions
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def finish(self, status: Status, error: str | None = None) -> None:
+        self.done, self.status, self.error = True, status, error
+
+
+class AgentLoop:
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, env_factory: Callable[[], Environment],
+                 params: Callable[[int], SamplingParams], max_turns: int = 4, max_context: int = 2048):
+        """`params(context_len)` gives the sampling params of one turn (its max_new_tokens
+        already bounded by the remaining context budget)."""
+        self.engine, self.tokenizer, self.env_factory = engine, tokenizer, env_factory
+        self.params, self.max_turns, self.max_context = params, max_turns, max_context
+
+    def start(self, prompt: Prompt) -> Episode:
+        env = self.env_factory()
+        ep = Episode(prompt=prompt, env=env, prompt_ids=[])
+        try:
+            messages = env.reset(prompt)
+            ep.prompt_ids = encode_chat(self.tokenizer, messages, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - an environment crash fails the sample, not the run
+            ep.prompt_ids = [self.tokenizer.eos_token_id]
+            ep.finish(Status.FAILED, f"reset: {type(e).__name__}: {e}")
+        return ep
+
+    def run(self, prompts: list[Prompt], n: int = 1) -> list[Episode]:
+        episodes = [self.start(p) for p in prompts for _ in range(n)]
+        while True:
+            active = [e for e in episodes if not e.done]
+            for e in active:
+                if self.max_context - len(e.context) < 1:
+                    e.finish(Status.TRUNCATED)
+            active = [e for e in active if not e.done]
+            if not active:
+                return episodes
+            gens = self.engine.generate([e.context for e in active], [self.params(len(e.context)) for e in active])
+            for e, g in zip(active, gens):
+                self.advance(e, g)
+
+    def advance(self, ep: Episode, g: Generation) -> None:
+        """One turn: the action goes in as produced; the environment answers."""
+        ep.add_action(g)
+        ep.turns += 1
+        if g.finish_reason == "abort":
+            ep.finish(Status.ABORTED)
+            return
+        action = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+        try:
+            result = ep.env.step(action)
+        except Exception as e:  # noqa: BLE001
+            ep.finish(Status.FAILED, f"step: {type(e).__name__}: {e}")
+            log.warning("environment crashed: %s: %s", type(e).__name__, e)
+            return
+        ep.reward += float(result.reward)
+        ep.info.update(result.info)
+        if result.done:
+            ep.finish(Status.COMPLETED)
+        elif ep.turns >= self.max_turns:
+            ep.finish(Status.TRUNCATED)
+        else:
+            obs = encode_observation(self.tokenizer, result.observation or "")
+            if len(ep.context) + len(obs) >= self.max_context:
+                ep.finish(Status.TRUNCATED)
+            else:
+                ep.add_observation(obs)
+
+
+def episode_to_sample(ep: Episode, group_id: int, rollout_id: int) -> Sample:
+    meta = {"label": ep.prompt.label, "domain": ep.prompt.domain, "turns": ep.turns, **ep.prompt.metadata,
+            **{f"env/{k}": v for k, v in ep.info.items()}}
+    if ep.error:
+        meta["env_error"] = ep.error
+    return Sample(prompt_ids=ep.prompt_ids, response_ids=ep.response_ids, loss_mask=ep.loss_mask,
+                  rollout_logprobs=ep.logprobs, versions=ep.versions,
+                  reward=None if ep.status is Status.FAILED else ep.reward, status=ep.status,
+                  group_id=group_id, rollout_id=rollout_id, metadata=meta)

@@ -1,0 +1,323 @@
+"""On-policy distillation (OPD): single-teacher, multi-teacher (MOPD) and cross-stage.
+
+The student samples (the RolloutDataModule does that); each sample is routed to
+exactly one teacher by `sample.metadata["domain"]`, and that teacher scores the
+student's own tokens by prefill (never by generating). The per-token advantage is
+
+    Â_t = sg(log π_teacher(y_t) − log π_student(y_t))   (+ α·Â_ORM, optional)
+
+with log π_student the train-side old log-prob (formulas: glmlight/ops/distill.py).
+The policy loss is RLModule's (PPO clip or DIS), so every callback (IcePop, TIS,
+monitors) applies unchanged.
+
+A teacher is one of:
+
+- `path`: a local Hugging Face checkpoint, a frozen model evaluated in the trainer
+  (`serve: trainer`, the default) or served by an embedded LocalEngine (`serve: engine`);
+- `engine`: a RolloutEngine spec (`_target_`, e.g. the SGLang or vLLM client) whose
+  `score(prompts, completions)` returns the prefill log-probs;
+- neither: the built-in tiny GLM-5 (`preset`, `seed`), warm-started on the run's own
+  task for `warm_start.steps` (cached), so a run needs nothing else.
+
+Teachers are never registered submodules: they are not trained, not checkpointed,
+and are loaded when fitting starts (`setup`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from glmlight.algorithms.base import RLModule
+from glmlight.config import AlgoConfig, WarmStartConfig
+from glmlight.errors import ConfigError, DataError, EngineError
+from glmlight.models.loading import load_causal_lm
+from glmlight.models.warm_start import supervised_warm_start
+from glmlight.ops.advantages import group_advantages
+from glmlight.ops.distill import mix_outcome_advantages, opd_advantages, reverse_kl
+from glmlight.ops.logprobs import logprobs_from_logits
+from glmlight.ops.reduce import masked_mean
+from glmlight.sample import Experience, Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TeacherConfig:
+    """One teacher: `path`, `engine`, or neither (the built-in tiny GLM-5), and the domains it teaches."""
+
+    path: Optional[str] = None  # a local Hugging Face checkpoint (safetensors)
+    serve: str = "trainer"  # with path: trainer (frozen model in this process) | engine (embedded LocalEngine)
+    engine: Optional[dict[str, Any]] = None  # a RolloutEngine with _target_; its score() is the prefill
+    domains: list[str] = field(default_factory=list)  # sample.metadata["domain"] values routed here
+    dtype: str = "float32"
+    # The built-in teacher (neither path nor engine): tiny GLM-5 preset, init seed, warm start on the task.
+    preset: str = "tiny"
+    seed: int = 0
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+@dataclass
+class OPDConfig(AlgoConfig):
+    name: str = "opd"
+    # name -> TeacherConfig fields (checked when the module is built; a plain dict so that
+    # `+algo.teachers.NAME={path: ..., domains: [...]}` can add one from the command line)
+    teachers: dict[str, Any] = field(default_factory=dict)
+    default_teacher: Optional[str] = None  # serves domains no teacher lists; None = unknown domains are an error
+    opd_coef: float = 1.0  # scale of the reverse-KL advantage
+    orm_coef: float = 0.0  # α: add α·(group-normalised outcome advantage)
+    orm_normalize_std: bool = True  # outcome advantage: GRPO (true) or Dr.GRPO (false)
+
+
+# ---------------------------------------------------------------------------------------------- teachers
+class ModelTeacher:
+    """A frozen causal LM evaluated on the trainer side (prefill of the padded batch)."""
+
+    def __init__(self, name: str, model: torch.nn.Module):
+        self.name = name
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, module: "OPD", exp: Experience) -> torch.Tensor:
+        if next(self.model.parameters()).device != module.device:
+            self.model.to(module.device)
+        chunks = []
+        for idx in module._micro_batches(torch.arange(exp.batch_size)):
+            mb = exp.select(idx)
+            logits = module.forward_logits(self.model, mb)
+            chunks.append(logprobs_from_logits(logits, mb.response_ids, 1.0))
+        return torch.cat(chunks)
+
+    def close(self) -> None:
+        self.model = None
+
+
+class EngineTeacher:
+    """A teacher behind any RolloutEngine: log-probs from `engine.score(prompts, completions)`."""
+
+    def __init__(self, name: str, engine: Any):
+        if not callable(getattr(engine, "score", None)):
+            raise ConfigError(f"config error: algo.teachers.{name}.engine: {type(engine).__name__} has no score() method")
+        self.name = name
+        self.engine = engine
+
+    def logprobs(self, module: "OPD", exp: Experience) -> torch.Tensor:
+        prompts = [list(s.prompt_ids) for s in exp.samples]
+        completions = [list(s.response_ids) for s in exp.samples]
+        rows = self.engine.score(prompts, completions)
+        if len(rows) != len(completions):
+            raise EngineError(f"teacher {self.name!r}: engine scored {len(rows)} sequences, expected {len(completions)}")
+        out = torch.zeros(exp.batch_size, exp.response_length, dtype=torch.float32)
+        for i, (row, comp) in enumerate(zip(rows, completions)):
+            if len(row) != len(comp):
+                raise EngineError(f"teacher {self.name!r}: engine returned {len(row)} log-probs for a completion of "
+                                  f"{len(comp)} tokens (rollout_id={exp.samples[i].rollout_id})")
+            if not all(math.isfinite(v) for v in row):
+                raise EngineError(f"teacher {self.name!r}: engine returned a non-finite log-prob "
+                                  f"(rollout_id={exp.samples[i].rollout_id})")
+            if row:
+                out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        return out.to(module.device)
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
+
+
+# ---------------------------------------------------------------------------------------------- module
+class OPD(RLModule):
+    cfg: OPDConfig
+
+    def __init__(self, cfg: OPDConfig, policy: torch.nn.Module, **kwargs: Any):
+        super().__init__(cfg, policy, **kwargs)
+        self.teacher_cfgs = parse_teachers(cfg.teachers)
+        self.routes, self.default_teacher = check_teachers(self.teacher_cfgs, cfg.default_teacher)
+        # A plain dict of plain objects: never a registered submodule, never checkpointed.
+        self._teachers: dict[str, Any] | None = None
+        self._noted_group_size = False
+
+    # ----------------------------------------------------------------- teachers
+    def setup(self, stage: str) -> None:
+        self.teachers()
+
+    def teardown(self, stage: str) -> None:
+        for t in (self._teachers or {}).values():
+            t.close()
+        self._teachers = None
+
+    def teachers(self) -> dict[str, Any]:
+        """Load every teacher once (checkpoint, engine or built-in warm start)."""
+        if self._teachers is None:
+            self._teachers = {name: self._load_teacher(name, tc) for name, tc in self.teacher_cfgs.items()}
+        return self._teachers
+
+    def _load_teacher(self, name: str, tc: TeacherConfig) -> Any:
+        where = f"algo.teachers.{name}"
+        if tc.engine is not None:
+            try:
+                engine = instantiate(tc.engine, _convert_="all")
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(f"config error: {where}.engine: cannot build {tc.engine['_target_']} ({e})") from None
+            return EngineTeacher(name, engine)
+        if tc.path is not None:
+            model = load_causal_lm(tc.path, None, dtype=tc.dtype)
+        else:
+            model = self._builtin_teacher(name, tc)
+        self._check_vocab(name, model)
+        if tc.serve == "engine":
+            from glmlight.rollout.local import LocalEngine
+
+            return EngineTeacher(name, LocalEngine(model, dtype=tc.dtype, device=self.device,
+                                                   pad_token_id=self.pad_token_id))
+        return ModelTeacher(name, model)
+
+    def _builtin_teacher(self, name: str, tc: TeacherConfig) -> torch.nn.Module:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if dm is None or not hasattr(dm, "tokenizer"):
+            raise ConfigError(f"config error: algo.teachers.{name} has neither path nor engine; the built-in teacher "
+                              "is warm-started on the run's task and needs the run's data module")
+        model = load_causal_lm(None, dm.tokenizer, preset=tc.preset, dtype=tc.dtype, seed=tc.seed)
+        if tc.warm_start.steps > 0:
+            supervised_warm_start(model, dm.tokenizer, dm.source, tc.warm_start,
+                                  {"opd_teacher": True, "source": describe_source(dm.source)})
+        return model
+
+    def _check_vocab(self, name: str, model: torch.nn.Module) -> None:
+        mine = self.policy.get_input_embeddings().num_embeddings
+        theirs = model.get_input_embeddings().num_embeddings
+        if mine != theirs:
+            raise ConfigError(f"config error: algo.teachers.{name}: teacher vocabulary has {theirs} entries, the "
+                              f"student's {mine}; a teacher must score the student's token ids")
+
+    def route(self, samples: list[Sample]) -> list[str]:
+        """The one teacher of each sample, by `metadata["domain"]` (never an average of teachers)."""
+        names = []
+        for s in samples:
+            domain = s.metadata.get("domain")
+            name = self.routes.get(domain, self.default_teacher)
+            if name is None:
+                raise DataError(f"sample {s.rollout_id} has domain {domain!r}, which no teacher covers (known domains: "
+                                f"{sorted(self.routes)}); add it to a teacher's domains or set algo.default_teacher")
+            names.append(name)
+        return names
+
+    def teacher_logprobs(self, batch: Experience, names: list[str]) -> torch.Tensor:
+        """Prefill log-probs [B, T] of the sampled tokens, each row from its routed teacher, batched per teacher."""
+        teachers = self.teachers()
+        out = torch.zeros(batch.batch_size, batch.response_length, dtype=torch.float32, device=self.device)
+        for name in dict.fromkeys(names):
+            rows = [i for i, n in enumerate(names) if n == name]
+            lp = teachers[name].logprobs(self, batch.select(rows))
+            out[torch.tensor(rows, device=self.device)] = lp.to(out)
+        return out
+
+    # ----------------------------------------------------------------- the step
+    def prepare_experience(self, batch: Experience) -> None:
+        super().prepare_experience(batch)
+        names = self.route(batch.samples)
+        self._note_group_size(batch)
+        t0 = time.perf_counter()
+        batch.teacher_logprobs = self.teacher_logprobs(batch, names)
+        batch.stats["opd/teacher_seconds"] = time.perf_counter() - t0
+        mask = batch.loss_mask
+        batch.stats["opd/reverse_kl"] = reverse_kl(batch.old_logprobs, batch.teacher_logprobs, mask).item()
+        for name in self.teacher_cfgs:
+            rows = torch.tensor([i for i, n in enumerate(names) if n == name], dtype=torch.long, device=mask.device)
+            batch.stats[f"opd/frac/{name}"] = len(rows) / max(len(names), 1)
+            if len(rows):
+                batch.stats[f"opd/reverse_kl/{name}"] = reverse_kl(batch.old_logprobs[rows], batch.teacher_logprobs[rows],
+                                                                   mask[rows]).item()
+
+    def _note_group_size(self, batch: Experience) -> None:
+        if self._noted_group_size or self.cfg.orm_coef:
+            return
+        self._noted_group_size = True
+        size = max(Counter(s.group_id for s in batch.samples).values())
+        if size > 1:
+            log.info("OPD with %d samples per prompt and orm_coef=0: each is distilled on its own; GLM-5 uses one "
+                     "(rollout.n_samples_per_prompt=1)", size)
+
+    def compute_advantages(self, batch: Experience) -> None:
+        if batch.teacher_logprobs is None:
+            raise RuntimeError("OPD.compute_advantages needs teacher log-probs (run prepare_experience first)")
+        adv = opd_advantages(batch.teacher_logprobs, batch.old_logprobs, batch.loss_mask, self.cfg.opd_coef)
+        batch.stats["opd/advantage_abs_mean"] = masked_mean(adv.abs(), batch.loss_mask).item()
+        if self.cfg.orm_coef:
+            group_ids = torch.tensor([s.group_id for s in batch.samples])
+            orm = group_advantages(batch.rewards.cpu(), group_ids, normalize_std=self.cfg.orm_normalize_std)
+            adv = mix_outcome_advantages(adv, orm.to(adv.device), batch.loss_mask, self.cfg.orm_coef)
+            batch.stats["opd/orm_advantage_abs_mean"] = orm.abs().mean().item()
+        batch.advantages = adv
+        batch.stats["train/advantage_abs_mean"] = masked_mean(adv.abs(), batch.loss_mask).item()
+
+
+# ---------------------------------------------------------------------------------------------- config checks
+def parse_teachers(specs: Any) -> dict[str, TeacherConfig]:
+    """`algo.teachers` entries as typed TeacherConfig; a wrong key or type names the key."""
+    out = {}
+    for name, spec in (specs or {}).items():
+        where = f"algo.teachers.{name}"
+        if spec is None:
+            continue
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(TeacherConfig), spec)
+        except ConfigKeyError as e:
+            raise ConfigError(f"config error: unknown key '{where}.{e.full_key or e.key}'") from None
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"config error: {where}.{e.full_key}: {str(e).strip().splitlines()[0]}") from None
+        tc = OmegaConf.to_object(merged)
+        tc.domains = [str(d) for d in tc.domains]
+        out[str(name)] = tc
+    return out
+
+
+def check_teachers(teachers: dict[str, TeacherConfig], default: Optional[str]) -> tuple[dict[str, str], Optional[str]]:
+    """Check the teachers; return (domain → teacher name, default teacher or None)."""
+    if not teachers:
+        raise ConfigError("config error: algo.teachers is empty; OPD needs at least one teacher")
+    routes: dict[str, str] = {}
+    for name, tc in teachers.items():
+        where = f"algo.teachers.{name}"
+        if tc.path is not None and tc.engine is not None:
+            raise ConfigError(f"config error: {where}: give path or engine, not both")
+        if tc.serve not in ("trainer", "engine"):
+            raise ConfigError(f"config error: {where}.serve={tc.serve!r} is not one of ['trainer', 'engine']")
+        if tc.engine is not None and "_target_" not in tc.engine:
+            raise ConfigError(f"config error: {where}.engine needs a _target_ (a RolloutEngine class)")
+        for d in tc.domains:
+            if d in routes:
+                raise ConfigError(f"config error: domain {d!r} is listed by both teachers {routes[d]!r} and {name!r}; "
+                                  "each sample goes to exactly one teacher")
+            routes[d] = name
+    if default is not None and default not in teachers:
+        raise ConfigError(f"config error: algo.default_teacher={default!r} is not a teacher ({sorted(teachers)})")
+    if default is None and len(teachers) == 1:
+        (only,) = teachers
+        default = only if not teachers[only].domains else None
+    for name, tc in teachers.items():
+        if not tc.domains and name != default:
+            raise ConfigError(f"config error: algo.teachers.{name} lists no domains and is not algo.default_teacher, "
+                              "so no sample would reach it")
+    return routes, default
+
+
+def describe_source(source: Any) -> dict[str, Any]:
+    """What identifies a prompt source for the built-in teacher's warm-start cache key."""
+    desc: dict[str, Any] = {"type": type(source).__name__, "len": len(source)}
+    desc.update({k: v for k, v in vars(source).items() if isinstance(v, (str, int, float, bool, type(None)))})
+    head = [source[i].messages for i in range(min(4, len(source)))]
+    desc["head"] = hashlib.sha1(json.dumps(head, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return desc

@@ -1,0 +1,187 @@
+"""SAO: single-rollout asynchronous actor-critic (Hou et al. 2026; GLM-5 agentic RL).
+
+One rollout per prompt, no group baseline: a critic supplies the baseline.
+  - policy loss: DIS (GLM-5 Eq. 3–5), a double-sided token mask on r = π_θ / π_rollout;
+  - advantages: skip-observation GAE over action tokens, λ_policy = 1 − 1/(α·l) per sequence;
+  - critic: the policy backbone with a scalar head (or a separate checkpoint), its own optimizer,
+    K updates per policy update, λ_critic = 1, optional frozen attention, warm-up steps,
+    optional value normalisation and value clipping.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from glmlight.algorithms.base import RLModule
+from glmlight.config import AlgoConfig
+from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_whiten, skip_observation_gae
+from glmlight.ops.reduce import masked_mean
+from glmlight.ops.value import terminal_rewards, value_loss
+from glmlight.sample import Experience
+
+
+@dataclass
+class SAOConfig(AlgoConfig):
+    name: str = "sao"
+    policy_loss: str = "dis"
+    dis_eps_low: float = 0.3  # math; 0.8 / 3.0 for code (SAO)
+    dis_eps_high: float = 5.0
+    critic_lr: float = 1e-3
+    critic_updates: int = 2  # K critic steps per policy step
+    critic_warmup_steps: int = 0  # RL steps in which only the critic trains
+    critic_freeze_attention: bool = True  # train only MLP/MoE layers, norms and the value head
+    critic_path: Optional[str] = None  # a separate critic backbone checkpoint; None = copy of the policy
+    value_normalization: bool = False  # running mean/std of returns
+    value_clip: Optional[float] = None
+    gamma: float = 1.0
+    lambda_alpha: float = 1.5  # λ_policy = 1 − 1/(α·l)
+    lambda_critic: float = 1.0
+    whiten_advantages: bool = True
+
+
+class ValueModel(nn.Module):
+    """A transformer backbone with a scalar head: V(s_t) for every position."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module) -> "ValueModel":
+        return cls(copy.deepcopy(policy.base_model), policy.config.hidden_size)
+
+    @classmethod
+    def from_checkpoint(cls, path: str) -> "ValueModel":
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(path, local_files_only=True, use_safetensors=True)
+        return cls(backbone, backbone.config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+    def freeze_attention(self) -> int:
+        """Freeze every attention parameter (MLA projections and the DSA indexer); returns how many."""
+        n = 0
+        for name, p in self.backbone.named_parameters():
+            if ".self_attn." in name:
+                p.requires_grad_(False)
+                n += p.numel()
+        return n
+
+
+class RunningMeanStd(nn.Module):
+    """Running mean / variance of returns (Welford over batches); saved with the module."""
+
+    def __init__(self, eps: float = 1e-4):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("var", torch.ones((), dtype=torch.float64))
+        self.register_buffer("count", torch.tensor(eps, dtype=torch.float64))
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.double()
+        n, m, v = x.numel(), x.mean(), x.var(unbiased=False)
+        total = self.count + n
+        delta = m - self.mean
+        self.mean += delta * n / total
+        self.var = (self.var * self.count + v * n + delta**2 * self.count * n / total) / total
+        self.count = total
+
+    @property
+    def std(self) -> torch.Tensor:
+        return self.var.sqrt().clamp(min=1e-6)
+
+
+class SAO(RLModule):
+    cfg: SAOConfig
+
+    def __init__(self, cfg: SAOConfig, policy: nn.Module, **kw: Any):
+        super().__init__(cfg, policy, **kw)
+        self.critic = ValueModel.from_checkpoint(cfg.critic_path) if cfg.critic_path else ValueModel.from_policy(policy)
+        self.critic.train()
+        self.frozen_critic_params = self.critic.freeze_attention() if cfg.critic_freeze_attention else 0
+        self.value_norm = RunningMeanStd() if cfg.value_normalization else None
+
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        return (1 + self.cfg.critic_updates) * self.cfg.ppo_epochs * self.cfg.num_minibatches
+
+    def configure_optimizers(self) -> Any:
+        return [self.make_optimizer(self.policy, self.cfg.lr),
+                self.make_optimizer(self.critic, self.cfg.critic_lr, steps_per_update=self.cfg.critic_updates)]
+
+    # ----------------------------------------------------------------- values
+    def critic_values(self, exp: Experience) -> torch.Tensor:
+        """V(s_t) for each response token t (the state before t is produced): [B, T]."""
+        v = self.critic(exp.input_ids, exp.attention_mask, exp.position_ids)
+        return v[:, exp.prompt_length - 1 : -1]
+
+    def _denormalize(self, v: torch.Tensor) -> torch.Tensor:
+        return v if self.value_norm is None else v * self.value_norm.std.float() + self.value_norm.mean.float()
+
+    def prepare_experience(self, batch: Experience) -> None:
+        super().prepare_experience(batch)
+        with torch.no_grad():
+            self.critic.eval()
+            batch.values = torch.cat([self.critic_values(batch.select(idx))
+                                      for idx in self._micro_batches(torch.arange(batch.batch_size))])
+            self.critic.train()
+
+    def compute_advantages(self, batch: Experience) -> None:
+        cfg, mask = self.cfg, batch.action_mask
+        rewards = terminal_rewards(batch.rewards, mask)
+        values = self._denormalize(batch.values) * mask
+        lengths = mask.sum(-1).clamp(min=1)
+        lam = adaptive_lambda(lengths, cfg.lambda_alpha)
+        adv, _ = skip_observation_gae(rewards, values, mask, cfg.gamma, lam)
+        _, returns = skip_observation_gae(rewards, values, mask, cfg.gamma, cfg.lambda_critic)
+        if self.value_norm is not None:
+            self.value_norm.update(returns[mask.bool()])
+            batch.returns = (returns - self.value_norm.mean.float()) / self.value_norm.std.float()
+        else:
+            batch.returns = returns
+        batch.advantages = (masked_whiten(adv, mask) if cfg.whiten_advantages else adv) * mask
+        batch.stats.update({
+            "critic/explained_variance": float(explained_variance(values, returns, mask)),
+            "critic/value_mean": float(masked_mean(values, mask)),
+            "critic/return_mean": float(masked_mean(returns, mask)),
+            "train/advantage_mean": float(masked_mean(adv, mask)),
+            "train/advantage_std": float(masked_mean((adv - masked_mean(adv, mask)) ** 2, mask).sqrt()),
+            "train/lambda_policy_mean": float(lam.mean()),
+        })
+
+    # ----------------------------------------------------------------- updates
+    def critic_loss(self, mb: Experience, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        values = self.critic_values(mb)
+        mask = mb.action_mask
+        # The critic minibatch loss is a token mean over the whole minibatch (micro-batches add up).
+        share = mask.sum() / max(scale["critic_tokens"], 1.0)
+        vl = value_loss(values, mb.values, mb.returns, mask, self.cfg.value_clip)
+        return vl * share, {"critic/value_loss": vl.detach()}
+
+    def minibatch_update(self, batch: Experience, rows: torch.Tensor) -> dict[str, float]:
+        warming_up = self.rl_step < self.cfg.critic_warmup_steps
+        stats = self.optimizer_step(self._optimizer(0), self._scheduler(0), self.policy,
+                                    lambda mb, scale: self.micro_batch_loss(mb, scale), batch, rows, skip=warming_up)
+        critic_tokens = float(batch.action_mask[rows].sum()) if len(rows) else 0.0
+
+        def loss_fn(mb, scale):
+            return self.critic_loss(mb, {**scale, "critic_tokens": critic_tokens})
+
+        for _ in range(self.cfg.critic_updates):
+            for k, v in self.optimizer_step(self._optimizer(1), self._scheduler(1), self.critic, loss_fn,
+                                            batch, rows).items():
+                stats[k] = v
+        stats["train/policy_warmup"] = float(warming_up)
+        return stats

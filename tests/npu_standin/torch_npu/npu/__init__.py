@@ -1,0 +1,41 @@
+"""Stand-in for ``torch_npu.npu``, installed as ``torch.npu`` (as torch_npu does)."""
+
+from torch_npu.npu.utils import (
+    Event,
+    Stream,
+    current_device,
+    device_count,
+    empty_cache,
+    get_amp_supported_dtype,
+    get_device_name,
+    is_available,
+    is_initialized,
+    manual_seed,
+    manual_seed_all,
+    max_memory_allocated,
+    memory_allocated,
+    memory_stats,
+    reset_peak_memory_stats,
+    set_device,
+    synchronize,
+)
+
+__all__ = [
+    "Event",
+    "Stream",
+    "current_device",
+    "device_count",
+    "empty_cache",
+    "get_amp_supported_dtype",
+    "get_device_name",
+    "is_available",
+    "is_initialized",
+    "manual_seed",
+    "manual_seed_all",
+    "max_memory_allocated",
+    "memory_allocated",
+    "memory_stats",
+    "reset_peak_memory_stats",
+    "set_device",
+    "synchronize",
+]

@@ -1,0 +1,148 @@
+"""The agentic TITO loop and asynchronous rollout (real engine, tiny model)."""
+
+import threading
+from collections import Counter
+
+import pytest
+
+import glmlight
+from glmlight.agents import AgentLoop, StepResult, encode_observation
+from glmlight.agents.envs import CalculatorEnv, RunningSumEnv, RunningSumTask, safe_eval
+from glmlight.config import RolloutConfig
+from glmlight.data.rollout import RolloutDataModule
+from glmlight.data.sources import ArithmeticTask, Prompt
+from glmlight.rollout.base import SamplingParams
+from glmlight.rollout.local import LocalEngine
+from glmlight.sample import Status
+from tests.conftest import overrides_for_tests
+from train import compose
+
+
+class ScriptedEnv:
+    """Answers every action with a fixed observation; done after `turns` actions."""
+
+    def __init__(self, turns=3, crash_at=None):
+        self.turns, self.crash_at, self.t = turns, crash_at, 0
+
+    def reset(self, prompt):
+        return list(prompt.messages)
+
+    def step(self, action):
+        self.t += 1
+        if self.crash_at == self.t:
+            raise RuntimeError("tool server died")
+        if self.t >= self.turns:
+            return StepResult(None, reward=1.0, done=True)
+        return StepResult(f"obs {self.t}")
+
+
+def _greedy(ctx):
+    return SamplingParams(temperature=0.0, max_new_tokens=5)
+
+
+def _prompt(text="2*3="):
+    return Prompt(messages=[{"role": "user", "content": text}], label="6")
+
+
+def test_episode_ids_are_engine_outputs_and_observation_encodings(tokenizer, tiny_model):
+    engine = LocalEngine(tiny_model)
+    loop = AgentLoop(engine, tokenizer, lambda: ScriptedEnv(turns=3), _greedy, max_turns=5)
+    ep = loop.run([_prompt()])[0]
+    assert ep.status is Status.COMPLETED and ep.turns == 3 and ep.reward == 1.0
+    # Rebuild the context turn by turn: each action is exactly what the engine answers for the
+    # context so far; each observation is exactly the encoding of the environment's text.
+    expected = list(ep.prompt_ids)
+    for t in range(3):
+        action = engine.generate([expected], _greedy(0))[0]
+        expected += action.token_ids
+        if t < 2:
+            expected += encode_observation(tokenizer, f"obs {t + 1}")
+    assert ep.prompt_ids + ep.response_ids == expected
+    mask_runs = [m for m in ep.loss_mask]
+    obs = encode_observation(tokenizer, "obs 1")
+    assert mask_runs.count(0) == 2 * len(obs)  # two observation turns, masked out
+    assert all(lp == 0.0 and v == -1 for lp, v, m in zip(ep.logprobs, ep.versions, ep.loss_mask) if m == 0)
+    assert all(v == 0 for v, m in zip(ep.versions, ep.loss_mask) if m == 1)
+
+
+def test_env_crash_fails_the_sample_and_is_counted(tokenizer, tiny_model):
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4)
+    dm = RolloutDataModule(LocalEngine(tiny_model), tokenizer, ArithmeticTask(seed=0), None, cfg,
+                           env_factory=lambda: ScriptedEnv(turns=3, crash_at=2), max_turns=4)
+    counts = Counter()
+    samples = dm.rollout(dm.draw_prompts(2), 2, counts)
+    assert all(s.status is Status.FAILED and "tool server died" in s.metadata["env_error"] for s in samples)
+    assert counts["env_failed"] == 4
+    with pytest.raises(RuntimeError, match="no trainable samples"):
+        dm.next_experience()
+    assert dm.totals["dropped/failed"] + dm.totals["dropped/group_failed"] == dm.totals["produced"]
+
+
+def test_turn_limit_and_context_budget_truncate(tokenizer, tiny_model):
+    engine = LocalEngine(tiny_model)
+    ep = AgentLoop(engine, tokenizer, lambda: ScriptedEnv(turns=10), _greedy, max_turns=2).run([_prompt()])[0]
+    assert ep.status is Status.TRUNCATED and ep.turns == 2
+    short = AgentLoop(engine, tokenizer, lambda: ScriptedEnv(turns=10), _greedy, max_turns=10, max_context=24)
+    ep = short.run([_prompt()])[0]
+    assert ep.status is Status.TRUNCATED and len(ep.prompt_ids) + len(ep.response_ids) <= 24
+
+
+def test_calculator_env():
+    env = CalculatorEnv(tool_bonus=0.1)
+    env.reset(Prompt(messages=[{"role": "user", "content": "12*3="}], label="36"))
+    assert env.step("calc: 12*3") == StepResult("= 36", reward=0.1, info={"tool_calls": 1})
+    assert env.step("calc: __import__('os')").observation.startswith("error:")
+    assert env.step("calc: 1//0").observation.startswith("error:")
+    assert env.step("hello").info == {"malformed": True}
+    done = env.step("answer: 36")
+    assert done.done and done.reward == 1.0
+    assert env.step("answer: 35").reward == 0.0
+    with pytest.raises(ValueError):
+        safe_eval("2**100000")
+
+
+def test_running_sum_env():
+    task = RunningSumTask(num_steps=3, seed=0)[0]
+    d = task.metadata["deltas"]
+    env = RunningSumEnv()
+    env.reset(task)
+    assert env.step(str(d[0])).observation == f"+{d[1]}"
+    env.step("0")
+    last = env.step(str(sum(d)))
+    assert last.done and last.reward == pytest.approx(2 / 3)
+
+
+def _build(tmp_path, *extra):
+    return glmlight.build(compose(overrides_for_tests(tmp_path, *extra)))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_grpo_on_calculator_agent(tmp_path, mode):
+    run = _build(tmp_path, "task=calculator_agent", f"rollout.mode={mode}", "trainer.max_steps=2",
+                 "rollout.max_new_tokens=6", "task.agent.max_turns=2", "~callbacks.held_out_eval",
+                 "~callbacks.sample_table")
+    run.fit()
+    assert run.module.policy_version == 2
+    t = run.datamodule.totals
+    dropped = sum(v for k, v in t.items() if k.startswith("dropped/"))
+    assert t["produced"] == t["trained"] + dropped  # nothing produced is lost, even in async mode
+    assert not [th for th in threading.enumerate() if th.name == "glmlight-rollout-producer"]
+
+
+def test_async_staleness_is_bounded_by_the_gate(tmp_path):
+    run = _build(tmp_path, "rollout.mode=async", "rollout.queue_size=2", "trainer.max_steps=5",
+                 "callbacks.version_gate.max_staleness=1", "~callbacks.held_out_eval", "~callbacks.sample_table")
+    seen = []
+    real_next = run.datamodule.next_experience
+
+    def recording_next():
+        exp = real_next()
+        seen.append(max(run.module.policy_version - s.first_version for s in exp.samples))
+        return exp
+
+    run.datamodule.next_experience = recording_next
+    run.fit()
+    assert seen and max(seen) <= 1
+    t = run.datamodule.totals
+    assert t["produced"] == t["trained"] + sum(v for k, v in t.items() if k.startswith("dropped/"))
+    assert not [th for th in threading.enumerate() if th.name == "glmlight-rollout-producer"]
