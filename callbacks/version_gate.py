@@ -1,8 +1,8 @@
 """PolicyVersionGate: bounded staleness (GLM-5 Sec. 4).
 
 A sample whose first action token was produced by version w0 is stale when
-current − w0 > max_staleness. Stale samples are removed before the batch is
-built; a group with more than half of its samples fresh is padded back by
+current − w0 > max_staleness; a compacted trajectory is stale when any of its
+segments is. Stale trajectories are removed before the batch is built; a group with more than half of its samples fresh is padded back by
 repeating fresh ones, otherwise the group is dropped. Drops are counted by
 reason in the rollout metrics (`rollout/dropped/stale`, `.../group_stale`).
 """
@@ -54,7 +54,8 @@ class PolicyVersionGate(pl.Callback):
         kept: list[Sample] = []
         local: Counter = Counter()
         for group in groups.values():
-            repaired = pad_or_drop_group(group, [not self.is_stale(s, current) for s in group], local, "stale")
+            repaired = pad_or_drop_group(group, lambda t: not any(self.is_stale(s, current) for s in t),
+                                         local, "stale")
             if repaired is not None:
                 kept.extend(repaired)
         counts.update(local)

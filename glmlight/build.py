@@ -100,6 +100,16 @@ def build_env_factory(agent: DictConfig):
     return lambda: instantiate(spec)
 
 
+def compaction_options(agent: DictConfig) -> dict[str, Any] | None:
+    if agent.compact_threshold is None:
+        return None
+    if agent.env is None:
+        raise ConfigError("config error: task.agent.compact_threshold needs an agent task (task.agent.env)")
+    return {"threshold": agent.compact_threshold, "keep_last_steps": agent.keep_last_steps,
+            "summary_max_tokens": agent.summary_max_tokens, "summary_prompt": agent.summary_prompt,
+            "resume_header": agent.resume_header}
+
+
 def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     out = []
     for name, spec in cfg.callbacks.items():
@@ -190,7 +200,8 @@ def build(cfg: DictConfig | dict) -> Run:
     engine = build_engine(cfg, policy, tokenizer)
     datamodule = RolloutDataModule(engine, tokenizer, source, build_reward(cfg.task.reward), cfg.rollout,
                                    eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
-                                   env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns)
+                                   env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns,
+                                   compaction=compaction_options(cfg.task.agent))
     module_cls = ALGORITHMS[cfg.algo.name]
     module = module_cls(cfg.algo, policy, temperature=cfg.rollout.temperature,
                         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id)

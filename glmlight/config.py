@@ -92,6 +92,12 @@ class AgentConfig:
 
     env: Optional[dict[str, Any]] = None
     max_turns: int = 4
+    # Context compaction (CompactionRL): summarise when the remaining budget falls below this.
+    compact_threshold: Optional[int] = None
+    keep_last_steps: int = 2  # k action/observation steps copied into the resume prompt
+    summary_max_tokens: int = 32
+    summary_prompt: str = "Summarize."  # the user turn that asks the policy for its summary
+    resume_header: str = "Summary: "  # opens the resume turn that carries the summary
 
 
 @dataclass

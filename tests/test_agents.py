@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 import glmlight
-from glmlight.agents import AgentLoop, StepResult, encode_observation
+from glmlight.agents import AgentLoop, StepResult, encode_observation, generation_prompt
 from glmlight.agents.envs import CalculatorEnv, RunningSumEnv, RunningSumTask, safe_eval
 from glmlight.config import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
@@ -56,11 +56,10 @@ def test_episode_ids_are_engine_outputs_and_observation_encodings(tokenizer, tin
         action = engine.generate([expected], _greedy(0))[0]
         expected += action.token_ids
         if t < 2:
-            expected += encode_observation(tokenizer, f"obs {t + 1}")
+            expected += encode_observation(tokenizer, f"obs {t + 1}") + generation_prompt(tokenizer)
     assert ep.prompt_ids + ep.response_ids == expected
-    mask_runs = [m for m in ep.loss_mask]
-    obs = encode_observation(tokenizer, "obs 1")
-    assert mask_runs.count(0) == 2 * len(obs)  # two observation turns, masked out
+    obs = encode_observation(tokenizer, "obs 1") + generation_prompt(tokenizer)
+    assert ep.loss_mask.count(0) == 2 * len(obs)  # two observation turns, masked out
     assert all(lp == 0.0 and v == -1 for lp, v, m in zip(ep.logprobs, ep.versions, ep.loss_mask) if m == 0)
     assert all(v == 0 for v, m in zip(ep.versions, ep.loss_mask) if m == 1)
 

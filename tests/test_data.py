@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from glmlight.config import RolloutConfig
-from glmlight.data.groups import pad_or_drop_group
+from glmlight.data.groups import pad_or_drop_group, trajectories
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, JsonlSource
 from glmlight.errors import DataError
@@ -108,12 +108,21 @@ def test_pad_or_drop_group_rule():
     g = [Sample(prompt_ids=[1], rollout_id=i) for i in range(4)]
     counts = Counter()
     # 3 of 4 valid (> half): padded back to 4 by repeating a valid one
-    out = pad_or_drop_group(g, [True, False, True, True], counts, "stale")
+    out = pad_or_drop_group(g, lambda t: t[0].rollout_id != 1, counts, "stale")
     assert len(out) == 4 and g[1] not in out and out[3] is g[0]
     assert counts == Counter({"dropped/stale": 1, "padded/stale": 1})
     # exactly half valid: dropped
     counts = Counter()
-    assert pad_or_drop_group(g, [True, True, False, False], counts, "stale") is None
+    assert pad_or_drop_group(g, lambda t: t[0].rollout_id < 2, counts, "stale") is None
+    assert counts == Counter({"dropped/stale": 2, "dropped/group_stale": 2})
+
+
+def test_segments_of_a_trajectory_stay_together():
+    # two trajectories of two segments each, one invalid: the group keeps 1 of 2 -> dropped whole
+    g = [Sample(prompt_ids=[1], rollout_id=r, segment=s) for r in (0, 1) for s in (1, 0)]
+    assert [[(x.rollout_id, x.segment) for x in t] for t in trajectories(g)] == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    counts = Counter()
+    assert pad_or_drop_group(g, lambda t: t[0].rollout_id == 0, counts, "stale") is None
     assert counts == Counter({"dropped/stale": 2, "dropped/group_stale": 2})
 
 

@@ -23,11 +23,24 @@ from glmlight.sample import Sample, Status
 log = logging.getLogger(__name__)
 
 
-def encode_observation(tokenizer: Any, text: str) -> list[int]:
-    """The ids of one observation turn followed by the assistant's generation prompt."""
-    ids = encode_chat(tokenizer, [{"role": "observation", "content": text}], add_generation_prompt=True)
+def _strip_bos(tokenizer: Any, ids: list[int]) -> list[int]:
     bos = getattr(tokenizer, "bos_token_id", None)
     return ids[1:] if bos is not None and ids and ids[0] == bos else ids
+
+
+def encode_observation(tokenizer: Any, text: str, role: str = "observation") -> list[int]:
+    """The ids of one observation (or user) turn, without the assistant's generation prompt."""
+    return _strip_bos(tokenizer, encode_chat(tokenizer, [{"role": role, "content": text}], add_generation_prompt=False))
+
+
+def generation_prompt(tokenizer: Any) -> list[int]:
+    """The ids that open an assistant turn (what add_generation_prompt appends)."""
+    probe = [{"role": "user", "content": "x"}]
+    with_prompt = encode_chat(tokenizer, probe, add_generation_prompt=True)
+    without = encode_chat(tokenizer, probe, add_generation_prompt=False)
+    if with_prompt[: len(without)] != without:
+        raise ValueError("the chat template's generation prompt is not a suffix; cannot splice turns")
+    return with_prompt[len(without):]
 
 
 @dataclass
@@ -45,6 +58,10 @@ class Episode:
     status: Status = Status.COMPLETED
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] = field(default_factory=list)  # the opening messages
+    steps: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (action ids, observation ids)
+    awaiting_prompt: bool = False  # the context ends with an observation: open an assistant turn first
+    segments: list["Segment"] = field(default_factory=list)  # closed segments (context compaction)
 
     @property
     def context(self) -> list[int]:
@@ -66,6 +83,17 @@ class Episode:
         self.done, self.status, self.error = True, status, error
 
 
+@dataclass
+class Segment:
+    """A closed part of a compacted episode: its own prompt and response (TITO, as produced)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
 class AgentLoop:
     def __init__(self, engine: RolloutEngine, tokenizer: Any, env_factory: Callable[[], Environment],
                  params: Callable[[int], SamplingParams], max_turns: int = 4, max_context: int = 2048):
@@ -73,13 +101,14 @@ class AgentLoop:
         already bounded by the remaining context budget)."""
         self.engine, self.tokenizer, self.env_factory = engine, tokenizer, env_factory
         self.params, self.max_turns, self.max_context = params, max_turns, max_context
+        self.gen_prompt = generation_prompt(tokenizer)
 
     def start(self, prompt: Prompt) -> Episode:
         env = self.env_factory()
         ep = Episode(prompt=prompt, env=env, prompt_ids=[])
         try:
-            messages = env.reset(prompt)
-            ep.prompt_ids = encode_chat(self.tokenizer, messages, add_generation_prompt=True)
+            ep.messages = env.reset(prompt)
+            ep.prompt_ids = encode_chat(self.tokenizer, ep.messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - an environment crash fails the sample, not the run
             ep.prompt_ids = [self.tokenizer.eos_token_id]
             ep.finish(Status.FAILED, f"reset: {type(e).__name__}: {e}")
@@ -89,8 +118,12 @@ class AgentLoop:
         episodes = [self.start(p) for p in prompts for _ in range(n)]
         while True:
             active = [e for e in episodes if not e.done]
+            self.before_turn(active)
             for e in active:
-                if self.max_context - len(e.context) < 1:
+                if not e.done and e.awaiting_prompt:
+                    e.add_observation(self.gen_prompt)
+                    e.awaiting_prompt = False
+                if not e.done and self.max_context - len(e.context) < 1:
                     e.finish(Status.TRUNCATED)
             active = [e for e in active if not e.done]
             if not active:
@@ -98,6 +131,9 @@ class AgentLoop:
             gens = self.engine.generate([e.context for e in active], [self.params(len(e.context)) for e in active])
             for e, g in zip(active, gens):
                 self.advance(e, g)
+
+    def before_turn(self, active: list[Episode]) -> None:
+        """Called before each batched turn (context compaction hooks in here)."""
 
     def advance(self, ep: Episode, g: Generation) -> None:
         """One turn: the action goes in as produced; the environment answers."""
@@ -121,18 +157,24 @@ class AgentLoop:
             ep.finish(Status.TRUNCATED)
         else:
             obs = encode_observation(self.tokenizer, result.observation or "")
-            if len(ep.context) + len(obs) >= self.max_context:
+            if len(ep.context) + len(obs) + len(self.gen_prompt) >= self.max_context:
                 ep.finish(Status.TRUNCATED)
             else:
                 ep.add_observation(obs)
+                ep.steps.append((list(g.token_ids), obs))
+                ep.awaiting_prompt = True
 
 
-def episode_to_sample(ep: Episode, group_id: int, rollout_id: int) -> Sample:
+def episode_to_samples(ep: Episode, group_id: int, rollout_id: int) -> list[Sample]:
+    """One Sample per segment (one for an uncompacted episode); all share the rollout id,
+    the terminal reward and the status of the episode."""
     meta = {"label": ep.prompt.label, "domain": ep.prompt.domain, "turns": ep.turns, **ep.prompt.metadata,
-            **{f"env/{k}": v for k, v in ep.info.items()}}
+            **{f"env/{k}": v for k, v in ep.info.items()}, "num_segments": len(ep.segments) + 1}
     if ep.error:
         meta["env_error"] = ep.error
-    return Sample(prompt_ids=ep.prompt_ids, response_ids=ep.response_ids, loss_mask=ep.loss_mask,
-                  rollout_logprobs=ep.logprobs, versions=ep.versions,
-                  reward=None if ep.status is Status.FAILED else ep.reward, status=ep.status,
-                  group_id=group_id, rollout_id=rollout_id, metadata=meta)
+    parts = ep.segments + [Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions)]
+    reward = None if ep.status is Status.FAILED else ep.reward
+    return [Sample(prompt_ids=p.prompt_ids, response_ids=p.response_ids, loss_mask=p.loss_mask,
+                   rollout_logprobs=p.logprobs, versions=p.versions, reward=reward, status=ep.status,
+                   group_id=group_id, rollout_id=rollout_id, segment=i, metadata=dict(meta))
+            for i, p in enumerate(parts)]

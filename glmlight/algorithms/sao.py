@@ -146,19 +146,25 @@ class SAO(RLModule):
         lam = adaptive_lambda(lengths, cfg.lambda_alpha)
         adv, _ = skip_observation_gae(rewards, values, mask, cfg.gamma, lam)
         _, returns = skip_observation_gae(rewards, values, mask, cfg.gamma, cfg.lambda_critic)
+        self.set_targets(batch, adv, returns, values, mask)
+        batch.stats["train/lambda_policy_mean"] = float(lam.mean())
+
+    def set_targets(self, batch: Experience, adv: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
+                    mask: torch.Tensor) -> None:
+        """Critic targets (normalised when value normalisation is on), advantages, and their statistics."""
         if self.value_norm is not None:
             self.value_norm.update(returns[mask.bool()])
             batch.returns = (returns - self.value_norm.mean.float()) / self.value_norm.std.float()
         else:
             batch.returns = returns
-        batch.advantages = (masked_whiten(adv, mask) if cfg.whiten_advantages else adv) * mask
+        batch.advantages = (masked_whiten(adv, mask) if self.cfg.whiten_advantages else adv) * mask
+        adv_mean = masked_mean(adv, mask)
         batch.stats.update({
             "critic/explained_variance": float(explained_variance(values, returns, mask)),
             "critic/value_mean": float(masked_mean(values, mask)),
             "critic/return_mean": float(masked_mean(returns, mask)),
-            "train/advantage_mean": float(masked_mean(adv, mask)),
-            "train/advantage_std": float(masked_mean((adv - masked_mean(adv, mask)) ** 2, mask).sqrt()),
-            "train/lambda_policy_mean": float(lam.mean()),
+            "train/advantage_mean": float(adv_mean),
+            "train/advantage_std": float(masked_mean((adv - adv_mean) ** 2, mask).sqrt()),
         })
 
     # ----------------------------------------------------------------- updates

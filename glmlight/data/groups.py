@@ -1,30 +1,41 @@
 """Group repair for grouped algorithms (GLM-5, Sec. 4: stale or crashed samples).
 
-A group with more than half of its samples valid is padded back to its size by
-repeating valid samples; otherwise the whole group is dropped.
+A group holds the trajectories of one prompt; a trajectory is one sample, or the
+segments of one compacted episode (same rollout_id), and is kept or removed as a
+whole. A group with more than half of its trajectories valid is padded back to
+its size by repeating valid ones; otherwise the whole group is dropped.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable
 
 from glmlight.sample import Sample
 
 
-def pad_or_drop_group(group: list[Sample], valid: list[bool], counts: Counter, reason: str) -> list[Sample] | None:
-    """Returns the repaired group, or None if it is dropped. Counts what it removes:
-    dropped/<reason> for invalid samples, dropped/group_<reason> for valid samples of a dropped group,
+def trajectories(group: list[Sample]) -> list[list[Sample]]:
+    """The group's samples by rollout_id, segments in order, trajectories in first-seen order."""
+    out: dict[int, list[Sample]] = {}
+    for s in group:
+        out.setdefault(s.rollout_id, []).append(s)
+    return [sorted(t, key=lambda s: s.segment) for t in out.values()]
+
+
+def pad_or_drop_group(group: list[Sample], is_valid: Callable[[list[Sample]], bool], counts: Counter,
+                      reason: str) -> list[Sample] | None:
+    """Returns the repaired group (as samples), or None if it is dropped. Counts samples:
+    dropped/<reason> for invalid ones, dropped/group_<reason> for valid ones of a dropped group,
     padded/<reason> for repeats added."""
-    if len(group) != len(valid):
-        raise ValueError("group and valid flags differ in length")
-    good = [s for s, ok in zip(group, valid) if ok]
-    bad = len(group) - len(good)
-    if bad == 0:
+    trajs = trajectories(group)
+    valid = [t for t in trajs if is_valid(t)]
+    invalid = [t for t in trajs if not is_valid(t)]
+    if not invalid:
         return group
-    counts[f"dropped/{reason}"] += bad
-    if len(good) * 2 <= len(group):
-        counts[f"dropped/group_{reason}"] += len(good)
+    counts[f"dropped/{reason}"] += sum(len(t) for t in invalid)
+    if len(valid) * 2 <= len(trajs):
+        counts[f"dropped/group_{reason}"] += sum(len(t) for t in valid)
         return None
-    repeats = [good[i % len(good)] for i in range(bad)]
-    counts[f"padded/{reason}"] += len(repeats)
-    return good + repeats
+    repeats = [valid[i % len(valid)] for i in range(len(invalid))]
+    counts[f"padded/{reason}"] += sum(len(t) for t in repeats)
+    return [s for t in valid + repeats for s in t]

@@ -28,7 +28,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from glmlight.agents.loop import AgentLoop, episode_to_sample
+from glmlight.agents.compaction import CompactingAgentLoop
+from glmlight.agents.loop import AgentLoop, episode_to_samples
 from glmlight.config import RolloutConfig
 from glmlight.data.groups import pad_or_drop_group
 from glmlight.data.sources import Prompt, PromptSource
@@ -48,10 +49,11 @@ class RolloutDataModule(pl.LightningDataModule):
     def __init__(self, engine: RolloutEngine, tokenizer: Any, source: PromptSource, reward_fn: RewardFn,
                  cfg: RolloutConfig, eval_source: PromptSource | None = None, num_eval_prompts: int = 64,
                  rank: int = 0, world_size: int = 1, env_factory: Callable[[], Any] | None = None,
-                 max_turns: int = 4):
+                 max_turns: int = 4, compaction: dict[str, Any] | None = None):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
         self.env_factory, self.max_turns = env_factory, max_turns
+        self.compaction = compaction  # CompactingAgentLoop options, or None
         self.eval_source, self.num_eval_prompts = eval_source, num_eval_prompts
         self.rank, self.world_size = rank, world_size
         self.stop_ids = stop_token_ids(tokenizer)
@@ -162,8 +164,9 @@ class RolloutDataModule(pl.LightningDataModule):
         return samples
 
     def _episodes(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool) -> list[Sample]:
-        loop = AgentLoop(self.engine, self.tokenizer, self.env_factory,
-                         lambda ctx: self.sampling_params(ctx, greedy), self.max_turns, self.cfg.max_context)
+        args = (self.engine, self.tokenizer, self.env_factory, lambda ctx: self.sampling_params(ctx, greedy),
+                self.max_turns, self.cfg.max_context)
+        loop = CompactingAgentLoop(*args, **self.compaction) if self.compaction else AgentLoop(*args)
         episodes = loop.run(prompts, n)
         samples = []
         for k in range(len(prompts)):
@@ -171,8 +174,9 @@ class RolloutDataModule(pl.LightningDataModule):
             first = self._take_rollout_ids(n)
             for j in range(n):
                 ep = episodes[k * n + j]
-                samples.append(episode_to_sample(ep, group_id, first + j))
+                samples.extend(episode_to_samples(ep, group_id, first + j))
                 counts["agent_turns"] += ep.turns
+                counts["compactions"] += len(ep.segments)
         return samples
 
     def _apply_overlong(self, samples: list[Sample], counts: Counter) -> None:
@@ -196,7 +200,7 @@ class RolloutDataModule(pl.LightningDataModule):
             groups.setdefault(s.group_id, []).append(s)
         kept = []
         for group in groups.values():
-            group = pad_or_drop_group(group, [s.status is not Status.FAILED for s in group], counts, "failed")
+            group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed")
             if group is None:
                 continue
             if self.cfg.dynamic_sampling and len(group) > 1 and len({s.reward for s in group}) == 1:
@@ -373,8 +377,12 @@ def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         "rollout/tokens_per_s": counts["rollout_tokens"] / secs,
         "rollout/refill_rounds": float(counts["refill_rounds"]),
         "rollout/produced": float(counts["produced"]),
+        "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),
         "rollout/trained": float(counts["trained"]),
     }
+    for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed"):
+        if k in counts:
+            stats[f"rollout/{k}"] = float(counts[k])
     for k, v in counts.items():
         if k.startswith("dropped/"):
             stats[f"rollout/{k}"] = float(v)

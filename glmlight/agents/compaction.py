@@ -1,0 +1,86 @@
+"""Context compaction (CompactionRL, Li et al. 2026): agents that summarise their own context.
+
+When the remaining budget C − |h| falls below T_comp, the same policy is asked to
+write a summary (a user turn with the summary instruction; the summary tokens are
+actions, loss_mask 1). The segment is closed and execution resumes from a new
+prompt: the opening messages + a resume turn carrying the summary + the last k
+(action, observation) steps, k reduced until the prompt leaves T_comp tokens of
+room. The copied summary and tail are prompt tokens of the new segment (never
+trained on there); all ids are spliced as produced, never re-tokenized.
+
+The splicing assumes the chat template renders a turn as role marker + content
+(GLM style), so that ids of turns can be concatenated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from glmlight.agents.loop import AgentLoop, Episode, Segment, encode_observation
+from glmlight.models.tokenizer import encode_chat
+from glmlight.rollout.base import SamplingParams
+from glmlight.sample import Status
+
+SUMMARY_PROMPT = "Summarize."
+RESUME_HEADER = "Summary: "
+
+
+class CompactingAgentLoop(AgentLoop):
+    def __init__(self, *args: Any, threshold: int, keep_last_steps: int = 2, summary_max_tokens: int = 32,
+                 summary_prompt: str = SUMMARY_PROMPT, resume_header: str = RESUME_HEADER, **kw: Any):
+        super().__init__(*args, **kw)
+        if threshold < 1 or threshold >= self.max_context:
+            raise ValueError(f"compaction threshold must be in [1, max_context), got {threshold}")
+        self.threshold, self.keep_last_steps = threshold, keep_last_steps
+        self.summary_max_tokens = summary_max_tokens
+        self.request_ids = encode_observation(self.tokenizer, summary_prompt, role="user") + self.gen_prompt
+        self.resume_header = resume_header
+        if threshold <= len(self.request_ids) + summary_max_tokens:
+            raise ValueError(f"compaction threshold {threshold} leaves no room for the summary request "
+                             f"({len(self.request_ids)} tokens) and summary ({summary_max_tokens} tokens)")
+        self.stop_ids = set(self.params(0).stop_token_ids)
+
+    def before_turn(self, active: list[Episode]) -> None:
+        due = [e for e in active if not e.done and e.awaiting_prompt
+               and self.max_context - len(e.context) < self.threshold]
+        room = [e for e in due if len(e.context) + len(self.request_ids) + 1 < self.max_context]
+        for e in due:
+            if e not in room:
+                e.finish(Status.TRUNCATED)
+        if not room:
+            return
+        for e in room:
+            e.add_observation(self.request_ids)
+            e.awaiting_prompt = False
+        params = []
+        for e in room:
+            p = self.params(len(e.context))
+            budget = min(self.summary_max_tokens, self.max_context - len(e.context))
+            params.append(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                         max_new_tokens=max(budget, 1), stop_token_ids=p.stop_token_ids))
+        for e, g in zip(room, self.engine.generate([e.context for e in room], params)):
+            e.add_action(g)  # the summary is the policy's own output: trained on
+            self.resume(e, g.token_ids)
+
+    def resume_prompt(self, ep: Episode, summary_ids: list[int], k: int) -> list[int]:
+        core = summary_ids[:-1] if summary_ids and summary_ids[-1] in self.stop_ids else summary_ids
+        head = encode_chat(self.tokenizer, ep.messages + [{"role": "user", "content": self.resume_header}],
+                           add_generation_prompt=False)
+        tail: list[int] = []
+        for action, obs in ep.steps[len(ep.steps) - k:] if k else []:
+            tail += self.gen_prompt + action + obs
+        return head + list(core) + tail + self.gen_prompt
+
+    def resume(self, ep: Episode, summary_ids: list[int]) -> None:
+        """Close the current segment and continue from the resume prompt."""
+        ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions))
+        k = min(self.keep_last_steps, len(ep.steps))
+        prompt = self.resume_prompt(ep, summary_ids, k)
+        while k > 0 and len(prompt) + self.threshold > self.max_context:
+            k -= 1
+            prompt = self.resume_prompt(ep, summary_ids, k)
+        ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions = prompt, [], [], [], []
+        ep.steps = ep.steps[len(ep.steps) - k:] if k else []
+        ep.info["compactions"] = ep.info.get("compactions", 0) + 1
+        if len(prompt) + 1 >= self.max_context:
+            ep.finish(Status.TRUNCATED)

@@ -1,0 +1,57 @@
+"""CompactionRL (Li et al. 2026): long-horizon agents trained across their own summaries.
+
+A trajectory is several segments (Samples sharing a rollout_id and the terminal
+reward). The loss is a token mean over every trainable token of every segment in
+the batch (loss_agg=token_mean: Σ m·ℓ / Σ m), not a mean per segment. Advantages
+use cross-trajectory GAE: local GAE inside each segment with λ_s = 1 − 1/(1.5·L_s),
+scaled by (γ·λ_s)^N_after(s), N_after(s) = trainable tokens in later segments.
+The critic is SAO's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from glmlight.algorithms.sao import SAO, SAOConfig
+from glmlight.data.groups import trajectories
+from glmlight.ops.gae import cross_trajectory_gae, segment_lambda, skip_observation_gae
+from glmlight.ops.value import terminal_rewards
+from glmlight.sample import Experience
+
+
+@dataclass
+class CompactionConfig(SAOConfig):
+    name: str = "compaction"
+    policy_loss: str = "ppo"
+    loss_agg: str = "token_mean"
+    segment_alpha: float = 1.5  # λ_s = 1 − 1/(α·L_s)
+
+
+class CompactionRL(SAO):
+    cfg: CompactionConfig
+
+    def compute_advantages(self, batch: Experience) -> None:
+        cfg, mask = self.cfg, batch.action_mask
+        values = self._denormalize(batch.values) * mask
+        rewards = terminal_rewards(batch.rewards, mask)
+        lengths = mask.sum(-1)
+        lam = torch.tensor([segment_lambda(max(float(n), 1.0), cfg.segment_alpha) for n in lengths.tolist()])
+        local, _ = skip_observation_gae(rewards, values, mask, cfg.gamma, lam.to(mask.device))
+        _, returns = skip_observation_gae(rewards, values, mask, cfg.gamma, cfg.lambda_critic)
+        adv = torch.zeros_like(local)
+        first_row: dict[int, int] = {}  # padded groups repeat sample objects: scale each once
+        for i, s in enumerate(batch.samples):
+            first_row.setdefault(id(s), i)
+        unique = [batch.samples[i] for i in sorted(first_row.values())]
+        for traj in trajectories(unique):
+            rows = [first_row[id(s)] for s in traj]
+            scaled = cross_trajectory_gae([local[r] for r in rows], [mask[r] for r in rows], cfg.gamma,
+                                          [float(lam[r]) for r in rows])
+            for r, a in zip(rows, scaled):
+                adv[r] = a
+        for i, s in enumerate(batch.samples):
+            adv[i] = adv[first_row[id(s)]]
+        self.set_targets(batch, adv, returns, values, mask)
+        batch.stats["train/segments"] = float(len(batch.samples))

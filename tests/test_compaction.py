@@ -1,0 +1,159 @@
+"""CompactionRL: segmentation, resume prompt, cross-trajectory GAE, token-level loss, end to end."""
+
+import glob
+import os
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import glmlight
+from glmlight.agents import StepResult, encode_observation, generation_prompt
+from glmlight.agents.compaction import CompactingAgentLoop
+from glmlight.algorithms.compaction import CompactionConfig, CompactionRL
+from glmlight.data.sources import Prompt
+from glmlight.models.tokenizer import encode_chat, stop_token_ids
+from glmlight.ops.reduce import aggregate_loss
+from glmlight.rollout.base import Generation, SamplingParams
+from glmlight.sample import Experience, Sample, Status
+from tests.conftest import overrides_for_tests
+from train import compose
+
+
+class ScriptedPolicy:
+    """A RolloutEngine whose answers are scripted: actions 'a1', 'a2', ...; summaries 'S1', 'S2', ...
+    (it answers a summary request when the context ends with the request ids)."""
+
+    def __init__(self, tokenizer, request_ids):
+        self.tok, self.request_ids = tokenizer, request_ids
+        self.actions = self.summaries = 0
+        self.version = 0
+
+    def generate(self, prompts, params):
+        out = []
+        for ctx in prompts:
+            if ctx[-len(self.request_ids):] == self.request_ids:
+                self.summaries += 1
+                text = f"S{self.summaries}"
+            else:
+                self.actions += 1
+                text = f"a{self.actions}"
+            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append(Generation(ids, [-0.5] * len(ids), "stop", [0] * len(ids)))
+        return out
+
+
+class Echo:
+    """Observations 'o1', 'o2', ...; done after `n` actions."""
+
+    def __init__(self, n):
+        self.n, self.t = n, 0
+
+    def reset(self, prompt):
+        return [{"role": "system", "content": "sys"}, {"role": "user", "content": "go"}]
+
+    def step(self, action):
+        self.t += 1
+        return StepResult(None, reward=1.0, done=True) if self.t >= self.n else StepResult(f"o{self.t}")
+
+
+def _loop(tokenizer, max_context=60, threshold=26, k=2):
+    request = encode_observation(tokenizer, "Summarize.", role="user") + generation_prompt(tokenizer)
+    policy = ScriptedPolicy(tokenizer, request)
+    stops = stop_token_ids(tokenizer)
+    loop = CompactingAgentLoop(policy, tokenizer, lambda: Echo(6),
+                               lambda ctx: SamplingParams(max_new_tokens=4, stop_token_ids=stops),
+                               max_turns=10, max_context=max_context, threshold=threshold, keep_last_steps=k,
+                               summary_max_tokens=4)
+    return loop, policy
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_segmentation_masks_and_resume_prompt(tokenizer):
+    loop, policy = _loop(tokenizer)
+    ep = loop.run([Prompt(messages=[{"role": "user", "content": "go"}])])[0]
+    assert ep.status is Status.COMPLETED and ep.reward == 1.0 and ep.turns == 6
+    assert len(ep.segments) >= 1 and policy.summaries == len(ep.segments)
+    eos, gen = tokenizer.eos_token_id, generation_prompt(tokenizer)
+    first = ep.segments[0]
+    # Segment 1: the opening prompt; its response ends with the summary request (mask 0) and the summary (mask 1).
+    assert first.prompt_ids == encode_chat(tokenizer, [{"role": "system", "content": "sys"},
+                                                       {"role": "user", "content": "go"}])
+    summary = _ids(tokenizer, "S1") + [eos]
+    assert first.response_ids[-len(summary):] == summary and first.loss_mask[-len(summary):] == [1] * len(summary)
+    request = loop.request_ids
+    cut = len(first.response_ids) - len(summary)
+    assert first.response_ids[cut - len(request):cut] == request and set(first.loss_mask[cut - len(request):cut]) == {0}
+    # every action token is trained on, every observation / template token is not
+    n_before = sum(1 for t, m in zip(first.response_ids, first.loss_mask) if t == eos and m) - 1  # actions in seg 1
+    trained = tokenizer.decode([t for t, m in zip(first.response_ids, first.loss_mask) if m], skip_special_tokens=True)
+    untrained = tokenizer.decode([t for t, m in zip(first.response_ids, first.loss_mask) if not m],
+                                 skip_special_tokens=True)
+    assert trained == "".join(f"a{i}" for i in range(1, n_before + 1)) + "S1"  # actions and the summary
+    assert untrained == "".join(f"o{i}" for i in range(1, n_before + 1)) + "Summarize."  # observations, request
+    # Segment 2's prompt: the opening messages + a resume turn with the summary + the last k=2 steps.
+    head = encode_chat(tokenizer, [{"role": "system", "content": "sys"}, {"role": "user", "content": "go"},
+                                   {"role": "user", "content": "Summary: "}], add_generation_prompt=False)
+    tail = []
+    for i in (n_before - 1, n_before):
+        tail += gen + _ids(tokenizer, f"a{i}") + [eos] + encode_observation(tokenizer, f"o{i}")
+    second_prompt = ep.segments[1].prompt_ids if len(ep.segments) > 1 else ep.prompt_ids
+    assert second_prompt == head + _ids(tokenizer, "S1") + tail + gen
+
+
+def test_tail_shrinks_until_the_prompt_fits(tokenizer):
+    loop, _ = _loop(tokenizer, max_context=60, threshold=26, k=5)
+    ep = loop.run([Prompt(messages=[{"role": "user", "content": "go"}])])[0]
+    prompt = ep.segments[1].prompt_ids if len(ep.segments) > 1 else ep.prompt_ids
+    assert len(prompt) + 26 <= 60
+
+
+def test_threshold_must_leave_room_for_the_summary(tokenizer):
+    with pytest.raises(ValueError, match="no room"):
+        _loop(tokenizer, threshold=8)
+
+
+def _segment(n_actions, rollout_id, segment, reward=1.0):
+    return Sample(prompt_ids=[1], response_ids=[2] * n_actions, loss_mask=[1] * n_actions,
+                  rollout_logprobs=[-1.0] * n_actions, versions=[0] * n_actions, reward=reward,
+                  rollout_id=rollout_id, segment=segment)
+
+
+def test_cross_trajectory_gae_by_hand(tokenizer, tiny_model):
+    # One trajectory: segment 0 with L0 = 2 action tokens, segment 1 with L1 = 3; V = 0, γ = 1, R = 1.
+    # λ0 = 1 − 1/(1.5·2) = 2/3, λ1 = 1 − 1/(1.5·3) = 7/9.
+    # Segment 1 (last): local GAE = [λ1², λ1, 1]; N_after = 0.
+    # Segment 0: local GAE = [λ0, 1], scaled by (γ·λ0)^N_after, N_after = 3 -> (2/3)³ = 8/27.
+    cfg = CompactionConfig(whiten_advantages=False, critic_freeze_attention=False)
+    module = CompactionRL(cfg, tiny_model)
+    exp = Experience.collate([_segment(3, 7, 1), _segment(2, 7, 0)], pad_token_id=0)
+    exp.values = torch.zeros_like(exp.loss_mask)
+    module.compute_advantages(exp)
+    l0, l1 = 2 / 3, 7 / 9
+    assert_close(exp.advantages, torch.tensor([[l1 * l1, l1, 1.0], [l0 * 8 / 27, 8 / 27, 0.0]]))
+
+
+def test_token_level_loss_differs_from_per_segment_mean():
+    # segment A: 1 token with loss 4; segment B: 3 tokens with loss 0.
+    loss = torch.tensor([[4.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    # token level over all segments: 4 / 4 = 1; mean of per-segment means: (4 + 0) / 2 = 2
+    assert_close(aggregate_loss(loss, mask, "token_mean"), torch.tensor(1.0))
+    assert_close(aggregate_loss(loss, mask, "seq_mean_token_mean"), torch.tensor(2.0))
+
+
+def test_compaction_end_to_end(tmp_path):
+    import csv
+
+    run = glmlight.build(compose(overrides_for_tests(
+        tmp_path, "algo=compaction", "rollout.mode=sync", "trainer.max_steps=2", "~callbacks.held_out_eval",
+        "~callbacks.sample_table", "rollout.rollout_batch_size=2", "rollout.max_new_tokens=4")))
+    run.fit()
+    assert run.module.policy_version == 2
+    rows = list(csv.DictReader(open(glob.glob(os.path.join(str(tmp_path), "csv", "*", "metrics.csv"))[0])))
+    compactions = [float(r["rollout/compactions"]) for r in rows if r.get("rollout/compactions")]
+    assert compactions and sum(compactions) > 0  # compaction actually triggers in the embedded default
+    assert any(float(r["rollout/segments_per_trajectory"]) > 1 for r in rows if r.get("rollout/segments_per_trajectory"))
