@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from glmlight.config import validate
 from glmlight.data.rollout import RolloutDataModule
+from glmlight.distributed import without_ddp_wrapper
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
 from glmlight.errors import ConfigError
 from glmlight.models.loading import load_causal_lm, load_tokenizer
@@ -167,17 +168,47 @@ def _resume_path(cfg: DictConfig) -> str | None:
 
 
 def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
-    """Accelerator, devices, strategy and precision; the NPU plugin builds its own objects."""
+    """Accelerator, devices, strategy and precision. Data-parallel strategies leave the module
+    unwrapped (glmlight.distributed); the NPU plugin builds its own objects."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
     if t.accelerator == "npu":
         from glmlight.accelerators import make_npu_trainer_kwargs
 
-        return make_npu_trainer_kwargs(t.strategy, t.devices, t.precision, zero_stage=t.zero_stage,
-                                       num_nodes=t.num_nodes)
-    strategy = t.strategy
-    if strategy == "deepspeed":
-        strategy = f"deepspeed_stage_{t.zero_stage}"
-    return dict(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
-                precision=t.precision)
+        kwargs = make_npu_trainer_kwargs(t.strategy, t.devices, t.precision, zero_stage=t.zero_stage,
+                                         num_nodes=t.num_nodes)
+    else:
+        strategy: Any = t.strategy
+        if strategy == "ddp":
+            strategy = DDPStrategy()
+        elif strategy == "deepspeed":
+            _require("deepspeed", "trainer.strategy=deepspeed", "glmlight[deepspeed]")
+            strategy = f"deepspeed_stage_{t.zero_stage}"
+        kwargs = dict(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
+                      precision=t.precision)
+    s = kwargs["strategy"]
+    if isinstance(s, DDPStrategy) and not isinstance(s, DeepSpeedStrategy):
+        without_ddp_wrapper(s)
+    return kwargs
+
+
+def _make_trainer(**kwargs: Any) -> pl.Trainer:
+    """pl.Trainer, with Lightning's complaints about the hardware settings as one-line config errors."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        return pl.Trainer(**kwargs)
+    except (MisconfigurationException, ValueError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"config error: trainer (accelerator={kwargs.get('accelerator')!s}, "
+                          f"strategy={kwargs.get('strategy')!s}): {first}") from None
+
+
+def _require(module: str, what: str, extra: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"config error: {what} needs the {module} package: pip install '{extra}'")
 
 
 def build(cfg: DictConfig | dict) -> Run:
@@ -212,7 +243,7 @@ def build(cfg: DictConfig | dict) -> Run:
                                      every_n_train_steps=ckpt_every * steps if ckpt_every else None,
                                      save_last=True, save_top_k=-1 if ckpt_every else 0))
     t = cfg.trainer
-    trainer = pl.Trainer(
+    trainer = _make_trainer(
         **hardware_kwargs(t), max_steps=t.max_steps * steps, max_epochs=-1,
         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
         deterministic=t.deterministic, default_root_dir=t.default_root_dir, callbacks=callbacks,

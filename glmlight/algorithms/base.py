@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 
 from glmlight.config import AlgoConfig
+from glmlight.distributed import all_reduce_gradients
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
@@ -165,42 +166,48 @@ class RLModule(pl.LightningModule):
         return self.optimizer_step(self._optimizer(), self._scheduler(), self.policy,
                                    lambda mb, scale: self.micro_batch_loss(mb, scale), batch, rows)
 
+    @staticmethod
+    def _step_without_update(opt: Any, sched: Any) -> dict[str, float]:
+        """Count the optimizer step without changing parameters (no gradients), keeping the step budget."""
+        opt.zero_grad(set_to_none=True)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        return {}
+
     def optimizer_step(self, opt: Any, sched: Any, model: torch.nn.Module, loss_fn: Any, batch: Experience,
                        rows: torch.Tensor, skip: bool = False) -> dict[str, float]:
         """One optimizer step over `rows` of `batch`, micro-batched. With no rows (or skip) the step
         still counts (no gradients: parameters stay), so every RL step has the same number of steps."""
         opt.zero_grad(set_to_none=True)
-        if skip or len(rows) == 0:
-            opt.step()
-            if sched is not None:
-                sched.step()
-            return {}
-        model.train()
-        mb_all = batch.select(rows)
-        scale = {"total_tokens": float(mb_all.loss_mask.sum().item()), "num_sequences": float(len(rows))}
+        params = [p for p in model.parameters() if p.requires_grad]
+        if skip:
+            return self._step_without_update(opt, sched)
         totals: dict[str, float] = {}
         loss_value = 0.0
-        for micro in self._micro_batches(torch.arange(len(rows))):
-            loss, stats = loss_fn(mb_all.select(micro), scale)
-            self.manual_backward(loss)
-            loss_value += loss.item()
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(rows)
-        if not math.isfinite(loss_value) or not _grads_finite(model):
+        if len(rows):
+            model.train()
+            mb_all = batch.select(rows)
+            scale = {"total_tokens": float(mb_all.loss_mask.sum().item()), "num_sequences": float(len(rows))}
+            for micro in self._micro_batches(torch.arange(len(rows))):
+                loss, stats = loss_fn(mb_all.select(micro), scale)
+                self.manual_backward(loss)
+                loss_value += loss.item()
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(rows)
+        all_reduce_gradients(params)  # data parallel: every rank joins, even with no rows
+        if all(p.grad is None for p in params):
+            return self._step_without_update(opt, sched)
+        if not _grads_finite(model) or (self.trainer.world_size == 1 and not math.isfinite(loss_value)):
             self._nonfinite_streak += 1
-            opt.zero_grad(set_to_none=True)
             log.warning("non-finite loss at step %d (%d in a row): update skipped", self.global_step,
                         self._nonfinite_streak)
             if self._nonfinite_streak >= self.cfg.max_nonfinite_steps:
                 raise NonFiniteLossError(f"loss was not finite in {self._nonfinite_streak} consecutive updates; "
                                          "stopping (lower the learning rate or check rewards and data)")
-            opt.step()
-            if sched is not None:
-                sched.step()
-            return {"train/skipped_nonfinite": 1.0}
+            return {**self._step_without_update(opt, sched), "train/skipped_nonfinite": 1.0}
         self._nonfinite_streak = 0
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], self.cfg.grad_clip or float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or float("inf"))
         opt.step()
         if sched is not None:
             sched.step()

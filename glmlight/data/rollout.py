@@ -70,6 +70,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self._producer_counts: Counter = Counter()
 
     # ----------------------------------------------------------------- Lightning
+    def setup(self, stage: str) -> None:
+        """Shard the prompt stream across data-parallel ranks (each rank has its own engine)."""
+        if self.trainer is not None:
+            self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
+
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_ExperienceStream(self), batch_size=None, collate_fn=lambda x: x, num_workers=0)
 
