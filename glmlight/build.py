@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from glmlight.checkpoint import AtomicCheckpointIO, verified_resume_path
 from glmlight.config import validate
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.distributed import without_ddp_wrapper
@@ -41,7 +42,18 @@ class Run:
     cfg: DictConfig
 
     def fit(self) -> None:
-        self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg))
+        if self.trainer.is_global_zero:
+            save_run_config(self.cfg, self.trainer.default_root_dir)
+        self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
+                         weights_only=True)
+
+
+def save_run_config(cfg: DictConfig, root: str) -> str:
+    """The resolved config, stored with the run (it names env variables, never holds their values)."""
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, "config.yaml")
+    OmegaConf.save(cfg, path, resolve=True)
+    return path
 
 
 def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSource | None]:
@@ -161,10 +173,10 @@ def _resume_path(cfg: DictConfig) -> str | None:
         return None
     if resume == "last":
         path = os.path.join(cfg.trainer.default_root_dir, "checkpoints", "last.ckpt")
-        return path if os.path.exists(path) else None
+        return verified_resume_path(path) if os.path.exists(path) else None
     if not os.path.exists(resume):
         raise ConfigError(f"config error: trainer.resume={resume!r} does not exist")
-    return resume
+    return verified_resume_path(resume)
 
 
 def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
@@ -193,9 +205,11 @@ def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
 
 
 def _make_trainer(**kwargs: Any) -> pl.Trainer:
-    """pl.Trainer, with Lightning's complaints about the hardware settings as one-line config errors."""
+    """pl.Trainer with atomic checkpoint files; Lightning's complaints about the hardware settings
+    become one-line config errors."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    kwargs["plugins"] = list(kwargs.get("plugins") or []) + [AtomicCheckpointIO()]
     try:
         return pl.Trainer(**kwargs)
     except (MisconfigurationException, ValueError) as e:
@@ -232,7 +246,8 @@ def build(cfg: DictConfig | dict) -> Run:
     datamodule = RolloutDataModule(engine, tokenizer, source, build_reward(cfg.task.reward), cfg.rollout,
                                    eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
                                    env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns,
-                                   compaction=compaction_options(cfg.task.agent))
+                                   compaction=compaction_options(cfg.task.agent),
+                                   vocab_size=max(policy.config.vocab_size, len(tokenizer)))
     module_cls = ALGORITHMS[cfg.algo.name]
     module = module_cls(cfg.algo, policy, temperature=cfg.rollout.temperature,
                         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id)

@@ -137,6 +137,9 @@ class AgentLoop:
 
     def advance(self, ep: Episode, g: Generation) -> None:
         """One turn: the action goes in as produced; the environment answers."""
+        if g.finish_reason == "error":
+            ep.finish(Status.FAILED, "engine failed after retries")
+            return
         ep.add_action(g)
         ep.turns += 1
         if g.finish_reason == "abort":

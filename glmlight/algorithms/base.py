@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import random
 from typing import Any, Iterator
 
 import lightning.pytorch as pl
@@ -271,12 +272,21 @@ class RLModule(pl.LightningModule):
 
     # ----------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["glmlight"] = {"policy_version": self.policy_version, "nonfinite_streak": self._nonfinite_streak}
+        checkpoint["glmlight"] = {"policy_version": self.policy_version, "nonfinite_streak": self._nonfinite_streak,
+                                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("glmlight", {})
         self.policy_version = state.get("policy_version", 0)
         self._nonfinite_streak = state.get("nonfinite_streak", 0)
+        if "rng" in state:
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(_as_tuple(state["rng"]["python"]))
+
+
+def _as_tuple(x: Any) -> Any:
+    """random.setstate needs the nested tuples back (a checkpoint may hold lists)."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _grads_finite(model: torch.nn.Module) -> bool:

@@ -90,7 +90,7 @@ class ModelTeacher:
         self.model.requires_grad_(False)
 
     @torch.no_grad()
-    def logprobs(self, module: "OPD", exp: Experience) -> torch.Tensor:
+    def logprobs(self, module: OPD, exp: Experience) -> torch.Tensor:
         if next(self.model.parameters()).device != module.device:
             self.model.to(module.device)
         chunks = []
@@ -113,7 +113,7 @@ class EngineTeacher:
         self.name = name
         self.engine = engine
 
-    def logprobs(self, module: "OPD", exp: Experience) -> torch.Tensor:
+    def logprobs(self, module: OPD, exp: Experience) -> torch.Tensor:
         prompts = [list(s.prompt_ids) for s in exp.samples]
         completions = [list(s.response_ids) for s in exp.samples]
         rows = self.engine.score(prompts, completions)
@@ -180,9 +180,13 @@ class OPD(RLModule):
         if tc.serve == "engine":
             from glmlight.rollout.local import LocalEngine
 
-            return EngineTeacher(name, LocalEngine(model, dtype=tc.dtype, device=self.device,
+            return EngineTeacher(name, LocalEngine(model, dtype=tc.dtype, device=self._target_device(),
                                                    pad_token_id=self.pad_token_id))
         return ModelTeacher(name, model)
+
+    def _target_device(self) -> torch.device:
+        """Where training runs (during `setup` the module may not have been moved there yet)."""
+        return self.trainer.strategy.root_device if self._trainer is not None else self.device
 
     def _builtin_teacher(self, name: str, tc: TeacherConfig) -> torch.nn.Module:
         dm = self.trainer.datamodule if self._trainer is not None else None
@@ -190,6 +194,7 @@ class OPD(RLModule):
             raise ConfigError(f"config error: algo.teachers.{name} has neither path nor engine; the built-in teacher "
                               "is warm-started on the run's task and needs the run's data module")
         model = load_causal_lm(None, dm.tokenizer, preset=tc.preset, dtype=tc.dtype, seed=tc.seed)
+        model.to(self._target_device())
         if tc.warm_start.steps > 0:
             supervised_warm_start(model, dm.tokenizer, dm.source, tc.warm_start,
                                   {"opd_teacher": True, "source": describe_source(dm.source)})
@@ -222,7 +227,7 @@ class OPD(RLModule):
             rows = [i for i, n in enumerate(names) if n == name]
             lp = teachers[name].logprobs(self, batch.select(rows))
             out[torch.tensor(rows, device=self.device)] = lp.to(out)
-        return out
+        return out * batch.response_mask.to(out)  # 0 past each response, as engines return it
 
     # ----------------------------------------------------------------- the step
     def prepare_experience(self, batch: Experience) -> None:
@@ -284,7 +289,7 @@ def parse_teachers(specs: Any) -> dict[str, TeacherConfig]:
     return out
 
 
-def check_teachers(teachers: dict[str, TeacherConfig], default: Optional[str]) -> tuple[dict[str, str], Optional[str]]:
+def check_teachers(teachers: dict[str, TeacherConfig], default: str | None) -> tuple[dict[str, str], str | None]:
     """Check the teachers; return (domain → teacher name, default teacher or None)."""
     if not teachers:
         raise ConfigError("config error: algo.teachers is empty; OPD needs at least one teacher")

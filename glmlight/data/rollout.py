@@ -37,6 +37,7 @@ from glmlight.models.tokenizer import encode_chat, stop_token_ids
 from glmlight.ops.advantages import soft_overlong_penalty
 from glmlight.rewards.base import RewardFn, score_samples
 from glmlight.rollout.base import RolloutEngine, SamplingParams
+from glmlight.rollout.retry import RetryingEngine, generate_with_retries
 from glmlight.sample import Experience, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,12 @@ class RolloutDataModule(pl.LightningDataModule):
     def __init__(self, engine: RolloutEngine, tokenizer: Any, source: PromptSource, reward_fn: RewardFn,
                  cfg: RolloutConfig, eval_source: PromptSource | None = None, num_eval_prompts: int = 64,
                  rank: int = 0, world_size: int = 1, env_factory: Callable[[], Any] | None = None,
-                 max_turns: int = 4, compaction: dict[str, Any] | None = None):
+                 max_turns: int = 4, compaction: dict[str, Any] | None = None, vocab_size: int | None = None):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
         self.env_factory, self.max_turns = env_factory, max_turns
         self.compaction = compaction  # CompactingAgentLoop options, or None
+        self.vocab_size = vocab_size  # engine answers with ids outside [0, vocab_size) are FAILED
         self.eval_source, self.num_eval_prompts = eval_source, num_eval_prompts
         self.rank, self.world_size = rank, world_size
         self.stop_ids = stop_token_ids(tokenizer)
@@ -68,6 +70,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self._stop = threading.Event()
         self._producer_error: BaseException | None = None
         self._producer_counts: Counter = Counter()
+        self._inflight_cursor: int | None = None  # async: where the prompts being generated were drawn
+        self._pending: list[list[Sample]] = []  # async: queued groups restored from a checkpoint
 
     # ----------------------------------------------------------------- Lightning
     def setup(self, stage: str) -> None:
@@ -79,14 +83,28 @@ class RolloutDataModule(pl.LightningDataModule):
         return DataLoader(_ExperienceStream(self), batch_size=None, collate_fn=lambda x: x, num_workers=0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self._cursor, "next_rollout_id": self._next_rollout_id,
-                "next_group_id": self._next_group_id, "totals": dict(self.totals)}
+        """Everything needed to continue the prompt stream and the accounting exactly. In async mode
+        the queued groups are saved too, and prompts still being generated will be drawn again."""
+        with self._lock:
+            state = {"cursor": self._cursor if self._inflight_cursor is None else self._inflight_cursor,
+                     "next_rollout_id": self._next_rollout_id, "next_group_id": self._next_group_id,
+                     "totals": dict(self.totals)}
+            queued = list(self._pending) + (list(self._queue.queue) if self._queue is not None else [])
+            if queued:
+                state["queued"] = [[smp.to_dict() for smp in g] for g in queued]
+        engine_state = getattr(self.engine, "state_dict", None)
+        if callable(engine_state):
+            state["engine"] = engine_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._cursor = state["cursor"]
         self._next_rollout_id = state["next_rollout_id"]
         self._next_group_id = state["next_group_id"]
         self.totals = Counter(state["totals"])
+        self._pending = [[Sample.from_dict(d) for d in g] for g in state.get("queued", [])]
+        if "engine" in state and callable(getattr(self.engine, "load_state_dict", None)):
+            self.engine.load_state_dict(state["engine"])
 
     # ----------------------------------------------------------------- prompts
     def _prompt_index(self, k: int) -> int:
@@ -124,6 +142,7 @@ class RolloutDataModule(pl.LightningDataModule):
         counts["produced"] += len(samples)
         counts["rollout_tokens"] += sum(s.num_action_tokens for s in samples)
         if not self.env_factory:
+            counts["engine_failed"] += sum(s.status is Status.FAILED for s in samples)
             counts["reward_failed"] += score_samples(self.reward_fn, samples)["failed"]
         else:
             counts["env_failed"] += sum(s.status is Status.FAILED for s in samples)
@@ -153,23 +172,30 @@ class RolloutDataModule(pl.LightningDataModule):
                 continue
             todo.append((p, ids))
         flat_ids = [ids for _, ids in todo for _ in range(n)]
-        gens = self.engine.generate(flat_ids, [self.sampling_params(len(ids), greedy) for ids in flat_ids])
+        gens = generate_with_retries(self.engine, flat_ids, [self.sampling_params(len(ids), greedy) for ids in flat_ids],
+                                     counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s, self.vocab_size)
         samples = []
         for k, (prompt, ids) in enumerate(todo):
             group_id = self._new_group_id()
             first = self._take_rollout_ids(n)
             for j in range(n):
                 g = gens[k * n + j]
+                meta = {"label": prompt.label, "domain": prompt.domain, **prompt.metadata}
+                if g is None:  # the engine failed (after retries) or answered garbage
+                    samples.append(Sample(prompt_ids=list(ids), status=Status.FAILED, group_id=group_id,
+                                          rollout_id=first + j, metadata={**meta, "engine_error": True}))
+                    continue
                 s = Sample(prompt_ids=list(ids), response_ids=list(g.token_ids), loss_mask=[1] * len(g.token_ids),
                            rollout_logprobs=list(g.logprobs), versions=list(g.versions), status=g.status,
-                           group_id=group_id, rollout_id=first + j,
-                           metadata={"label": prompt.label, "domain": prompt.domain, **prompt.metadata})
+                           group_id=group_id, rollout_id=first + j, metadata=meta)
                 s.metadata["completion_text"] = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
                 samples.append(s)
         return samples
 
     def _episodes(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool) -> list[Sample]:
-        args = (self.engine, self.tokenizer, self.env_factory, lambda ctx: self.sampling_params(ctx, greedy),
+        engine = RetryingEngine(self.engine, counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s,
+                                self.vocab_size)
+        args = (engine, self.tokenizer, self.env_factory, lambda ctx: self.sampling_params(ctx, greedy),
                 self.max_turns, self.cfg.max_context)
         loop = CompactingAgentLoop(*args, **self.compaction) if self.compaction else AgentLoop(*args)
         episodes = loop.run(prompts, n)
@@ -263,6 +289,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self._ensure_producer()
         groups: list[list[Sample]] = []
         while len(groups) < need:
+            if self._pending:
+                with self._lock:
+                    group = self._pending.pop(0)
+                groups.extend(self._accept(group, counts))
+                continue
             try:
                 group = self._queue.get(timeout=0.5)
             except queue.Empty:
@@ -291,16 +322,18 @@ class RolloutDataModule(pl.LightningDataModule):
             while not self._stop.is_set():
                 counts: Counter = Counter()
                 with self._lock:
+                    self._inflight_cursor = self._cursor
                     prompts = self.draw_prompts(self.cfg.rollout_batch_size)
                 samples = self.rollout(prompts, self.cfg.n_samples_per_prompt, counts)
                 with self._lock:
+                    self._inflight_cursor = None
                     self.totals.update({k: v for k, v in counts.items() if k.startswith(("produced", "dropped/"))})
                     self._producer_counts.update({k: v for k, v in counts.items()
                                                   if not k.startswith(("produced", "dropped/"))})
-                groups: dict[int, list[Sample]] = {}
+                by_group: dict[int, list[Sample]] = {}
                 for smp in samples:
-                    groups.setdefault(smp.group_id, []).append(smp)
-                pending = list(groups.values())
+                    by_group.setdefault(smp.group_id, []).append(smp)
+                pending = list(by_group.values())
                 while pending and not self._stop.is_set():
                     try:
                         self._queue.put(pending[0], timeout=0.1)
@@ -385,7 +418,8 @@ def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),
         "rollout/trained": float(counts["trained"]),
     }
-    for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed"):
+    for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "engine_errors",
+              "invalid_tokens"):
         if k in counts:
             stats[f"rollout/{k}"] = float(counts[k])
     for k, v in counts.items():

@@ -22,10 +22,16 @@ def build_reward(spec: Mapping[str, Any]) -> RewardFn:
     try:
         obj = get_object(target)
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"config error: task.reward._target_={target!r} cannot be imported ({e})") from None
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config error: task.reward._target_={target!r} cannot be imported ({reason})") from None
     kwargs = {k: v for k, v in spec.items() if k != "_target_"}
     if inspect.isclass(obj):
-        fn = instantiate(spec, _convert_="all")
+        try:
+            fn = instantiate(spec, _convert_="all")
+        except Exception as e:  # noqa: BLE001 - Hydra wraps the class's own error; show that one
+            while e.__cause__ is not None:
+                e = e.__cause__
+            raise ConfigError(f"config error: task.reward ({target}): {type(e).__name__}: {e}") from None
     else:
         fn = functools.partial(obj, **kwargs) if kwargs else obj
     if not callable(fn):

@@ -42,7 +42,7 @@ class Generation:
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error" (the engine failed this request)
     versions: list[int]
 
     @property
@@ -52,9 +52,10 @@ class Generation:
 
 def finish_reason_to_status(reason: str) -> Status:
     try:
-        return {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}[reason]
+        return {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED,
+                "error": Status.FAILED}[reason]
     except KeyError:
-        raise ValueError(f"unknown finish_reason {reason!r} (expected stop, length or abort)") from None
+        raise ValueError(f"unknown finish_reason {reason!r} (expected stop, length, abort or error)") from None
 
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]

@@ -1,0 +1,125 @@
+"""The GLM-5 stage pipeline end to end on the test-size model: Reasoning RL -> Agentic RL ->
+General RL -> cross-stage OPD, then resume, skip and a failing stage."""
+
+import csv
+import glob
+import json
+import os
+
+import pytest
+import torch
+from pipeline import load_config, run_pipeline, stage_config
+
+from glmlight.errors import ConfigError
+from glmlight.models.loading import load_causal_lm, load_tokenizer
+from tests.conftest import overrides_for_tests
+
+# Stage 'general' keeps its mixed reward and gains a dense component, so that the stage changes the weights.
+DENSE = "{weight: 0.5, reward: {_target_: tests.conftest.digit_fraction_reward}}"
+
+
+def _config(tmp_path, *extra):
+    common = [o for o in overrides_for_tests(tmp_path) if not o.startswith("trainer.default_root_dir")]
+    common += ["trainer.max_steps=2", "~callbacks.held_out_eval", "~callbacks.sample_table",
+               "rollout.rollout_batch_size=3", "rollout.n_samples_per_prompt=2"]
+    return load_config(overrides=[f"pipeline.dir={tmp_path}/pipe", "pipeline.common=" + json.dumps(common),
+                                  f"pipeline.stages.general.merge.task.reward.components.digits={DENSE}",
+                                  "pipeline.stages.opd.prompts_per_teacher=8",
+                                  "pipeline.stages.opd.eval_prompts_per_teacher=2", *extra])
+
+
+def _metrics(run_dir):
+    with open(glob.glob(os.path.join(run_dir, "csv", "*", "metrics.csv"))[0]) as f:
+        return list(csv.DictReader(f))
+
+
+def _stages(manifest):
+    return {s["name"]: s for s in manifest["stages"]}
+
+
+def test_pipeline_end_to_end_resume_and_skip(tmp_path, tokenizer):
+    cfg = _config(tmp_path)
+    assert list(cfg.stages) == ["reasoning", "agentic", "general", "opd"]
+    assert stage_config(cfg, "general").task.reward._target_ == "glmlight.rewards.mixed.MixedReward"
+    manifest = run_pipeline(cfg)
+    stages = _stages(manifest)
+    assert [s["status"] for s in manifest["stages"]] == ["completed"] * 4
+    # each stage starts from the previous one's output; the first from the configured model
+    assert stages["reasoning"]["input_checkpoint"] is None
+    for prev, cur in (("reasoning", "agentic"), ("agentic", "general"), ("general", "opd")):
+        assert stages[cur]["input_checkpoint"] == stages[prev]["output_checkpoint"]
+        assert "model.warm_start.steps=0" in stages[cur]["overrides"]
+    for s in manifest["stages"]:
+        assert s["started_at"] <= s["finished_at"] and os.path.isdir(s["output_checkpoint"])
+    with open(os.path.join(str(tmp_path), "pipe", "manifest.json")) as f:
+        assert json.load(f) == manifest
+
+    # a saved stage loads back as tokenizer + tiny GLM-5 through the model contract
+    out = stages["general"]["output_checkpoint"]
+    tok = load_tokenizer(out)
+    assert tok("7+5=")["input_ids"] == tokenizer("7+5=")["input_ids"] and tok.chat_template == tokenizer.chat_template
+    model = load_causal_lm(out, tok)
+    assert type(model).__name__ == "GlmMoeDsaForCausalLM"
+    first = load_causal_lm(stages["reasoning"]["output_checkpoint"], tok)
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), first.state_dict().values()))
+
+    # cross-stage OPD: one teacher per earlier stage, routed by that stage's domain, over a prompt mix
+    teachers = stages["opd"]["teachers"]
+    assert {k: v["domains"] for k, v in teachers.items()} == {"reasoning": ["math"], "agentic": ["agent"],
+                                                              "general": ["general"]}
+    assert all(v["path"] == stages[k]["output_checkpoint"] for k, v in teachers.items())
+    with open(os.path.join(stages["opd"]["run_dir"], "prompts.jsonl")) as f:
+        domains = [json.loads(line)["domain"] for line in f]
+    assert sorted(domains) == ["agent"] * 8 + ["general"] * 8 + ["math"] * 8
+    rows = [r for r in _metrics(stages["opd"]["run_dir"]) if r.get("opd/reverse_kl")]
+    assert len(rows) == 2
+    for r in rows:
+        assert sum(float(r[f"opd/frac/{t}"]) for t in teachers) == pytest.approx(1.0)
+
+    # resume: completed stages are not rerun
+    again = run_pipeline(_config(tmp_path))
+    assert _stages(again)["opd"]["finished_at"] == stages["opd"]["finished_at"]
+    assert [s["status"] for s in again["stages"]] == ["completed"] * 4
+
+    # skip: the agentic stage is left out; 'general' now starts from 'reasoning' (so it reruns),
+    # and the distillation stage has no agent teacher or agent prompts
+    skipped = _stages(run_pipeline(_config(tmp_path, "pipeline.skip=[agentic]")))
+    assert skipped["agentic"]["status"] == "skipped" and skipped["reasoning"]["finished_at"] == stages["reasoning"]["finished_at"]
+    assert skipped["general"]["input_checkpoint"] == stages["reasoning"]["output_checkpoint"]
+    assert set(skipped["opd"]["teachers"]) == {"reasoning", "general"}
+
+
+def test_pipeline_failed_stage_is_recorded_and_resumed(tmp_path):
+    cfg = _config(tmp_path, "pipeline.skip=[agentic,general]",
+                  'pipeline.stages.opd.overrides=["algo=opd", "algo.lrr=1"]')
+    with pytest.raises(ConfigError, match="unknown key 'algo.lrr'"):
+        run_pipeline(cfg)
+    with open(os.path.join(str(tmp_path), "pipe", "manifest.json")) as f:
+        stages = _stages(json.load(f))
+    assert stages["reasoning"]["status"] == "completed"
+    assert stages["opd"]["status"] == "failed" and "algo.lrr" in stages["opd"]["error"]
+    fixed = _stages(run_pipeline(_config(tmp_path, "pipeline.skip=[agentic,general]")))
+    assert fixed["reasoning"]["finished_at"] == stages["reasoning"]["finished_at"]  # not rerun
+    assert fixed["opd"]["status"] == "completed" and set(fixed["opd"]["teachers"]) == {"reasoning"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("pipeline.skip=[nope]", "pipeline.skip names 'nope'"),
+    ("pipeline.stages.opd.distill_from=[later]", "distill_from names 'later'"),
+    ("pipeline.stagez=1", "stagez"),
+])
+def test_pipeline_config_errors(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        run_pipeline(_config(tmp_path, override))
+
+
+def test_pipeline_cli_one_line_error(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = subprocess.run([sys.executable, "scripts/pipeline.py", "pipeline.skip=[nope]"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "pipeline.skip names 'nope'" in out.stderr

@@ -1,0 +1,178 @@
+"""Reliability: exact resume after kill -9, atomic and verified checkpoints, engine faults,
+bad engine output, non-finite losses, secrets kept out of the run directory."""
+
+import csv
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+import glmlight
+from glmlight.checkpoint import checkpoint_problem
+from glmlight.config import RolloutConfig
+from glmlight.data.rollout import RolloutDataModule
+from glmlight.data.sources import ArithmeticTask
+from glmlight.errors import ConfigError
+from glmlight.rollout.base import Generation
+from glmlight.rollout.local import LocalEngine
+from glmlight.sample import Status
+from tests.conftest import REPO, overrides_for_tests
+from train import compose
+
+KEYS = ["rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm", "train/entropy",
+        "policy_version"]
+
+
+def _overrides(root, *extra):
+    return overrides_for_tests(root, "trainer.checkpoint_every_n_steps=1", "~callbacks.held_out_eval",
+                               "~callbacks.sample_table", "algo.lr=0.01", "trainer.max_steps=4",
+                               "trainer.deterministic=true", *extra)
+
+
+def _rows(root):
+    out = {}
+    for path in sorted(glob.glob(os.path.join(str(root), "csv", "*", "metrics.csv"))):
+        for r in csv.DictReader(open(path)):
+            if r.get("rl_step"):
+                out[int(float(r["rl_step"]))] = {k: r[k] for k in KEYS}
+    return out
+
+
+def test_kill_dash_nine_then_resume_gives_the_same_metrics(tmp_path):
+    straight = tmp_path / "straight"
+    glmlight.build(compose(_overrides(straight))).fit()
+    expected = _rows(straight)
+    assert sorted(expected) == [1, 2, 3, 4]
+
+    killed = tmp_path / "killed"
+    args = [sys.executable, "scripts/train.py", *_overrides(killed)]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckpts = os.path.join(str(killed), "checkpoints")
+    deadline = time.time() + 240
+    while time.time() < deadline and not glob.glob(os.path.join(ckpts, "*step=2.ckpt")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert glob.glob(os.path.join(ckpts, "*step=2.ckpt")), err.decode()[-2000:]
+
+    resumed = glmlight.build(compose(_overrides(killed, "trainer.resume=last")))
+    resumed.fit()
+    got = _rows(killed)
+    assert resumed.trainer.global_step == 4 and resumed.module.policy_version == 4
+    for step in sorted(got):
+        assert got[step] == expected[step], (step, got[step], expected[step])
+    assert max(got) == 4
+
+
+def test_corrupt_checkpoint_is_named_and_the_previous_one_offered(tmp_path):
+    run = glmlight.build(compose(_overrides(tmp_path, "trainer.max_steps=2")))
+    run.fit()
+    ckpts = os.path.join(str(tmp_path), "checkpoints")
+    last = os.path.join(ckpts, "last.ckpt")
+    assert checkpoint_problem(last) is None
+    with open(last, "r+b") as f:  # a partial write: cut the file in half
+        f.truncate(os.path.getsize(last) // 2)
+    assert checkpoint_problem(last) is not None
+    with pytest.raises(ConfigError, match=r"checkpoint .*last.ckpt cannot be resumed from: .*trainer.resume=.*step="):
+        glmlight.build(compose(_overrides(tmp_path, "trainer.resume=last"))).fit()
+    good = [p for p in glob.glob(os.path.join(ckpts, "*step=*.ckpt")) if checkpoint_problem(p) is None]
+    assert good
+    resumed = glmlight.build(compose(_overrides(tmp_path, "trainer.max_steps=3", f"trainer.resume='{good[-1]}'")))
+    resumed.fit()
+    assert resumed.module.policy_version == 3
+
+
+class FlakyEngine(LocalEngine):
+    """Fault injection: the first `fail` generate calls raise; one call may return an id outside the vocabulary."""
+
+    def __init__(self, model, fail=0, garbage=False):
+        super().__init__(model)
+        self.fail, self.garbage, self.calls = fail, garbage, 0
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise ConnectionError("engine went away")
+        gens = super().generate(prompts, params)
+        if self.garbage:
+            gens[0] = Generation([10_000], [-1.0], "stop", [0])
+        return gens
+
+
+def _dm(tokenizer, engine):
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=3, engine_retries=2,
+                        engine_retry_backoff_s=0.0)
+    return RolloutDataModule(engine, tokenizer, ArithmeticTask(seed=0), lambda s: float(s.rollout_id % 2), cfg,
+                             vocab_size=len(tokenizer))
+
+
+def test_engine_errors_are_retried_then_counted(tokenizer, tiny_model):
+    dm = _dm(tokenizer, FlakyEngine(tiny_model, fail=2))
+    exp = dm.next_experience()  # two failures, third attempt succeeds
+    assert exp.batch_size == 4 and exp.stats["rollout/engine_errors"] == 2.0
+    dm = _dm(tokenizer, FlakyEngine(tiny_model, fail=100))
+    counts = Counter()
+    samples = dm.rollout(dm.draw_prompts(2), 2, counts)
+    assert all(s.status is Status.FAILED for s in samples) and counts["engine_errors"] == 3
+    with pytest.raises(RuntimeError, match="no trainable samples"):
+        dm.next_experience()
+    t = dm.totals
+    assert t["produced"] == t["trained"] + sum(v for k, v in t.items() if k.startswith("dropped/"))
+
+
+def test_token_ids_outside_the_vocabulary_fail_the_sample(tokenizer, tiny_model):
+    dm = _dm(tokenizer, FlakyEngine(tiny_model, garbage=True))
+    counts = Counter()
+    samples = dm.rollout(dm.draw_prompts(2), 2, counts)
+    assert counts["invalid_tokens"] == 1 and samples[0].status is Status.FAILED
+    assert all(s.status is not Status.FAILED for s in samples[1:])
+
+
+def nan_reward(sample):
+    return float("inf") if sample.rollout_id % 2 else 1.0
+
+
+def test_non_finite_loss_is_skipped_counted_and_stops_after_n(tmp_path):
+    run = glmlight.build(compose(overrides_for_tests(
+        tmp_path, "trainer.max_steps=5", "~callbacks.held_out_eval", "~callbacks.sample_table",
+        "algo.max_nonfinite_steps=2")))
+    real = run.module.micro_batch_loss
+
+    def poisoned(mb, scale):
+        loss, stats = real(mb, scale)
+        return loss * float("nan"), stats
+
+    run.module.micro_batch_loss = poisoned
+    before = {k: v.clone() for k, v in run.module.policy.state_dict().items()}
+    from glmlight.algorithms.base import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError, match="2 consecutive updates"):
+        run.fit()
+    assert all(torch.equal(before[k], v) for k, v in run.module.policy.state_dict().items())
+
+
+def test_secrets_never_reach_the_run_directory(tmp_path, monkeypatch):
+    secret = "sk-test-5ecret-do-not-log"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("SGLANG_API_KEY", secret + "-server")
+    run = glmlight.build(compose(overrides_for_tests(
+        tmp_path, "logger=wandb", "logger.mode=offline", "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=1",
+        "rollout.server.api_key_env=SGLANG_API_KEY")))
+    run.fit()
+    import wandb
+
+    wandb.finish()
+    files = [p for p in glob.glob(os.path.join(str(tmp_path), "**", "*"), recursive=True) if os.path.isfile(p)]
+    assert any(p.endswith(".ckpt") for p in files) and any("wandb" in p for p in files)
+    for p in files:
+        data = open(p, "rb").read()
+        assert secret.encode() not in data, p
+    # the config stored with the run names the variable, not its value
+    assert any(b"SGLANG_API_KEY" in open(p, "rb").read() for p in files if p.endswith((".yaml", ".json", ".ckpt")))
