@@ -58,8 +58,13 @@ class ServerConfig:
     weight_sync_dir: str = ".cache/glmlight/weights"
     launch: bool = False  # start the server as a managed child process
     launch_args: list[str] = field(default_factory=list)
+    launch_command: Optional[list[str]] = None  # replaces `python -m sglang.launch_server` / the vLLM server
     launch_timeout_s: float = 900.0
+    launch_log_dir: Optional[str] = None
     model_path: Optional[str] = None  # the path the server loads (default: model.path)
+    sync_backend: Optional[str] = None  # weight_sync=distributed: nccl | hccl | gloo (default by device)
+    sync_master_address: Optional[str] = None
+    in_process: bool = False  # vllm: run vllm.LLM in this process instead of talking to a server
 
 
 @dataclass
@@ -275,6 +280,7 @@ CHOICES = {
     "rollout.overlong": ("none", "mask", "soft_penalty"),
     "task.source": ("synthetic", "running_sum", "jsonl", "hf"),
     "rollout.on_weight_update": ("continue", "abort"),
+    "rollout.server.weight_sync": ("disk", "tensor", "distributed"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "constant"),
     "algo.policy_loss": ("ppo", "dis"),
     "algo.kl_estimator": ("k1", "k2", "k3"),

@@ -286,28 +286,16 @@ def main(argv: list[str]) -> int:
             config = a.split("=", 1)[1]
         else:
             overrides.append(a)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("glmlight").addHandler(handler)
-    logging.getLogger("glmlight").setLevel(logging.INFO)
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from glmlight.cli import run_with_one_line_errors, setup_logging
 
-    from glmlight.config import format_config_error
-    from glmlight.errors import GlmlightError
+    setup_logging()
 
-    try:
+    def go() -> None:
         manifest = run_pipeline(load_config(config, overrides))
-    except GlmlightError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (HydraException, OmegaConfBaseException) as e:
-        print(format_config_error(e), file=sys.stderr)
-        return 2
-    for s in manifest["stages"]:
-        print(f"{s['name']:>12}: {s['status']:<9} {s.get('output_checkpoint') or ''}")
-    return 0
+        for s in manifest["stages"]:
+            print(f"{s['name']:>12}: {s['status']:<9} {s.get('output_checkpoint') or ''}")
 
+    return run_with_one_line_errors(go)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -12,7 +12,6 @@ A bad key or value stops the run with one line naming it.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -46,33 +45,23 @@ def main(argv: list[str]) -> int:
         else:
             overrides.append(a)
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("glmlight").addHandler(handler)
-    logging.getLogger("glmlight").setLevel(logging.INFO)
-    from hydra.errors import HydraException
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
-    from glmlight.config import format_config_error, validate
-    from glmlight.errors import GlmlightError
+    from glmlight.cli import run_with_one_line_errors, setup_logging
+    from glmlight.config import validate
 
-    try:
+    setup_logging()
+
+    def go() -> None:
         cfg = compose(overrides)
         if show is not None:
             print(OmegaConf.to_yaml(validate(cfg), resolve=show == "resolved"))
-            return 0
+            return
         import glmlight
 
-        run = glmlight.build(cfg)
-        run.fit()
-    except GlmlightError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (HydraException, OmegaConfBaseException) as e:
-        print(format_config_error(e), file=sys.stderr)
-        return 2
-    return 0
+        glmlight.build(cfg).fit()
+
+    return run_with_one_line_errors(go)
 
 
 if __name__ == "__main__":
