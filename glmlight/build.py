@@ -30,7 +30,10 @@ log = logging.getLogger(__name__)
 
 # RLModule pulls its batch from `dataloader_iter` on purpose (no prefetch: a batch is generated
 # with the newest weights, after the previous step's sync); Lightning warns about that flavour.
-for _msg in (".*dataloader_iter.*", ".*`isinstance\\(treespec, LeafSpec\\)` is deprecated.*"):
+# Checkpoints are written after an RL step's updates, by design (the ModelCheckpoint note about
+# manual optimization does not apply).
+for _msg in (".*dataloader_iter.*", ".*`isinstance\\(treespec, LeafSpec\\)` is deprecated.*",
+             ".*Using ModelCheckpoint with manual optimization.*"):
     warnings.filterwarnings("ignore", message=_msg)
 
 
@@ -93,7 +96,7 @@ def build_engine(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any):
     r = cfg.rollout
     if r.backend == "local":
         return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
-                           seed=r.seed)
+                           seed=r.seed, on_weight_update=r.on_weight_update)
     from glmlight.rollout import servers  # server clients are optional extras
 
     return servers.build_server_engine(cfg, tokenizer)

@@ -115,9 +115,10 @@ def _build(tmp_path, *extra):
     return glmlight.build(compose(overrides_for_tests(tmp_path, *extra)))
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_grpo_on_calculator_agent(tmp_path, mode):
+@pytest.mark.parametrize("mode, on_update", [("sync", "continue"), ("async", "continue"), ("async", "abort")])
+def test_grpo_on_calculator_agent(tmp_path, mode, on_update):
     run = _build(tmp_path, "task=calculator_agent", f"rollout.mode={mode}", "trainer.max_steps=2",
+                 f"rollout.on_weight_update={on_update}",
                  "rollout.max_new_tokens=6", "task.agent.max_turns=2", "~callbacks.held_out_eval",
                  "~callbacks.sample_table")
     run.fit()

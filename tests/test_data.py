@@ -181,3 +181,17 @@ def test_evaluate_is_greedy_and_fixed(tokenizer, tiny_model):
     dm = _datamodule(tokenizer, tiny_model, ExactMatch())
     a, b = dm.evaluate(), dm.evaluate()
     assert a == b and set(a) >= {"eval/reward", "eval/pass_rate", "eval/response_length"}
+
+
+def test_aborted_groups_are_dropped_counted_and_their_prompts_generated_again(tokenizer, tiny_model):
+    dm = _datamodule(tokenizer, tiny_model, lambda s: float(s.rollout_id % 2))
+    counts = Counter()
+    prompts = dm.draw_prompts(2)
+    samples = dm.rollout(prompts, 2, counts)
+    for s in samples[:2]:  # the first group's generation was aborted by a weight update
+        s.status = Status.ABORTED
+    groups = dm._filter_groups(samples, counts)
+    assert len(groups) == 1 and counts["dropped/aborted"] == 2
+    again = dm.draw_prompts(2)
+    assert again[0].metadata["prompt_index"] == prompts[0].metadata["prompt_index"]
+    assert again[1].metadata["prompt_index"] not in {p.metadata["prompt_index"] for p in prompts}

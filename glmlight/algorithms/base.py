@@ -18,6 +18,7 @@ import copy
 import logging
 import math
 import random
+import time
 from typing import Any, Iterator
 
 import lightning.pytorch as pl
@@ -73,7 +74,10 @@ class RLModule(pl.LightningModule):
         self.prepare_experience(batch)
         self.run_experience_hooks(batch)
         self.compute_advantages(batch)
+        t0 = time.perf_counter()
         metrics = self.update(batch)
+        trained_tokens = float(batch.loss_mask.sum()) * self.cfg.ppo_epochs
+        metrics["train/tokens_per_s"] = trained_tokens / max(time.perf_counter() - t0, 1e-9)
         metrics.update(batch.stats)
         metrics["policy_version"] = float(self.policy_version)
         staleness = [self.policy_version - s.first_version for s in batch.samples if s.first_version >= 0]

@@ -15,6 +15,8 @@ staleness is bounded by the queue size and by the policy-version gate.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import queue
@@ -72,6 +74,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self._producer_counts: Counter = Counter()
         self._inflight_cursor: int | None = None  # async: where the prompts being generated were drawn
         self._pending: list[list[Sample]] = []  # async: queued groups restored from a checkpoint
+        self._requeued: list[int] = []  # source indexes of prompts whose generation a weight update aborted
 
     # ----------------------------------------------------------------- Lightning
     def setup(self, stage: str) -> None:
@@ -88,7 +91,7 @@ class RolloutDataModule(pl.LightningDataModule):
         with self._lock:
             state = {"cursor": self._cursor if self._inflight_cursor is None else self._inflight_cursor,
                      "next_rollout_id": self._next_rollout_id, "next_group_id": self._next_group_id,
-                     "totals": dict(self.totals)}
+                     "totals": dict(self.totals), "requeued": list(self._requeued)}
             queued = list(self._pending) + (list(self._queue.queue) if self._queue is not None else [])
             if queued:
                 state["queued"] = [[smp.to_dict() for smp in g] for g in queued]
@@ -103,6 +106,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self._next_group_id = state["next_group_id"]
         self.totals = Counter(state["totals"])
         self._pending = [[Sample.from_dict(d) for d in g] for g in state.get("queued", [])]
+        self._requeued = list(state.get("requeued", []))
         if "engine" in state and callable(getattr(self.engine, "load_state_dict", None)):
             self.engine.load_state_dict(state["engine"])
 
@@ -114,15 +118,20 @@ class RolloutDataModule(pl.LightningDataModule):
         epoch, pos = divmod(k, n)
         if n > 1_000_000:  # synthetic sources are already random per index
             return pos
-        order = list(range(n))
-        random.Random(self.cfg.seed * 7919 + epoch).shuffle(order)
-        return order[pos]
+        return _epoch_order(self.cfg.seed, epoch, n)[pos]
 
     def draw_prompts(self, n: int) -> list[Prompt]:
+        """The next n prompts: aborted ones first (generated again), then the stream."""
         with self._lock:
-            out = [self.source[self._prompt_index(self._cursor + i)] for i in range(n)]
-            self._cursor += n
-            return out
+            indexes, self._requeued = self._requeued[:n], self._requeued[n:]
+            fresh = n - len(indexes)
+            indexes += [self._prompt_index(self._cursor + i) for i in range(fresh)]
+            self._cursor += fresh
+        out = []
+        for i in indexes:
+            p = self.source[i]
+            out.append(dataclasses.replace(p, metadata={**p.metadata, "prompt_index": i}))
+        return out
 
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_chat(self.tokenizer, prompt.messages, add_generation_prompt=True)
@@ -231,6 +240,12 @@ class RolloutDataModule(pl.LightningDataModule):
             groups.setdefault(s.group_id, []).append(s)
         kept = []
         for group in groups.values():
+            if any(s.status is Status.ABORTED for s in group):
+                # A weight update aborted this group's generation: its prompt is generated again.
+                counts["dropped/aborted"] += len(group)
+                with self._lock:
+                    self._requeued.append(group[0].metadata["prompt_index"])
+                continue
             group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed")
             if group is None:
                 continue
@@ -400,6 +415,14 @@ class RolloutDataModule(pl.LightningDataModule):
                 "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
                 "eval/response_length": sum(s.response_length for s in samples) / max(len(samples), 1),
                 "eval/reward_failed": float(counts["reward_failed"])}
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    """The prompt order of one epoch (computed once per epoch, not once per prompt)."""
+    order = list(range(n))
+    random.Random(seed * 7919 + epoch).shuffle(order)
+    return tuple(order)
 
 
 def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:

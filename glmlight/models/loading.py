@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GlmMoeDsaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from glmlight.errors import ConfigError
+from glmlight.models.fast_indexer import install_fast_indexer
 from glmlight.models.tiny import tiny_glm5_config
 from glmlight.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
 from glmlight.rollout.local import resolve_dtype
@@ -42,10 +43,13 @@ def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, pres
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = GlmMoeDsaForCausalLM(config)
+        install_fast_indexer(model)
         return model.to(torch_dtype)
     _check_local(path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True,
-                                                trust_remote_code=trust_remote_code, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True,
+                                                 trust_remote_code=trust_remote_code, local_files_only=True)
+    install_fast_indexer(model)
+    return model
 
 
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str) -> str:

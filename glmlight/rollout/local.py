@@ -2,28 +2,50 @@
 
 It keeps a private copy of the model (optionally in another dtype, e.g. bf16
 while training runs in fp32), so train/inference mismatch is as real here as
-with an external server. Generation is batched with a KV cache; rows that finish
-leave the batch, so the remaining ones decode without padding work.
+with an external server.
+
+Requests are served by continuous batching: `submit` queues a request and
+returns a future; a background decode thread admits queued requests into the
+running batch at the next decode step (their prompts are prefilled, then their
+cache rows join the batch) and retires rows as soon as they finish. `generate`
+is submit-all-then-wait. Weight updates take effect between two decode steps;
+with `on_weight_update="continue"` running requests go on with the new weights
+(`Generation.versions` records the version behind every token), with "abort"
+they end at once with finish_reason "abort" and the tokens they have.
+
+Two runners do the model work: `GlmDsaRunner` (GLM-5 / GlmMoeDsa: preallocated
+per-row cache, few ops per step) and `HFRunner` (any causal LM, through its own
+forward and a merged DynamicCache).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
-from typing import Sequence
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Sequence
 
 import torch
 from safetensors.torch import load_file
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from glmlight.errors import EngineError
 from glmlight.ops.logprobs import logprobs_from_logits
+from glmlight.rollout import glm_runner
 from glmlight.rollout.base import Generation, NamedTensors, SamplingParams
-from glmlight.rollout.sampling import sample_tokens
+from glmlight.rollout.batch import Request, RunningBatch
+from glmlight.rollout.hf_runner import HFRunner
+from glmlight.rollout.sampling import request_uniforms
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+IDLE_EXIT_S = 2.0  # an idle decode thread exits after this long; the next submit starts another
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -36,24 +58,95 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 class LocalEngine:
-    """RolloutEngine running a private copy of a transformers causal LM in this process."""
+    """RolloutEngine running a private copy of a transformers causal LM in this process.
+
+    `on_weight_update`: "continue" (in-flight requests decode on with the new weights)
+    or "abort" (they finish at once with finish_reason "abort"). `max_batch_size`:
+    rows decoded together; more requests wait in the queue. `runner`: "auto" (the
+    GLM-5 runner for GlmMoeDsa models, else the generic one), "glm" or "hf".
+    `num_threads`: intra-op CPU threads of the decode thread (None: torch's setting).
+    The default 1 suits the small models this engine runs on CPU: a decode step is
+    hundreds of small ops, which splitting across cores slows down. Threads that have
+    already run torch ops (the trainer's) keep their own setting.
+    """
 
     def __init__(self, model: PreTrainedModel, *, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu", pad_token_id: int = 0, seed: int = 0, version: int = 0):
+                 device: str | torch.device = "cpu", pad_token_id: int = 0, seed: int = 0, version: int = 0,
+                 on_weight_update: str = "continue", max_batch_size: int = 256, runner: str = "auto",
+                 num_threads: int | None = 1):
+        if on_weight_update not in ("continue", "abort"):
+            raise ValueError(f"on_weight_update must be 'continue' or 'abort', got {on_weight_update!r}")
+        if runner not in ("auto", "glm", "hf"):
+            raise ValueError(f"runner must be 'auto', 'glm' or 'hf', got {runner!r}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
         self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype).eval()
         self.model.requires_grad_(False)
         self.pad_token_id = pad_token_id
-        self._generator = torch.Generator(self.device).manual_seed(seed)
+        self.on_weight_update = on_weight_update
+        self.max_batch_size = max_batch_size
+        self.num_threads = num_threads
+        torch.get_num_threads()  # fixes this thread's own count before the decode thread sets its own
+        if runner == "glm" and not glm_runner.supports(self.model):
+            raise EngineError(f"runner='glm' needs a GlmMoeDsaForCausalLM, got {type(model).__name__}")
+        use_glm = runner == "glm" or (runner == "auto" and glm_runner.supports(self.model))
+        self._runner = glm_runner.GlmDsaRunner(self.model) if use_glm else HFRunner(self.model, pad_token_id)
+        self._generator = torch.Generator().manual_seed(seed)
         self._version = version
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the model, the runner and the running batch: one decode step at a time
+        self._cv = threading.Condition()  # the queue and the decode thread's life
+        self._pending: deque[Request] = deque()
+        self._admitting: list[Request] = []  # taken from the queue, not yet in the batch
+        self._batch = RunningBatch(self.device)
+        self._batch.mark_version(0, version)
+        self._iteration = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
         self.last_sync_bytes = 0
+        self._stats = dict(iterations=0, decode_steps=0, prefills=0, admitted=0, admitted_mid_decode=0,
+                           max_batch=0, tokens=0, aborted=0)
+        self.on_step: Callable[[int], None] | None = None  # called by the decode thread after each step
 
     # ----------------------------------------------------------------- protocol
     @property
     def version(self) -> int:
         return self._version
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the decode loop: iterations, decode_steps (steps over an already running
+        batch), prefills, admitted, admitted_mid_decode (requests that joined a batch that was
+        decoding), max_batch (largest batch sampled in one step), tokens, aborted."""
+        with self._cv:
+            return dict(self._stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The seed stream of unseeded requests (checkpointed, so a resumed run samples the same)."""
+        with self._cv:
+            return {"generator": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._cv:
+            self._generator.set_state(state["generator"])
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Future:
+        """Queue one request; the future resolves to its Generation. Never blocks on decoding."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        with self._cv:
+            if self._closed:
+                raise EngineError("the engine is closed")
+            seed = params.seed if params.seed is not None else int(
+                torch.randint(2**62, (1,), generator=self._generator))
+            req = Request(list(prompt_ids), params, seed, request_uniforms(seed, params.max_new_tokens))
+            req.future.set_running_or_notify_cancel()
+            self._pending.append(req)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="glmlight-decode", daemon=False)
+                self._thread.start()
+            self._cv.notify_all()
+        return req.future
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
         if not prompts:
@@ -65,8 +158,17 @@ class LocalEngine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-        with self._lock, torch.inference_mode():
-            return self._generate(prompts, list(params))
+        if threading.current_thread() is self._thread:
+            raise EngineError("generate() called from the decode thread (e.g. in on_step); use submit()")
+        futures = [self.submit(p, sp) for p, sp in zip(prompts, params)]
+        return [f.result() for f in futures]
+
+    def abort_all(self) -> int:
+        """End every queued and running request now (finish_reason "abort"); returns how many."""
+        with self._lock:
+            done = self._abort_locked()
+        _resolve(done)
+        return len(done)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Prefill log-probs of each completion token (e.g. a teacher's log-probs of the student's tokens)."""
@@ -86,81 +188,162 @@ class LocalEngine:
             return [lp[i, len(p) - 1 : len(p) - 1 + len(c)].tolist() for i, (p, c) in enumerate(zip(prompts, completions))]
 
     def update_weights(self, named_tensors: NamedTensors | None = None, *, path: str | None = None, version: int) -> None:
+        """Load new weights between two decode steps; then serve `version` (see `on_weight_update`)."""
         if (named_tensors is None) == (path is None):
             raise ValueError("update_weights needs exactly one of named_tensors or path")
         if path is not None:
             named_tensors = _load_safetensors(path).items()
+        done = []
         with self._lock, torch.no_grad():
             state = self.model.state_dict()
             nbytes = 0
-            for name, tensor in named_tensors:
-                if name not in state:
-                    raise EngineError(f"weight update names unknown parameter {name!r}")
-                if state[name].shape != tensor.shape:
-                    raise EngineError(f"weight update for {name!r} has shape {tuple(tensor.shape)}, "
-                                      f"engine expects {tuple(state[name].shape)}")
-                state[name].copy_(tensor)
-                nbytes += tensor.numel() * tensor.element_size()
+            try:
+                for name, tensor in named_tensors:
+                    if name not in state:
+                        raise EngineError(f"weight update names unknown parameter {name!r}")
+                    if state[name].shape != tensor.shape:
+                        raise EngineError(f"weight update for {name!r} has shape {tuple(tensor.shape)}, "
+                                          f"engine expects {tuple(state[name].shape)}")
+                    state[name].copy_(tensor)
+                    nbytes += tensor.numel() * tensor.element_size()
+            finally:
+                self._runner.refresh()  # the runner's fused weights follow the model, even a half-updated one
             self.last_sync_bytes = nbytes
+            if self.on_weight_update == "abort":
+                done = self._abort_locked()
             self._version = version
+            self._batch.mark_version(self._iteration, version)
+        _resolve(done)
 
     def close(self) -> None:
-        self.model = None
+        """Stop the decode thread (in-flight requests end with "abort") and release the model."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._lock:
+            done = self._abort_locked()
+            self.model = self._runner = None
+        _resolve(done)
 
-    # ----------------------------------------------------------------- decoding
-    def _generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generation]:
-        B, dev = len(prompts), self.device
-        P = max(len(p) for p in prompts)
-        input_ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((B, P), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention[i, P - len(p):] = 1
-        input_ids, attention = input_ids.to(dev), attention.to(dev)
-        position = (attention.cumsum(-1) - 1).clamp(min=0)
+    # ----------------------------------------------------------------- decode thread
+    def _loop(self) -> None:
+        if self.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(self.num_threads)  # per thread: the caller keeps its own
+        idle_since = time.monotonic()
+        while True:
+            with self._cv:
+                while not self._pending and not len(self._batch) and not self._closed:
+                    if time.monotonic() - idle_since > IDLE_EXIT_S or not threading.main_thread().is_alive():
+                        self._thread = None  # a later submit starts a new one
+                        return
+                    self._cv.wait(0.1)
+                if self._closed:
+                    return
+            try:
+                done = self._step()
+            except BaseException as e:  # fail what was in flight, keep serving
+                with self._lock:
+                    done = [(r, e) for r in self._batch.requests + self._admitting]
+                    self._admitting = []
+                    self._batch = RunningBatch(self.device)
+                    self._batch.mark_version(self._iteration, self._version)
+                    if self._runner is not None:
+                        self._runner.reset()
+                if not isinstance(e, Exception):  # interpreter shutdown and the like: stop here
+                    _resolve(done)
+                    with self._cv:
+                        self._thread = None
+                    raise
+            _resolve(done)
+            idle_since = time.monotonic()
+            hook = self.on_step
+            if hook is not None:
+                try:
+                    hook(self._iteration)
+                except Exception:  # a monitoring hook must not stop the engine
+                    log.exception("LocalEngine.on_step hook failed")
 
-        temperature = torch.tensor([p.temperature for p in params], device=dev)
-        top_k = torch.tensor([p.top_k for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        max_new = torch.tensor([p.max_new_tokens for p in params], device=dev)
-        stop_sets = [set(p.stop_token_ids) for p in params]
-        seeded = any(p.seed is not None for p in params)
-        generators = [torch.Generator(dev).manual_seed(p.seed if p.seed is not None else
-                                                       int(torch.randint(2**62, (1,), generator=self._generator)))
-                      for p in params] if seeded else None
+    def _take_pending(self) -> list[Request]:
+        with self._cv:
+            room = self.max_batch_size - len(self._batch)
+            if len(self._batch) and not self._runner.can_merge:
+                room = 0
+            take = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            self._stats["admitted"] += len(take)
+            self._stats["admitted_mid_decode"] += len(take) if len(self._batch) else 0
+            return take
 
-        out_tokens: list[list[int]] = [[] for _ in range(B)]
-        out_logps: list[list[float]] = [[] for _ in range(B)]
-        finish = ["length"] * B
-        alive = torch.arange(B, device=dev)  # original row index of each row still decoding
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=position,
-                            cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        next_pos = position[:, -1:] + 1
-        for step in range(int(max_new.max())):
-            gens = [generators[i] for i in alive.tolist()] if generators else self._generator
-            tok, lp = sample_tokens(logits, temperature[alive], top_k[alive], top_p[alive], gens)
-            keep = []
-            for j, (row, t, l) in enumerate(zip(alive.tolist(), tok.tolist(), lp.tolist())):
-                out_tokens[row].append(t)
-                out_logps[row].append(l)
-                if t in stop_sets[row]:
-                    finish[row] = "stop"
-                elif len(out_tokens[row]) < int(max_new[row]):
-                    keep.append(j)
-            if not keep:
-                break
-            if len(keep) < len(alive):
-                idx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(idx)
-                alive, tok, attention, next_pos = alive[idx], tok[idx], attention[idx], next_pos[idx]
-            attention = torch.cat([attention, attention.new_ones(len(alive), 1)], dim=1)
-            logits = self.model(input_ids=tok.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
-                                cache=cache, use_cache=True).logits[:, -1]
-            next_pos = next_pos + 1
-        v = self._version
-        return [Generation(token_ids=out_tokens[i], logprobs=out_logps[i], finish_reason=finish[i],
-                           versions=[v] * len(out_tokens[i])) for i in range(B)]
+    def _step(self) -> list[tuple[Request, Generation]]:
+        """One decode iteration: step the running rows, admit newcomers, sample, retire finished rows."""
+        with self._lock, torch.inference_mode():
+            if self.model is None:
+                return []
+            batch, runner = self._batch, self._runner
+            self._admitting = self._take_pending()
+            running = len(batch)
+            logits = [runner.step(batch.last)] if running else []
+            if self._admitting:
+                logits.append(runner.admit([r.prompt for r in self._admitting]))
+                batch.add(self._admitting, self._iteration)
+                self._admitting = []
+            if not logits:
+                return []
+            finished = batch.sample(logits[0] if len(logits) == 1 else torch.cat(logits))
+            self._iteration += 1
+            n = len(batch)
+            rows = finished.nonzero()[:, 0].tolist()
+            done = batch.finish(rows)
+            if rows:
+                order = _fill_holes(n, rows)
+                batch.keep(order)
+                runner.keep(order)
+            with self._cv:
+                s = self._stats
+                s["iterations"] += 1
+                s["decode_steps"] += running > 0
+                s["prefills"] += n > running
+                s["max_batch"] = max(s["max_batch"], n)
+                s["tokens"] += n
+            return done
+
+    def _abort_locked(self) -> list[tuple[Request, Generation]]:
+        """End all queued and running requests with "abort" (caller holds the lock)."""
+        with self._cv:
+            pending, self._pending = list(self._pending), deque()
+        done = [(r, Generation([], [], "abort", [])) for r in pending]
+        with torch.inference_mode():
+            done += self._batch.finish(list(range(len(self._batch))), reason="abort")
+            self._batch.keep([])
+        if self._runner is not None:
+            self._runner.reset()
+        with self._cv:
+            self._stats["aborted"] += len(done)
+        return done
+
+
+def _fill_holes(n: int, finished: list[int]) -> list[int]:
+    """The surviving rows of a batch of n, ordered so that survivors already in the first
+    n - len(finished) places stay where they are and the holes take rows from the tail."""
+    gone = set(finished)
+    k = n - len(gone)
+    order = list(range(k))
+    tail = [i for i in range(k, n) if i not in gone]
+    for hole, row in zip((i for i in range(k) if i in gone), tail):
+        order[hole] = row
+    return order
+
+
+def _resolve(done: list[tuple[Request, Generation | BaseException]]) -> None:
+    for req, out in done:
+        if req.future.done():
+            continue
+        if isinstance(out, BaseException):
+            req.future.set_exception(out)
+        else:
+            req.future.set_result(out)
 
 
 def _load_safetensors(path: str) -> dict[str, torch.Tensor]:

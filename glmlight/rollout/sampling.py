@@ -3,6 +3,13 @@
 The log-prob returned for a sampled token is taken from the distribution it was
 actually sampled from (after temperature, top-k and top-p); for greedy rows
 (temperature 0) it is the plain log-softmax of the logits.
+
+The engine samples by inversion (`sample_with_uniforms`): each request draws its
+uniforms from its own seeded generator once, when it is admitted, and token `t`
+of the request uses uniform `t`. A request's tokens therefore depend on its
+seed and its own logits only, never on which other requests share the batch or
+when it joined, and a decode step samples the whole batch with a handful of
+tensor ops (no per-row generator calls).
 """
 
 from __future__ import annotations
@@ -11,21 +18,28 @@ import torch
 
 
 def processed_logprobs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    *, use_top_k: bool | None = None, use_top_p: bool | None = None,
 ) -> torch.Tensor:
     """Log-probs of the sampling distribution per row. logits [B, V]; the other args [B].
 
     Greedy rows (temperature 0) use temperature 1 here; filtered-out tokens get -inf.
+    `use_top_k` / `use_top_p` say whether any row filters (None: look at the tensors,
+    which costs a device synchronisation each).
     """
     logits = logits.float()
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / temp.unsqueeze(-1)
     V = scaled.shape[-1]
-    if bool((top_k > 0).any()):
+    if use_top_k is None:
+        use_top_k = bool((top_k > 0).any())
+    if use_top_p is None:
+        use_top_p = bool((top_p < 1).any())
+    if use_top_k:
         k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
         kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if bool((top_p < 1).any()):
+    if use_top_p:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # Drop a token once the mass of the tokens strictly before it already reaches top_p.
@@ -42,7 +56,8 @@ def sample_tokens(
     top_p: torch.Tensor,
     generators: list[torch.Generator] | torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns (tokens [B], logprobs [B]).
+    """Sample one token per row with torch generators; returns (tokens [B], logprobs [B]).
+    (The engine uses `sample_with_uniforms`; this form suits callers holding generators.)
 
     Sampling uses the exponential race (argmax of log p − log E, E ~ Exp(1)), which
     draws exactly from p. With a list of generators each row draws its noise from
@@ -58,3 +73,42 @@ def sample_tokens(
     greedy = logp.argmax(-1)
     tokens = torch.where(temperature > 0, sampled, greedy)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sample_with_uniforms(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    *,
+    use_top_k: bool | None = None,
+    use_top_p: bool | None = None,
+    greedy: str = "some",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverting the row's CDF at `uniforms` [B] (in [0, 1));
+    returns (tokens [B], logprobs [B]).
+
+    The chosen token is the first whose cumulative probability exceeds u·(total mass),
+    so a token of zero probability (filtered out) is never chosen. `greedy` is "none"
+    (no row has temperature 0), "all" or "some"; it only skips work.
+    """
+    logp = processed_logprobs(logits, temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
+    if greedy == "all":
+        tokens = logp.argmax(-1)
+    else:
+        cdf = logp.exp().cumsum(-1)
+        total = cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, uniforms.to(cdf.dtype).unsqueeze(-1) * total, right=True).squeeze(-1)
+        # u·total can round up to total; never step past the last token with positive mass
+        tokens = torch.minimum(tokens, (cdf < total).sum(-1))
+        if greedy != "none":
+            tokens = torch.where(temperature > 0, tokens, logp.argmax(-1))
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def request_uniforms(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The `n` uniforms a request with this seed samples its tokens from (CPU generator,
+    so the stream is the same on every device)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, generator=g, dtype=torch.float64).to(device)

@@ -1,0 +1,163 @@
+"""The running batch of the embedded engine: per-request sampling state, on the device.
+
+One row per request being decoded, in the runner's row order. Per-row settings
+live in three small tensors (`floats` [n, 2]: temperature, top-p; `ints` [n, 4]:
+top-k, tokens generated, max new tokens, slot; `stops` [n, S]), so a decode step
+samples, records and checks every row with a fixed number of tensor ops, and
+compaction is one `index_select` each. Sampled tokens and log-probs go straight
+into per-slot output buffers and are read back only when a request finishes.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from glmlight.rollout.base import Generation, SamplingParams
+from glmlight.rollout.sampling import sample_with_uniforms
+
+TOP_K, STEP, MAX_NEW, SLOT = range(4)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    uniforms: torch.Tensor  # [max_new_tokens] float64, drawn from the request's own seed
+    future: Future = field(default_factory=Future)
+    first_iteration: int = -1  # engine iteration that sampled the request's first token
+
+
+class RunningBatch:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.requests: list[Request] = []
+        self.floats = torch.zeros(0, 2, device=device)
+        self.ints = torch.zeros(0, 4, dtype=torch.long, device=device)
+        self.stops = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.last = torch.zeros(0, dtype=torch.long, device=device)  # last sampled token per row
+        self._alloc_slots(16, 16)
+        self.free = list(range(16))
+        # version marks: (first engine iteration served by a version, version)
+        self.marks: list[tuple[int, int]] = [(0, 0)]
+        self._summarise()
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    # ----------------------------------------------------------------- buffers
+    def _alloc_slots(self, slots: int, length: int) -> None:
+        old = getattr(self, "tokens", None)
+        dev = self.device
+        tokens = torch.zeros(slots, length, dtype=torch.long, device=dev)
+        logps = torch.zeros(slots, length, device=dev)
+        uniforms = torch.zeros(slots, length, dtype=torch.float64, device=dev)
+        if old is not None:
+            s, L = old.shape
+            tokens[:s, :L], logps[:s, :L], uniforms[:s, :L] = self.tokens, self.logps, self.uniforms
+        self.tokens, self.logps, self.uniforms = tokens, logps, uniforms
+
+    def _take_slots(self, k: int, length: int) -> list[int]:
+        slots, L = self.tokens.shape
+        if k > len(self.free) or length > L:
+            grow = max(k - len(self.free), 0)
+            new_slots = max(slots + grow, 2 * slots if grow else slots)
+            self._alloc_slots(new_slots, max(L, length if length <= L else max(length, 2 * L)))
+            self.free.extend(range(slots, new_slots))
+        taken, self.free = self.free[:k], self.free[k:]
+        return taken
+
+    # ----------------------------------------------------------------- rows
+    def add(self, requests: list[Request], iteration: int) -> None:
+        """Append newly admitted requests as rows (after the runner appended their cache rows)."""
+        slots = self._take_slots(len(requests), max(r.params.max_new_tokens for r in requests))
+        for r, s in zip(requests, slots):
+            r.first_iteration = iteration
+            self.uniforms[s, : r.params.max_new_tokens] = r.uniforms.to(self.device)
+        dev = self.device
+        floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in requests], device=dev)
+        ints = torch.tensor([[r.params.top_k, 0, r.params.max_new_tokens, s] for r, s in zip(requests, slots)],
+                            dtype=torch.long, device=dev)
+        S = max(self.stops.shape[1], max(len(r.params.stop_token_ids) for r in requests))
+        stops = torch.full((len(requests), S), -1, dtype=torch.long, device=dev)
+        for i, r in enumerate(requests):
+            if r.params.stop_token_ids:
+                stops[i, : len(r.params.stop_token_ids)] = torch.tensor(r.params.stop_token_ids)
+        old_stops = torch.nn.functional.pad(self.stops, (0, S - self.stops.shape[1]), value=-1)
+        self.floats = torch.cat([self.floats, floats])
+        self.ints = torch.cat([self.ints, ints])
+        self.stops = torch.cat([old_stops, stops])
+        self.requests.extend(requests)
+        self._summarise()
+
+    def _summarise(self) -> None:
+        """What the rows ask of the sampler (known on the host: no device sync per step)."""
+        reqs = self.requests
+        greedy = sum(r.params.temperature == 0 for r in reqs)
+        self._greedy = "none" if greedy == 0 else "all" if greedy == len(reqs) else "some"
+        self._use_top_k = any(r.params.top_k > 0 for r in reqs)
+        self._use_top_p = any(r.params.top_p < 1 for r in reqs)
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sample, record and advance every row; returns the bool mask of rows that finished [n]."""
+        temp, ints = self.floats[:, 0], self.ints
+        step, slot = ints[:, STEP], ints[:, SLOT]
+        tok, lp = sample_with_uniforms(logits, temp, ints[:, TOP_K], self.floats[:, 1], self.uniforms[slot, step],
+                                       use_top_k=self._use_top_k, use_top_p=self._use_top_p, greedy=self._greedy)
+        self.tokens[slot, step] = tok
+        self.logps[slot, step] = lp.to(self.logps.dtype)
+        ints[:, STEP] += 1
+        done = ints[:, STEP] >= ints[:, MAX_NEW]
+        if self.stops.shape[1]:
+            done |= (self.stops == tok[:, None]).any(-1)
+        self.last = tok
+        return done
+
+    def finish(self, rows: list[int], reason: str | None = None) -> list[tuple[Request, Generation]]:
+        """Read back the outputs of `rows` (finish reason from their last token unless given)."""
+        if not rows:
+            return []
+        idx = torch.tensor(rows, device=self.device)
+        meta = self.ints[idx].tolist()
+        slots = idx.new_tensor([m[SLOT] for m in meta])
+        toks, lps = self.tokens[slots].tolist(), self.logps[slots].tolist()
+        out = []
+        for i, row in enumerate(rows):
+            r, n = self.requests[row], meta[i][STEP]
+            t = toks[i][:n]
+            why = reason or ("stop" if t and t[-1] in r.params.stop_token_ids else "length")
+            out.append((r, Generation(token_ids=t, logprobs=lps[i][:n], finish_reason=why,
+                                      versions=self.versions(r.first_iteration, n))))
+            self.free.append(meta[i][SLOT])
+        return out
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in this order)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.floats, self.ints, self.stops, self.last = (self.floats[idx], self.ints[idx], self.stops[idx],
+                                                         self.last[idx] if len(self.last) else self.last)
+        self.requests = [self.requests[i] for i in rows]
+        if not rows:
+            self.stops = self.stops[:, :0]
+        self._summarise()
+
+    # ----------------------------------------------------------------- versions
+    def mark_version(self, iteration: int, version: int) -> None:
+        if self.marks[-1][0] == iteration:
+            self.marks[-1] = (iteration, version)
+        else:
+            self.marks.append((iteration, version))
+
+    def versions(self, first: int, n: int) -> list[int]:
+        """The weight version of each of n tokens sampled at iterations first, first+1, ..."""
+        out, marks = [], self.marks
+        k = bisect_right(marks, (first, float("inf"))) - 1
+        for it in range(first, first + n):
+            while k + 1 < len(marks) and marks[k + 1][0] <= it:
+                k += 1
+            out.append(marks[k][1])
+        return out

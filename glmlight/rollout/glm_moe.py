@@ -1,0 +1,106 @@
+"""The MoE block of GlmMoeDsa for the embedded engine's GLM-5 runner.
+
+Same function as `GlmMoeDsaMoE.forward` (sigmoid router with a selection-only
+bias, top-k experts, normalised and scaled weights, plus the shared expert),
+computed one of two ways:
+
+- dense, for few tokens (decode steps): every expert on every token, weighted by
+  the mostly-zero routing weights, with the shared expert stacked as one more
+  expert of weight 1 — three batched matmuls and no per-expert Python loop;
+- grouped, for more tokens: tokens sorted by expert and one grouped matmul per
+  projection (`torch._grouped_mm`), so only the routed FLOPs are spent.
+
+On accelerators the grouped case uses the model's own MoE kernels, and so does
+every case for models whose experts are too large for the dense form ever to pay
+(then no stacked copy of the expert weights is kept).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# The dense form while the FLOPs it wastes on unselected experts stay below this.
+DENSE_MOE_MAX_WASTED_FLOPS = 6e6
+
+
+def dense_possible(cfg) -> bool:
+    """Whether even one token is few enough for the dense form (small experts only)."""
+    return (cfg.n_routed_experts - cfg.num_experts_per_tok) * cfg.hidden_size * cfg.moe_intermediate_size * 6 \
+        <= DENSE_MOE_MAX_WASTED_FLOPS
+
+
+@torch.no_grad()
+def stacked_experts(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """Expert weights as [E(+1), h, 2m] and [E(+1), m, h] for x @ W; the shared expert is
+    appended as the last expert when it has the routed experts' width (third value True).
+    None (no copy of the experts kept) when the dense form can never be used."""
+    if not dense_possible(mlp.config):
+        return None
+    ex, sh = mlp.experts, mlp.shared_experts
+    gate_up, down, shared = ex.gate_up_proj, ex.down_proj, False
+    if sh.gate_proj.weight.shape[0] == ex.intermediate_dim:
+        gate_up = torch.cat([gate_up, torch.cat([sh.gate_proj.weight, sh.up_proj.weight])[None]])
+        down = torch.cat([down, sh.down_proj.weight[None]])
+        shared = True
+    return gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous(), shared
+
+
+def moe_forward(mlp: torch.nn.Module, stacked: tuple[torch.Tensor, torch.Tensor, bool] | None,
+                x: torch.Tensor) -> torch.Tensor:
+    """GlmMoeDsaMoE(x) for x [B, S, h], with `stacked_experts(mlp)` weights."""
+    B, S, h = x.shape
+    cfg = mlp.config
+    E, k, m = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    dense = B * S * (E - k) * h * m * 6 <= DENSE_MOE_MAX_WASTED_FLOPS
+    if stacked is None or (not dense and x.device.type != "cpu"):
+        return mlp(x)
+    gate_up, down, shared_stacked = stacked
+    xt = x.view(B * S, h)
+    w, idx = route(mlp.gate, xt)
+    y = (_dense if dense else _grouped)(gate_up, down, shared_stacked, xt, w, idx)
+    if not shared_stacked:
+        y = y + mlp.shared_experts(xt)
+    return y.view(B, S, h)
+
+
+def route(gate: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GlmMoeDsaTopkRouter: sigmoid scores, bias for the choice only, top-k, normalise, scale."""
+    if gate.num_group > 1:
+        _, w, idx = gate(x)
+        return w, idx
+    scores = F.linear(x.float(), gate.weight.float()).sigmoid()
+    idx = torch.topk(scores + gate.e_score_correction_bias, k=gate.top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, idx)
+    if gate.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * gate.routed_scaling_factor, idx
+
+
+def _dense(gate_up: torch.Tensor, down: torch.Tensor, shared: bool, xt: torch.Tensor, w: torch.Tensor,
+           idx: torch.Tensor) -> torch.Tensor:
+    weights = torch.zeros(xt.shape[0], gate_up.shape[0], dtype=w.dtype, device=xt.device)
+    if shared:
+        weights[:, -1] = 1.0
+    weights.scatter_(1, idx, w)
+    g, u = torch.matmul(xt, gate_up).chunk(2, dim=-1)  # [E', N, m]
+    out = torch.matmul(F.silu(g) * u, down)  # [E', N, h]
+    return (out * weights.t()[..., None]).sum(0).to(xt.dtype)  # in expert order, the shared one last
+
+
+def _grouped(gate_up: torch.Tensor, down: torch.Tensor, shared: bool, xt: torch.Tensor, w: torch.Tensor,
+             idx: torch.Tensor) -> torch.Tensor:
+    N, k = idx.shape
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    tok = order.div(k, rounding_mode="floor")
+    counts = torch.bincount(flat, minlength=gate_up.shape[0] - shared)
+    ws = w.reshape(-1)[order]
+    if shared:  # the shared expert is the last group, over every token
+        tok = torch.cat([tok, torch.arange(N, device=xt.device)])
+        counts = torch.cat([counts, counts.new_full((1,), N)])
+        ws = torch.cat([ws, ws.new_ones(N)])
+    offs = counts.cumsum(0).to(torch.int32)
+    g, u = torch._grouped_mm(xt[tok], gate_up, offs=offs).chunk(2, dim=-1)
+    out = torch._grouped_mm(F.silu(g) * u, down, offs=offs) * ws.to(xt.dtype)[:, None]
+    return torch.zeros_like(xt).index_add_(0, tok, out)

@@ -1,0 +1,347 @@
+"""Fast decoding of GlmMoeDsa (GLM-5 architecture) models for the embedded engine.
+
+The runner computes the same function as `GlmMoeDsaForCausalLM.forward` from the
+model's own weights, with a layout made for continuous batching:
+
+- a preallocated per-row cache: for every layer the compressed MLA latent
+  `[rows, capacity, kv_lora_rank + rope_dim]` (normalised kv latent | rotated
+  shared key, as the model caches it) and the DSA indexer keys
+  `[rows, capacity, index_dim]`. Attention runs in the latent space (the
+  `kv_b_proj` key half is applied to the query, the value half to the attention
+  output), so the cache is never re-expanded. Row `r` holds its own sequence at
+  positions `0..len_r-1`; nothing is shared between rows, so a request's cache
+  does not depend on what else is in the batch.
+- `admit` prefills newcomers straight into free rows at the end of the batch;
+  `step` decodes one token for every row; `keep` compacts the rows that survive.
+- the DSA top-k selection breaks ties between equal index scores by position
+  (most recent first), so the selected set depends only on the row's own scores, never
+  on how long the other rows are.
+- a decode step over a long cache attends to the k selected keys only (gathered),
+  instead of to every key under a mask.
+- few tensor ops per step: fused projections (rows permuted once so that rotary
+  halves are contiguous), one rotary table, cache writes by flat `index_copy_`,
+  an inline router and, for few tokens, a dense all-experts MoE (`glm_moe.py`).
+
+Numerics: the same fp32 function as the model's forward up to reassociation
+(latent-space attention, fused matmuls): logits agree to ~1e-6.
+
+Weights are read from the model on `refresh()`; the engine calls it after every
+weight update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from glmlight.rollout.glm_moe import moe_forward, stacked_experts
+
+# A decode step gathers the k selected keys and attends to them alone once the cache holds at
+# least this many times k keys; below that a masked pass over all keys is cheaper.
+SPARSE_DECODE_MIN_KEYS_PER_TOPK = 4
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether `model` is a GlmMoeDsaForCausalLM this runner reproduces exactly."""
+    cfg = getattr(model, "config", None)
+    if type(model).__name__ != "GlmMoeDsaForCausalLM" or cfg is None:
+        return False
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    return "dynamic" not in rope and cfg.hidden_act == "silu"
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """GlmMoeDsaRMSNorm: normalise in fp32, scale in the model dtype."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on an input whose rotary pairs were de-interleaved into halves
+    ([x0, x2, ...| x1, x3, ...]); `cos` = [c | c], `sin` = [-s | s]. The output layout is
+    the model's (apply_rotary_pos_emb_interleave)."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., h:], x[..., :h]], dim=-1) * sin
+
+
+def _deinterleave(r: int) -> torch.Tensor:
+    return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
+
+
+def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the k largest entries along the last dim. Among equal scores at the
+    cut-off the most recent positions win (ReLU index scores tie at exactly 0 often, e.g.
+    for a query whose indexer projection is all negative), so the selection depends only on
+    the row's own scores, never on trailing -inf padding (which may be selected only when
+    fewer than k entries are finite; callers mask it)."""
+    kth = scores.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    tied = scores == kth
+    need = k - (scores > kth).sum(-1, keepdim=True)
+    return (scores > kth) | (tied & (tied.flip(-1).cumsum(-1).flip(-1) <= need))
+
+
+def topk_recent(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k largest entries along the last dim, ties to the most recent ones:
+    the same choice as `topk_mask`, as indices. One top-k over int64 keys that order first by
+    score (the float's bits made order-preserving) and then by position."""
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0: equal scores, equal keys
+    order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() * 2**32
+    return (order + torch.arange(scores.shape[-1], device=scores.device)).topk(k, dim=-1, sorted=False).indices
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    w_in: torch.Tensor  # [q_a | kv_a latent | kv_a rope (de-interleaved) | indexer wk (rope half de-interleaved)]
+    b_in: torch.Tensor | None
+    split_in: list[int]
+    q_norm: torch.Tensor
+    q_eps: float
+    kv_norm: torch.Tensor
+    kv_eps: float
+    w_qb: torch.Tensor  # [q nope (H) | indexer q pass (Hi) | q rope (H) | indexer q rope (Hi)], rope de-interleaved
+    split_qb: list[int]
+    w_uk: torch.Tensor  # [H, nope, L]: key half of kv_b_proj (absorbed into the query)
+    w_uv: torch.Tensor  # [H, L, dv]: value half of kv_b_proj (applied to the attention output)
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    scaling: float
+    indexer: Any  # the layer's GlmMoeDsaIndexer module, or None for "shared" layers
+    k_ln: tuple[torch.Tensor | None, torch.Tensor | None, float] | None  # indexer k_norm, de-interleaved
+    mlp: torch.nn.Module
+    gate_up: torch.Tensor | None  # dense MLP: [2m, h]
+    moe: bool
+    experts: tuple[torch.Tensor, torch.Tensor, bool] | None  # glm_moe.stacked_experts
+
+
+class GlmDsaRunner:
+    """Per-row cached decoding of a GlmMoeDsaForCausalLM (see the module docstring)."""
+
+    can_merge = True
+
+    def __init__(self, model: torch.nn.Module, rows: int = 8, capacity: int = 128):
+        self.model = model
+        self.cfg = cfg = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.H, self.L = cfg.num_attention_heads, cfg.kv_lora_rank
+        self.nope, self.rope, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.topk = cfg.index_topk
+        self._rope_len = 0
+        self.refresh()
+        self.n = 0  # rows in the running batch
+        self.lens = torch.zeros(0, dtype=torch.long, device=self.device)  # tokens cached per row
+        self._max_len = 0
+        self.rows_cap = self.capacity = 0
+        self._alloc(rows, capacity)
+
+    # ----------------------------------------------------------------- weights
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """(Re)read the weights from the model; call after every weight update."""
+        m, cfg = self.model.model, self.cfg
+        H, L, nope, r, dv = self.H, self.L, self.nope, self.rope, self.dv
+        perm = _deinterleave(r).to(self.device)
+        self.embed = m.embed_tokens.weight
+        self.final_norm, self.final_eps = m.norm.weight, m.norm.variance_epsilon
+        self.lm_head = self.model.lm_head.weight
+        self.eps = cfg.rms_norm_eps
+        self.layers: list[_Layer] = []
+        for layer in m.layers:
+            a, ix = layer.self_attn, layer.self_attn.indexer
+            kv_a = a.kv_a_proj_with_mqa.weight
+            ws = [a.q_a_proj.weight, kv_a[:L], kv_a[L:][perm]]
+            bs = [a.q_a_proj.bias, *(a.kv_a_proj_with_mqa.bias.split([L, r]) if a.kv_a_proj_with_mqa.bias is not None
+                                     else (None, None))]
+            qb = a.q_b_proj.weight.view(H, nope + r, -1)
+            q_nope, q_rot = qb[:, :nope].reshape(H * nope, -1), qb[:, nope:][:, perm].reshape(H * r, -1)
+            qbs, k_ln = [q_nope], None
+            if ix is not None:
+                ipm = torch.cat([perm, torch.arange(r, ix.head_dim, device=self.device)])
+                ws.append(ix.wk.weight[ipm])
+                bs.append(None)
+                iq = ix.wq_b.weight.view(ix.n_heads, ix.head_dim, -1)
+                qbs = [q_nope, iq[:, r:].reshape(-1, iq.shape[-1]), q_rot, iq[:, :r][:, perm].reshape(-1, iq.shape[-1])]
+                ln = ix.k_norm
+                k_ln = (ln.weight[ipm] if ln.weight is not None else None,
+                        ln.bias[ipm] if ln.bias is not None else None, ln.eps)
+            else:
+                qbs.append(q_rot)
+            b_in = None
+            if any(b is not None for b in bs):
+                b_in = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(bs, ws)])
+            kv_b = a.kv_b_proj.weight.view(H, nope + dv, L)
+            moe = hasattr(layer.mlp, "experts")
+            gate_up = stacked = None
+            if moe:
+                stacked = stacked_experts(layer.mlp)
+            else:
+                gate_up = torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
+            self.layers.append(_Layer(
+                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                w_in=torch.cat(ws), b_in=b_in, split_in=[w.shape[0] for w in ws],
+                q_norm=a.q_a_layernorm.weight, q_eps=a.q_a_layernorm.variance_epsilon,
+                kv_norm=a.kv_a_layernorm.weight, kv_eps=a.kv_a_layernorm.variance_epsilon,
+                w_qb=torch.cat(qbs), split_qb=[w.shape[0] for w in qbs],
+                w_uk=kv_b[:, :nope].contiguous(), w_uv=kv_b[:, nope:].transpose(1, 2).contiguous(),
+                o_proj=a.o_proj.weight, o_bias=a.o_proj.bias, scaling=a.scaling, indexer=ix, k_ln=k_ln,
+                mlp=layer.mlp, gate_up=gate_up, moe=moe, experts=stacked))
+        self._rope_table(max(self._rope_len, 256))
+
+    def _rope_table(self, length: int) -> None:
+        pos = torch.arange(length, device=self.device)[None]
+        cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), pos)
+        c, s_ = cos[0, :, : cos.shape[-1] // 2], sin[0, :, : sin.shape[-1] // 2]
+        self._cos, self._sin, self._rope_len = torch.cat([c, c], -1), torch.cat([-s_, s_], -1), length
+
+    # ----------------------------------------------------------------- cache
+    def _alloc(self, rows: int, capacity: int) -> None:
+        dev, dt, n, T = self.device, self.dtype, self.n, self._max_len
+        C = [torch.zeros(rows, capacity, self.L + self.rope, dtype=dt, device=dev) for _ in self.layers]
+        IK = [torch.zeros(rows, capacity, L.indexer.head_dim, dtype=dt, device=dev) if L.indexer is not None
+              else None for L in self.layers]
+        if self.rows_cap and n:
+            for l in range(len(self.layers)):
+                C[l][:n, :T] = self.C[l][:n, :T]
+                if IK[l] is not None:
+                    IK[l][:n, :T] = self.IK[l][:n, :T]
+        self.C, self.IK = C, IK
+        self.rows_cap, self.capacity = rows, capacity
+        if capacity > self._rope_len:
+            self._rope_table(capacity)
+
+    def _ensure(self, rows: int, length: int) -> None:
+        if rows > self.rows_cap or length > self.capacity:
+            self._alloc(rows if rows <= self.rows_cap else max(rows, 2 * self.rows_cap),
+                        length if length <= self.capacity else max(length, 2 * self.capacity))
+
+    def reset(self) -> None:
+        self.n, self._max_len = 0, 0
+        self.lens = self.lens[:0]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices into the running batch, in this order). Only rows that
+        change place are copied, so the engine fills holes with rows from the tail."""
+        k = len(rows)
+        if k == 0:
+            self.reset()
+            return
+        moved = [(dst, src) for dst, src in enumerate(rows) if dst != src]
+        if moved:
+            dst = torch.tensor([d for d, _ in moved], device=self.device)
+            src = torch.tensor([s for _, s in moved], device=self.device)
+            T = self._max_len
+            for l in range(len(self.layers)):
+                self.C[l][dst, :T] = self.C[l][src, :T]
+                if self.IK[l] is not None:
+                    self.IK[l][dst, :T] = self.IK[l][src, :T]
+        self.lens = self.lens[torch.tensor(rows, device=self.device)]
+        self.n = k
+        self._max_len = int(self.lens.max())
+
+    # ----------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def admit(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill `prompts` into new rows at the end of the batch; logits of their last tokens [m, V]."""
+        m, S = len(prompts), max(len(p) for p in prompts)
+        self._ensure(self.n + m, max(S, self._max_len) + 1)
+        ids = torch.zeros(m, S, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        pos = torch.arange(S, device=self.device).expand(m, S)
+        logits = self._forward(ids.to(self.device), pos, lens, self.n, S, lens - 1)
+        self.lens = torch.cat([self.lens, lens])
+        self.n += m
+        self._max_len = max(self._max_len, S)
+        return logits
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token to every row of the batch; logits of the next token [n, V]."""
+        self._ensure(self.n, self._max_len + 1)
+        logits = self._forward(tokens[:, None], self.lens[:, None], self.lens + 1, 0, self._max_len + 1, None)
+        self.lens = self.lens + 1
+        self._max_len += 1
+        return logits
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, total: torch.Tensor, r0: int, T: int,
+                 last: torch.Tensor | None) -> torch.Tensor:
+        """ids/pos [B, S] for cache rows r0..r0+B-1; `total` [B] valid tokens per row after this
+        call; attention runs over cache positions [0, T). `last` [B] picks one position per row
+        (None: the only one)."""
+        B, S = ids.shape
+        H, L, r = self.H, self.L, self.rope
+        cos, sin = self._cos[pos][:, :, None], self._sin[pos][:, :, None]  # [B, S, 1, r]
+        keys = torch.arange(T, device=self.device)
+        mask = (keys <= pos[..., None]) & (keys < total[:, None, None])  # [B, S, T]
+        flat = ((torch.arange(r0, r0 + B, device=self.device)[:, None] * self.capacity) + pos).view(-1)
+        rows = slice(r0, r0 + B)
+        h = F.embedding(ids, self.embed)
+        selected = None
+        for l, Ly in enumerate(self.layers):
+            x = _rms(h, Ly.in_norm, self.eps)
+            parts = F.linear(x, Ly.w_in, Ly.b_in).split(Ly.split_in, dim=-1)
+            q_resid = _rms(parts[0], Ly.q_norm, Ly.q_eps)
+            qb = F.linear(q_resid, Ly.w_qb).split(Ly.split_qb, dim=-1)
+            latent = _rms(parts[1], Ly.kv_norm, Ly.kv_eps)
+            if Ly.indexer is None:
+                q_nope, q_rot = qb
+                k_rot = _rope(parts[2][:, :, None], cos, sin)[:, :, 0]
+            else:
+                ix = Ly.indexer
+                q_nope, iq_pass, q_rot = qb[0], qb[1], torch.cat([qb[2], qb[3]], -1)
+                ik = F.layer_norm(parts[3], (ix.head_dim,), *Ly.k_ln)
+                k2 = _rope(torch.stack([parts[2], ik[..., :r]], dim=2), cos, sin)  # [B, S, 2, r]
+                k_rot, ik = k2[:, :, 0], torch.cat([k2[:, :, 1], ik[..., r:]], dim=-1)
+                self.IK[l].view(-1, ix.head_dim).index_copy_(0, flat, ik.reshape(-1, ix.head_dim))
+            rot = _rope(q_rot.view(B, S, -1, r), cos, sin)  # [B, S, H (+Hi), r]
+            Cl = self.C[l]
+            Cl.view(-1, L + r).index_copy_(0, flat, torch.cat([latent, k_rot], dim=-1).view(-1, L + r))
+            if Ly.indexer is not None:
+                selected = self._select(l, Ly, x, rot[:, :, H:], iq_pass, mask, rows, T)
+            # attention in the latent space: q·k = (W_uk^T q_nope)·latent + q_rot·k_rot
+            q_lat = torch.matmul(q_nope.view(B * S, H, -1).transpose(0, 1), Ly.w_uk)  # [H, BS, L]
+            q = torch.cat([q_lat.transpose(0, 1), rot[:, :, :H].reshape(B * S, H, r)], dim=-1).view(B, S * H, L + r)
+            cache = Cl[rows, :T]
+            if selected is not None and selected.dtype == torch.long:  # decode: only the k selected keys
+                cache = torch.gather(cache, 1, selected[:, 0, :, None].expand(-1, -1, L + r))  # [B, k, L + r]
+                keep = (selected <= pos[..., None])  # [B, 1, k]: selected keys the row really has
+            else:
+                keep = mask if selected is None else mask & selected
+            n = cache.shape[1]
+            att = torch.matmul(q, cache.transpose(1, 2)).mul_(Ly.scaling).view(B, S, H, n)
+            att = att.masked_fill_(~keep[:, :, None], float("-inf")).softmax(-1, dtype=torch.float32).to(h.dtype)
+            o_lat = torch.matmul(att.view(B, S * H, n), cache[..., :L])  # [B, SH, L]
+            o = torch.matmul(o_lat.view(B * S, H, L).transpose(0, 1), Ly.w_uv)  # [H, BS, dv]
+            h = h + F.linear(o.transpose(0, 1).reshape(B, S, H * self.dv), Ly.o_proj, Ly.o_bias)
+            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps))
+        h = h[:, 0] if last is None else h[torch.arange(B, device=self.device), last]
+        return F.linear(_rms(h, self.final_norm, self.final_eps), self.lm_head)
+
+    def _select(self, l: int, Ly: _Layer, x: torch.Tensor, q_rot: torch.Tensor, q_pass: torch.Tensor,
+                mask: torch.Tensor, rows: slice, T: int) -> torch.Tensor | None:
+        """The DSA indexer's top-k selection: key positions [B, 1, k] (long) when a decode step
+        attends sparsely, else a mask [B, S, T] (None: T <= k, every key is selected)."""
+        if T <= self.topk:
+            return None
+        ix = Ly.indexer
+        B, S = mask.shape[:2]
+        q = torch.cat([q_rot, q_pass.view(B, S, ix.n_heads, -1)], dim=-1)  # [B, S, Hi, Di]
+        keys = self.IK[l][rows, :T]
+        scores = torch.matmul(q.float().view(B, S * ix.n_heads, -1), keys.float().transpose(1, 2))
+        scores = F.relu(scores.mul_(ix.softmax_scale)).view(B, S, ix.n_heads, T)
+        w = F.linear(x.to(ix.weights_proj.weight.dtype), ix.weights_proj.weight).float() * (ix.n_heads ** -0.5)
+        index = (w.unsqueeze(-1) * scores).sum(-2).masked_fill_(~mask, float("-inf"))  # Σ_heads w·relu(q·k)
+        if S == 1 and T >= SPARSE_DECODE_MIN_KEYS_PER_TOPK * self.topk:
+            return topk_recent(index, self.topk)
+        return topk_mask(index, self.topk)
+
+    def _mlp(self, Ly: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if not Ly.moe:
+            g, u = F.linear(x, Ly.gate_up).chunk(2, dim=-1)
+            return F.linear(F.silu(g) * u, Ly.mlp.down_proj.weight)
+        return moe_forward(Ly.mlp, Ly.experts, x)

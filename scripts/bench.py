@@ -1,0 +1,455 @@
+#!/usr/bin/env python
+"""Throughput of glmlight against baselines measured in the same run (docs/performance.md).
+
+    python scripts/bench.py [--quick] [--only engine|grpo|flops] [--device cpu|cuda] [--json out.json]
+                            [--threads N] [--rounds R]
+
+engine  decode tokens/s of LocalEngine vs transformers' `model.generate` (same tiny GLM-5, batch,
+        prompts, exactly N new tokens on both sides, temperature 1). Target >= 3x.
+grpo    whole GRPO steps of a glmlight run vs TRL's GRPOTrainer on identical work. Target >= 3x.
+        Baseline: trl==1.16.0, which works with transformers 5.24 (pip install -e '.[bench]').
+        The "+ ..." rows apply the changes recommended in docs/performance.md, by monkeypatching
+        in this script only.
+flops   achieved FLOP/s of a GRPO training step of the ~50M `small` preset vs a large fp32
+        torch.matmul. Target >= 50% (FLOPs counted as in `train_step_flops`).
+
+Figures are medians of several repetitions; ratios are glmlight / baseline. Nothing here is
+asserted: on a shared machine timings move by tens of percent from run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from train import compose`
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import torch  # noqa: E402
+
+
+@dataclass
+class Sizes:
+    preset: str = "tiny"  # engine and grpo: the tiny GLM-5; flops: the ~50M `small` preset
+    batch: int = 64  # engine: sequences decoded together
+    prompt: int = 32  # engine: prompt tokens
+    new_tokens: int = 256  # engine: generated tokens per sequence
+    reps: int = 3  # engine: timed repetitions per side
+    group: int = 8  # grpo: completions per prompt
+    prompts: int = 4  # grpo: prompts per step
+    completion: int = 128  # grpo: tokens per completion
+    steps: int = 4  # grpo: timed steps per run (after one warm-up step)
+    flops_preset: str = "small"
+    flops_batch: int = 8  # flops: sequences per training step
+    flops_seq: int = 256  # flops: tokens per sequence (32 prompt + the rest response)
+    flops_steps: int = 3  # flops: timed training steps (after one warm-up step)
+    matmul_n: int = 4096  # flops: square matmul size for the peak
+
+
+QUICK = Sizes(batch=16, prompt=16, new_tokens=64, reps=2, group=4, prompts=2, completion=32, steps=2,
+              flops_batch=2, flops_seq=128, flops_steps=1, matmul_n=2048)
+TARGETS = {"engine": 3.0, "grpo": 3.0, "flops": 0.5}
+
+
+# ----------------------------------------------------------------- helpers
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: str) -> float:
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def machine(device: str) -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info = {"cpu": cpu, "cores": cores, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "device": device}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def row(figure: str, unit: str, ours: float, base: float, target: float | None, note: str = "") -> dict[str, Any]:
+    ratio = ours / base if base else float("nan")
+    return {"figure": figure, "unit": unit, "glmlight": ours, "baseline": base, "ratio": ratio,
+            "target": target, "met": None if target is None else ratio >= target, "note": note}
+
+
+def tiny_model(preset: str, device: str):
+    from glmlight.models.loading import load_causal_lm
+    from glmlight.models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    return tok, load_causal_lm(None, tok, preset=preset).to(device)
+
+
+# ----------------------------------------------------------------- engine
+def bench_engine(s: Sizes, device: str) -> list[dict[str, Any]]:
+    from glmlight.rollout.base import SamplingParams
+    from glmlight.rollout.local import LocalEngine
+
+    tok, model = tiny_model(s.preset, device)
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(6, len(tok), (s.batch, s.prompt), generator=g)
+    engine = LocalEngine(model, device=device)
+
+    def hf(n: int) -> None:
+        with torch.inference_mode():
+            out = model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=n, max_new_tokens=n,
+                                 pad_token_id=tok.pad_token_id)
+        assert out.shape[1] == s.prompt + n
+
+    def ours(n: int) -> None:
+        gens = engine.generate(ids.tolist(), SamplingParams(temperature=1.0, max_new_tokens=n))
+        assert all(len(x.token_ids) == n for x in gens)
+
+    hf(4), ours(4)  # warm-up
+    t_hf, t_ours = [], []
+    for _ in range(s.reps):  # interleaved, so that both sides see the same machine load
+        t_hf.append(timed(lambda: hf(s.new_tokens), device))
+        t_ours.append(timed(lambda: ours(s.new_tokens), device))
+    engine.close()
+    n = s.batch * s.new_tokens
+    note = f"{s.preset} preset, batch {s.batch}, prompt {s.prompt}, {s.new_tokens} new tokens"
+    return [row("engine decode", "tokens/s", n / statistics.median(t_ours), n / statistics.median(t_hf),
+                TARGETS["engine"], note)]
+
+
+# ----------------------------------------------------------------- grpo
+def digit_fraction(text: str) -> float:
+    """The reward of both sides: the fraction of digit characters (dense, cheap, equal work)."""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+def digit_fraction_reward(sample) -> float:
+    return digit_fraction(sample.metadata["completion_text"])
+
+
+def _glmlight_steps(s: Sizes, device: str, root: str) -> list[float]:
+    import lightning.pytorch as pl
+
+    import glmlight
+    from train import compose
+
+    stamps: list[float] = []
+
+    class Stamp(pl.Callback):
+        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            sync(device)
+            stamps.append(time.perf_counter())
+
+    overrides = [f"model.preset={s.preset}", "model.warm_start.steps=0", "logger=none",
+                 f"trainer.default_root_dir={root}", f"trainer.max_steps={s.steps + 1}",
+                 "trainer.enable_progress_bar=false", "trainer.checkpoint_every_n_steps=0",
+                 f"rollout.rollout_batch_size={s.prompts}", f"rollout.n_samples_per_prompt={s.group}",
+                 f"rollout.max_new_tokens={s.completion}", "algo.lr=1e-4", f"algo.micro_batch_size={s.group * s.prompts}",
+                 "~callbacks.held_out_eval", "~callbacks.sample_table",
+                 "task.reward._target_=bench.digit_fraction_reward"]
+    if device.startswith("cuda"):
+        overrides += ["accelerator=gpu", "trainer.devices=1", "trainer.precision=32-true", f"rollout.device={device}"]
+    run = glmlight.build(compose(overrides))
+    run.datamodule.stop_ids = []  # exactly `completion` tokens per completion, as on the TRL side
+    run.trainer.callbacks.append(Stamp())
+    run.fit()
+    run.datamodule.engine.close()
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def _trl_steps(s: Sizes, device: str, root: str) -> list[float]:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from glmlight.data.sources import ArithmeticTask
+
+    tok, model = tiny_model(s.preset, "cpu")
+    source = ArithmeticTask(seed=0)
+    n = s.prompts * (s.steps + 1)
+    dataset = Dataset.from_dict({"prompt": [source[i].messages for i in range(n)]})
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            sync(device)
+            stamps.append(time.perf_counter())
+
+    def reward(prompts, completions, **kwargs) -> list[float]:
+        return [digit_fraction(c[0]["content"] if isinstance(c, list) else c) for c in completions]
+
+    cfg = GRPOConfig(output_dir=root, per_device_train_batch_size=s.group * s.prompts, num_generations=s.group,
+                     max_completion_length=s.completion, generation_kwargs={"min_new_tokens": s.completion},
+                     temperature=1.0, top_k=0, top_p=1.0, beta=0.0, num_iterations=1, learning_rate=1e-4,
+                     max_steps=s.steps + 1, gradient_accumulation_steps=1, use_cpu=not device.startswith("cuda"),
+                     bf16=False, fp16=False, report_to="none", save_strategy="no", logging_steps=10_000,
+                     disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=dataset,
+                          processing_class=tok, callbacks=[Stamp()])
+    trainer.train()
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    order = list(range(n))
+    random.Random(seed * 7919 + epoch).shuffle(order)
+    return tuple(order)
+
+
+@torch.no_grad()
+def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
+                     cache=None):
+    """GlmMoeDsaIndexer.forward with the query-key scores as one bmm over (positions x heads),
+    instead of a matmul that broadcasts (copies) the keys over every query position."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+    B, S, _ = hidden_states.shape
+    H, D, r = self.n_heads, self.head_dim, self.qk_rope_head_dim
+    q = self.wq_b(q_resid).view(B, S, H, D)
+    k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q[..., :r], k[..., :r], *position_embeddings, unsqueeze_dim=2)
+    q, k = torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1).squeeze(2)
+    if cache is not None:
+        k = cache.update_indexer(k, self.layer_idx)
+    T = k.shape[1]
+    scores = torch.bmm(q.float().reshape(B, S * H, D), k.float().transpose(1, 2)).view(B, S, H, T)
+    scores = torch.relu(scores * self.softmax_scale)
+    weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * H**-0.5
+    index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    index = index.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+        else index + attention_mask
+    return index.topk(min(self.index_topk, T), dim=-1).indices.to(torch.int32)
+
+
+@contextmanager
+def recommended_patches(level: int) -> Iterator[None]:
+    """The changes docs/performance.md recommends for files this script does not own, applied
+    cumulatively by monkeypatching: 1 = the prompt stream's epoch permutation computed once per
+    epoch (not once per prompt); 2 = + the engine's log-probs reused as old log-probs (same
+    weights and dtype in a sync rollout); 3 = + the DSA indexer without the key broadcast."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
+
+    from glmlight.algorithms.base import RLModule
+    from glmlight.data.rollout import RolloutDataModule
+
+    saved = RolloutDataModule._prompt_index, RLModule.prepare_experience, GlmMoeDsaIndexer.forward
+    prepare = saved[1]
+
+    def cached_prompt_index(self, k: int) -> int:
+        epoch, pos = divmod(k * self.world_size + self.rank, len(self.source))
+        return pos if len(self.source) > 1_000_000 else _epoch_order(self.cfg.seed, epoch, len(self.source))[pos]
+
+    def prepare_reusing(self, batch) -> None:
+        real = self.compute_logprobs
+        self.compute_logprobs = lambda model, exp: (batch.rollout_logprobs.float().clone()
+                                                    if model is self.policy and exp is batch else real(model, exp))
+        try:
+            prepare(self, batch)
+        finally:
+            del self.compute_logprobs
+
+    if level >= 1:
+        RolloutDataModule._prompt_index = cached_prompt_index
+    if level >= 2:
+        RLModule.prepare_experience = prepare_reusing
+    if level >= 3:
+        GlmMoeDsaIndexer.forward = _indexer_forward
+    try:
+        yield
+    finally:
+        RolloutDataModule._prompt_index, RLModule.prepare_experience, GlmMoeDsaIndexer.forward = saved
+
+
+PATCH_LABELS = ["", " +order cache", " +logp reuse", " +indexer fix"]
+
+
+def bench_grpo(s: Sizes, device: str, rounds: int = 1, levels: int = len(PATCH_LABELS)) -> list[dict[str, Any]]:
+    def glmlight_at(level: int) -> Callable[[str], list[float]]:
+        def go(root: str) -> list[float]:
+            with recommended_patches(level):
+                return _glmlight_steps(s, device, root)
+        return go
+
+    variants = {"trl": lambda root: _trl_steps(s, device, root)}
+    variants.update({f"level{i}": glmlight_at(i) for i in range(levels)})
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):  # the variants alternate, so that they share the machine's moods
+            for name, fn in variants.items():
+                times[name] += fn(os.path.join(tmp, f"{name}_{r}"))
+    completions, tokens = s.group * s.prompts, s.group * s.prompts * s.completion
+    base = statistics.median(times.pop("trl"))
+    note = f"{s.preset} preset, {s.prompts} prompts x {s.group}, {s.completion} tokens each; baseline TRL GRPOTrainer"
+    rows = []
+    for i in range(levels):
+        ours = statistics.median(times[f"level{i}"])
+        label = "GRPO step" + "".join(PATCH_LABELS[1 : i + 1])
+        target = TARGETS["grpo"] if i == 0 else None
+        rows.append(row(f"{label}: completions", "completions/s", completions / ours, completions / base, target,
+                        note))
+        if i == 0:
+            rows.append(row(f"{label}: trained tokens", "tokens/s", tokens / ours, tokens / base, target, note))
+    return rows
+
+
+# ----------------------------------------------------------------- flops
+def matmul_peak(n: int, device: str, reps: int = 3) -> float:
+    """FLOP/s of torch.matmul on fp32 [n, n] x [n, n] (median of `reps`)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b
+    return 2 * n**3 / statistics.median(timed(lambda: a @ b, device) for _ in range(reps))
+
+
+def train_step_flops(model: torch.nn.Module, batch: int, seq: int) -> tuple[float, dict[str, float]]:
+    """FLOPs of one forward+backward over `batch` x `seq` tokens, counted from the parameters
+    that do matmul work per token (embedding lookups and norm weights excluded):
+    6 x trained parameters (routed experts scaled by k/E), 2 x the DSA indexer's projections
+    (computed without gradients), plus causal attention over the top-k selected keys
+    (x3 for the backward) and the indexer's scores over every earlier key (forward only)."""
+    cfg = model.config
+    trained = indexer = experts = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name.endswith("embed_tokens.weight"):
+            continue
+        if ".indexer." in name:
+            indexer += p.numel()
+        elif ".experts." in name:
+            experts += p.numel()
+        else:
+            trained += p.numel()
+    k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts
+    active = trained + experts * k_over_e
+    tokens = batch * seq
+    L, H = cfg.num_hidden_layers, cfg.num_attention_heads
+    dk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    keys = sum(min(cfg.index_topk, t + 1) for t in range(seq))  # attended keys, summed over positions
+    seen = seq * (seq + 1) // 2  # keys the indexer scores
+    full_indexer_layers = sum(t == "full" for t in cfg.indexer_types)
+    attention = 3 * 2 * H * (dk + dv) * keys * L * batch
+    index_scores = 2 * (cfg.index_n_heads * cfg.index_head_dim + cfg.index_n_heads) * seen * full_indexer_layers * batch
+    parts = {"matmul_params": 6 * active * tokens, "indexer_params": 2 * indexer * tokens,
+             "attention": attention, "indexer_scores": index_scores}
+    total_params = sum(p.numel() for p in model.parameters())
+    return float(sum(parts.values())), {**parts, "active_params": active + indexer, "total_params": total_params}
+
+
+def bench_flops(s: Sizes, device: str) -> list[dict[str, Any]]:
+    from glmlight.algorithms.grpo import GRPO
+    from glmlight.config import GRPOConfig
+    from glmlight.sample import Experience, Sample
+
+    tok, policy = tiny_model(s.flops_preset, device)
+    g = random.Random(0)
+    prompt_len = 32 if s.flops_seq > 64 else s.flops_seq // 2
+    samples = []
+    for i in range(s.flops_batch):
+        resp = [g.randrange(6, len(tok)) for _ in range(s.flops_seq - prompt_len)]
+        samples.append(Sample(prompt_ids=[g.randrange(6, len(tok)) for _ in range(prompt_len)], response_ids=resp,
+                              loss_mask=[1] * len(resp), rollout_logprobs=[-4.6] * len(resp),
+                              versions=[0] * len(resp), reward=float(i % 2), group_id=i // 2))
+    batch = Experience.collate(samples, tok.pad_token_id).to(device)
+    module = GRPO(GRPOConfig(micro_batch_size=s.flops_batch, lr=1e-5), policy, max_new_tokens=s.flops_seq).to(device)
+    module.prepare_experience(batch)
+    module.compute_advantages(batch)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
+    scale = {"total_tokens": float(batch.loss_mask.sum()), "num_sequences": float(batch.batch_size)}
+
+    def step() -> None:  # what RLModule.optimizer_step does for one minibatch, without Lightning
+        policy.train()
+        opt.zero_grad(set_to_none=True)
+        loss, _ = module.micro_batch_loss(batch, scale)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+
+    step()  # warm-up (allocates the optimizer state)
+    t = statistics.median(timed(step, device) for _ in range(s.flops_steps))
+    flops, parts = train_step_flops(policy, s.flops_batch, s.flops_seq)
+    n = 2 * s.matmul_n if device.startswith("cuda") else s.matmul_n
+    peak = matmul_peak(n, device)
+    note = (f"{s.flops_preset}: {parts['total_params'] / 1e6:.1f}M params, {parts['active_params'] / 1e6:.1f}M active; "
+            f"{s.flops_batch}x{s.flops_seq} tokens, {flops / 1e9:.0f} GFLOP/step; peak: {n}^2 fp32 matmul")
+    return [row("train step FLOP/s vs matmul peak", "GFLOP/s", flops / t / 1e9, peak / 1e9, TARGETS["flops"], note)]
+
+
+# ----------------------------------------------------------------- main
+def print_table(info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    gpu = f", {info['gpu']}" if "gpu" in info else ""
+    print(f"\nmachine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
+          f"{info['threads']} intra-op threads, device {info['device']}{gpu}")
+    head = f"{'figure':<56} {'unit':>13} {'glmlight':>10} {'baseline':>10} {'ratio':>7} {'target':>7}  met?"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        target = f"{r['target']:.2f}" if r["target"] is not None else "-"
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
+        print(f"{r['figure']:<56} {r['unit']:>13} {r['glmlight']:>10.1f} {r['baseline']:>10.1f} "
+              f"{r['ratio']:>7.2f} {target:>7}  {met}")
+    notes = dict.fromkeys(r["note"] for r in rows if r["note"])
+    for n in notes:
+        print(f"  * {n}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
+    ap.add_argument("--only", choices=["engine", "grpo", "flops"], help="run one benchmark")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--threads", type=int, help="intra-op CPU threads of the process (default on CPU: 1; "
+                    "on a shared machine more threads make both sides' timings depend on the neighbours' load)")
+    ap.add_argument("--rounds", type=int, help="grpo: runs of every variant, alternating (default 2; quick 1)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if args.threads or args.device == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    sizes = QUICK if args.quick else Sizes()
+    info = machine(args.device)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    if args.only in (None, "engine"):
+        rows += bench_engine(sizes, args.device)
+    if args.only in (None, "grpo"):
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            print("grpo: skipped (TRL is not installed: pip install 'trl==1.16.0')", file=sys.stderr)
+        else:
+            rows += bench_grpo(sizes, args.device, args.rounds or (1 if args.quick else 2))
+    if args.only in (None, "flops"):
+        rows += bench_flops(sizes, args.device)
+    print_table(info, rows)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "sizes": asdict(sizes), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Smoke test of scripts/bench.py with minimal sizes: the functions run and report
+well-formed figures. Timings are never asserted."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import bench
+
+TINY = bench.Sizes(preset="test", batch=2, prompt=4, new_tokens=3, reps=1, group=2, prompts=1, completion=3,
+                   steps=1, flops_preset="test", flops_batch=2, flops_seq=16, flops_steps=1, matmul_n=64)
+
+
+def _check(rows, n):
+    assert len(rows) == n
+    for r in rows:
+        assert r["glmlight"] > 0 and r["baseline"] > 0 and math.isfinite(r["ratio"])
+
+
+def test_engine_and_flops_figures(capsys):
+    rows = bench.bench_engine(TINY, "cpu") + bench.bench_flops(TINY, "cpu")
+    _check(rows, 2)
+    assert rows[0]["unit"] == "tokens/s" and rows[1]["target"] == 0.5
+    bench.print_table(bench.machine("cpu"), rows)
+    out = capsys.readouterr().out
+    assert "engine decode" in out and "train step FLOP/s" in out and "machine:" in out
+
+
+def test_flop_count_by_hand(tokenizer):
+    from glmlight.models.loading import load_causal_lm
+
+    model = load_causal_lm(None, tokenizer, preset="test")
+    cfg = model.config
+    flops, parts = bench.train_step_flops(model, batch=1, seq=1)  # one token: one key everywhere
+    h, V, E = cfg.hidden_size, cfg.vocab_size, cfg.n_routed_experts
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert parts["matmul_params"] % 6 == 0 and parts["indexer_params"] % 2 == 0
+    lm_head = h * V
+    assert parts["matmul_params"] >= 6 * (lm_head + experts * cfg.num_experts_per_tok / E)
+    dk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    assert parts["attention"] == 3 * 2 * cfg.num_attention_heads * (dk + dv) * cfg.num_hidden_layers
+    assert flops == sum(parts[k] for k in ("matmul_params", "indexer_params", "attention", "indexer_scores"))
+
+
+def test_grpo_figures_against_trl(tmp_path):
+    pytest.importorskip("trl")
+    rows = bench.bench_grpo(TINY, "cpu", rounds=1, levels=1)
+    _check(rows, 2)
+    assert {r["unit"] for r in rows} == {"completions/s", "tokens/s"}
+
+
+def test_main_writes_json(tmp_path, monkeypatch):
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(bench, "QUICK", TINY)
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--quick", "--only", "engine", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)  # main() pins the process to one thread on CPU
+    data = json.loads(out.read_text())
+    assert data["machine"]["cores"] >= 1 and data["rows"][0]["figure"] == "engine decode"
