@@ -14,7 +14,6 @@ from typing import Any
 import lightning.pytorch as pl
 
 from callbacks._logging import log_metrics
-import torch
 
 
 class WeightSync(pl.Callback):
