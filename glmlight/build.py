@@ -233,6 +233,10 @@ def build(cfg: DictConfig | dict) -> Run:
     cfg = validate(cfg)
     from glmlight.algorithms import ALGORITHMS
 
+    if cfg.trainer.accelerator == "npu":  # stop at start-up, before any model work, if the runtime is missing
+        from glmlight.accelerators.npu import require_npu
+
+        require_npu()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
