@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from aiohttp import web
@@ -431,6 +432,28 @@ def serve_main(kind: str, argv: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------- test helpers
+# ---------------------------------------------------------------- shared by the client tests
+@pytest.fixture(scope="module")
+def model() -> Any:
+    """The test-size GLM-5 that backs every protocol server and the reference engine."""
+    from glmlight.models.loading import load_causal_lm
+    from glmlight.models.tokenizer import build_char_tokenizer
+
+    return load_causal_lm(None, build_char_tokenizer(), preset="test", seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def ref(model: Any) -> Any:
+    """An embedded engine on the same weights: what a server's answers must equal."""
+    engine = LocalEngine(model)
+    yield engine
+    engine.close()
+
+
+def greedy(tokenizer: Any, n: int = 5) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=[tokenizer.eos_token_id])
+
+
 def assert_same(got: list, want: list, served: list | None = None) -> None:
     """Token ids and finish reasons equal; log-probs equal up to float noise (the embedded engine
     itself moves the last bit between calls: vectorised sums depend on memory alignment). With

@@ -11,27 +11,12 @@ import torch
 
 from glmlight.config import validate
 from glmlight.errors import EngineError
-from glmlight.rollout.base import SamplingParams
 from glmlight.rollout.http import HttpSettings
 from glmlight.rollout.local import LocalEngine
 from glmlight.rollout.servers import build_server_engine, free_port
 from glmlight.rollout.vllm import EXTENSION, VLLMEngine
-from tests.protocol_servers import VLLMServer, assert_same, launch_config, prompts, standin_script
-
-
-@pytest.fixture(scope="module")
-def model():
-    from glmlight.models.loading import load_causal_lm
-    from glmlight.models.tokenizer import build_char_tokenizer
-
-    return load_causal_lm(None, build_char_tokenizer(), preset="test", seed=0).eval()
-
-
-@pytest.fixture(scope="module")
-def ref(model):
-    engine = LocalEngine(model)
-    yield engine
-    engine.close()
+from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
+    VLLMServer, assert_same, greedy, launch_config, model, prompts, ref, standin_script)
 
 
 @pytest.fixture()
@@ -39,10 +24,6 @@ def server(model):
     srv = VLLMServer(LocalEngine(model)).start()
     yield srv
     srv.close()
-
-
-def greedy(tokenizer, n: int = 5) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=[tokenizer.eos_token_id])
 
 
 def make(url, tmp_path, **kw) -> VLLMEngine:

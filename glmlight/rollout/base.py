@@ -8,7 +8,7 @@ engine has acknowledged the new weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -59,6 +59,22 @@ def finish_reason_to_status(reason: str) -> Status:
 
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+# The finish reasons a server may report for a finished request.
+SERVER_FINISH_REASONS = ("stop", "length", "abort")
+
+
+def normalize_requests(prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]
+                       ) -> list[SamplingParams]:
+    """One SamplingParams per prompt; rejects a count mismatch and empty prompts."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+    return list(params)
 
 
 @runtime_checkable

@@ -36,7 +36,7 @@ from transformers import PreTrainedModel
 from glmlight.errors import EngineError
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.rollout import glm_runner
-from glmlight.rollout.base import Generation, NamedTensors, SamplingParams
+from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, normalize_requests
 from glmlight.rollout.batch import Request, RunningBatch
 from glmlight.rollout.hf_runner import HFRunner
 from glmlight.rollout.sampling import request_uniforms
@@ -151,13 +151,7 @@ class LocalEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
         if not prompts:
             return []
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
+        params = normalize_requests(prompts, params)
         if threading.current_thread() is self._thread:
             raise EngineError("generate() called from the decode thread (e.g. in on_step); use submit()")
         futures = [self.submit(p, sp) for p, sp in zip(prompts, params)]

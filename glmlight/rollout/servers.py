@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from glmlight.errors import ConfigError, EngineError
-from glmlight.rollout.base import NamedTensors, SamplingParams
+from glmlight.rollout.base import NamedTensors, SamplingParams, normalize_requests
 
 BACKENDS = ("sglang", "vllm", "vllm_ascend")
 WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
@@ -212,13 +212,7 @@ class ServerEngineBase:
         self._check_open()
         if not prompts:
             return []
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
+        params = normalize_requests(prompts, params)
         from glmlight.rollout.http import new_rid
 
         version = self._version  # the weights every answer of this call is produced with

@@ -43,7 +43,7 @@ import torch
 
 from glmlight.errors import EngineError
 from glmlight.rollout import vllm_worker as wt
-from glmlight.rollout.base import Generation, SamplingParams
+from glmlight.rollout.base import SERVER_FINISH_REASONS, Generation, SamplingParams
 from glmlight.rollout.http import Rejected, get_field
 from glmlight.rollout.servers import (
     LaunchSpec,
@@ -56,7 +56,6 @@ from glmlight.rollout.servers import (
     server_settings,
 )
 
-FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class SGLangEngine(ServerEngineBase):
@@ -122,10 +121,10 @@ class SGLangEngine(ServerEngineBase):
                               "meta_info.output_token_logprobs")
         fin = get_field(body, "meta_info.finish_reason", url, path, self.name, (dict, str))
         kind = fin.get("type") if isinstance(fin, dict) else fin
-        if kind not in FINISH:
+        if kind not in SERVER_FINISH_REASONS:
             raise EngineError(f"SGLang server at {url} answered {path} with unknown meta_info.finish_reason {kind!r}")
         served = _as_int(meta.get("weight_version"), version)
-        return Generation(token_ids=ids, logprobs=lps, finish_reason=FINISH[kind], versions=[served] * len(ids))
+        return Generation(token_ids=ids, logprobs=lps, finish_reason=kind, versions=[served] * len(ids))
 
     async def _score_one(self, rid: str, prompt: list[int], completion: list[int]) -> list[float]:
         if not completion:

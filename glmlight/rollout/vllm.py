@@ -36,7 +36,7 @@ from typing import Any
 
 from glmlight.errors import EngineError
 from glmlight.rollout import vllm_worker as wt
-from glmlight.rollout.base import Generation, NamedTensors, SamplingParams
+from glmlight.rollout.base import SERVER_FINISH_REASONS, Generation, NamedTensors, SamplingParams
 from glmlight.rollout.http import AuthError, get_field
 from glmlight.rollout.servers import (
     LaunchSpec,
@@ -51,7 +51,6 @@ from glmlight.rollout.servers import (
 
 log = logging.getLogger(__name__)
 EXTENSION = "glmlight.rollout.vllm_worker.WeightLoaderExtension"
-FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 # rollout=vllm_ascend: the same HTTP protocol; installing vllm-ascend registers the NPU platform
 # with vLLM, so no device flag is needed. What changes for us (mirrored in conf/rollout/vllm_ascend.yaml):
@@ -154,10 +153,10 @@ class VLLMEngine(ServerEngineBase):
             raise EngineError(f"{self.name} server at {url} answered {path} with choices.0.token_ids and "
                               "choices.0.logprobs.token_logprobs that do not match")
         reason = choice.get("finish_reason")
-        if reason not in FINISH:
+        if reason not in SERVER_FINISH_REASONS:
             raise EngineError(f"{self.name} server at {url} answered {path} with choices.0.finish_reason {reason!r}")
         return Generation(token_ids=[int(i) for i in ids], logprobs=[float(x) for x in lps],
-                          finish_reason=FINISH[reason], versions=[version] * len(ids))
+                          finish_reason=reason, versions=[version] * len(ids))
 
     async def _score_one(self, rid: str, prompt: list[int], completion: list[int]) -> list[float]:
         if not completion:
@@ -321,7 +320,7 @@ class VLLMInProcessEngine:
             c = out.outputs[0]
             ids = list(c.token_ids)
             lps = [float(c.logprobs[i][t].logprob) for i, t in enumerate(ids)]
-            gens.append(Generation(ids, lps, FINISH.get(c.finish_reason or "abort", "abort"), [self._version] * len(ids)))
+            gens.append(Generation(ids, lps, c.finish_reason if c.finish_reason in SERVER_FINISH_REASONS else "abort", [self._version] * len(ids)))
         return gens
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
