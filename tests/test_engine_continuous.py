@@ -12,6 +12,7 @@ seeds and the fixed arrival schedule below the outcome is the same on every run.
 """
 
 import threading
+import time
 
 import pytest
 import torch
@@ -247,3 +248,24 @@ def test_glm_runner_moe_forms_equal_the_model(tokenizer, tiny_model, monkeypatch
         logits = runner.admit(prompts)
         for p, lg in zip(prompts, logits):
             torch.testing.assert_close(lg, tiny_model(torch.tensor([p])).logits[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_waiting_weight_update_stops_new_decode_steps(tokenizer, tiny_model):
+    # The decode loop releases and re-takes its lock at once after every step, and Python's locks
+    # are not fair: a weight update could wait many steps. A caller first takes the engine's turn
+    # lock (as update_weights does); from then on the decode thread starts no new step.
+    engine = LocalEngine(tiny_model)
+    futures = [engine.submit(encode(tokenizer, p), SamplingParams(temperature=1.0, max_new_tokens=1000, seed=i))
+               for i, p in enumerate(["1+2=", "3+4=", "5+6="])]
+    while engine.stats()["decode_steps"] < 5:
+        time.sleep(0.001)
+    with engine._turn:
+        time.sleep(0.05)  # the step that was running ends
+        held = engine.stats()["iterations"]
+        time.sleep(0.2)
+        assert engine.stats()["iterations"] == held
+    engine.update_weights(list(tiny_model.state_dict().items()), version=1)
+    assert engine.version == 1 and not any(f.done() for f in futures)
+    while engine.stats()["iterations"] < held + 3:  # decoding goes on
+        time.sleep(0.001)
+    engine.close()

@@ -16,8 +16,8 @@ model's own weights, with a layout made for continuous batching:
 - the DSA top-k selection breaks ties between equal index scores by position
   (most recent first), so the selected set depends only on the row's own scores, never
   on how long the other rows are.
-- a decode step over a long cache attends to the k selected keys only (gathered),
-  instead of to every key under a mask.
+- a decode step over more than k cached keys attends to the k selected keys only
+  (gathered), instead of to every key under a mask.
 - few tensor ops per step: fused projections (rows permuted once so that rotary
   halves are contiguous), one rotary table, cache writes by flat `index_copy_`,
   an inline router and, for few tokens, a dense all-experts MoE (`glm_moe.py`).
@@ -39,10 +39,6 @@ import torch.nn.functional as F
 
 from glmlight.rollout.glm_moe import moe_forward, stacked_experts
 
-# A decode step gathers the k selected keys and attends to them alone once the cache holds at
-# least this many times k keys; below that a masked pass over all keys is cheaper.
-SPARSE_DECODE_MIN_KEYS_PER_TOPK = 4
-
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether `model` is a GlmMoeDsaForCausalLM this runner reproduces exactly."""
@@ -54,7 +50,9 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """GlmMoeDsaRMSNorm: normalise in fp32, scale in the model dtype."""
+    """GlmMoeDsaRMSNorm: normalise in fp32, scale in the model dtype (in fp32: one fused op)."""
+    if x.dtype == torch.float32 and w.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -82,20 +80,23 @@ def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return (scores > kth) | (tied & (tied.flip(-1).cumsum(-1).flip(-1) <= need))
 
 
-def topk_recent(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_recent(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Positions of the k largest entries along the last dim, ties to the most recent ones:
     the same choice as `topk_mask`, as indices. One top-k over int64 keys that order first by
     score (the float's bits made order-preserving) and then by position."""
     bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0: equal scores, equal keys
     order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() * 2**32
-    return (order + torch.arange(scores.shape[-1], device=scores.device)).topk(k, dim=-1, sorted=False).indices
+    if positions is None:
+        positions = torch.arange(scores.shape[-1], device=scores.device)
+    return (order + positions).topk(k, dim=-1, sorted=False).indices
 
 
 @dataclass
 class _Layer:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    w_in: torch.Tensor  # [q_a | kv_a latent | kv_a rope (de-interleaved) | indexer wk (rope half de-interleaved)]
+    w_in: torch.Tensor  # [q_a | kv_a latent | kv_a rope (de-interleaved) | indexer wk (rope half
+    #                      de-interleaved) | indexer weights_proj]
     b_in: torch.Tensor | None
     split_in: list[int]
     q_norm: torch.Tensor
@@ -161,8 +162,8 @@ class GlmDsaRunner:
             qbs, k_ln = [q_nope], None
             if ix is not None:
                 ipm = torch.cat([perm, torch.arange(r, ix.head_dim, device=self.device)])
-                ws.append(ix.wk.weight[ipm])
-                bs.append(None)
+                ws += [ix.wk.weight[ipm], ix.weights_proj.weight]  # both read the normalised input too
+                bs += [None, None]
                 iq = ix.wq_b.weight.view(ix.n_heads, ix.head_dim, -1)
                 qbs = [q_nope, iq[:, r:].reshape(-1, iq.shape[-1]), q_rot, iq[:, :r][:, perm].reshape(-1, iq.shape[-1])]
                 ln = ix.k_norm
@@ -278,7 +279,8 @@ class GlmDsaRunner:
         cos, sin = self._cos[pos][:, :, None], self._sin[pos][:, :, None]  # [B, S, 1, r]
         keys = torch.arange(T, device=self.device)
         mask = (keys <= pos[..., None]) & (keys < total[:, None, None])  # [B, S, T]
-        flat = ((torch.arange(r0, r0 + B, device=self.device)[:, None] * self.capacity) + pos).view(-1)
+        row_start = torch.arange(r0, r0 + B, device=self.device)[:, None] * self.capacity
+        flat = (row_start + pos).view(-1)  # flat cache index of every new token
         rows = slice(r0, r0 + B)
         h = F.embedding(ids, self.embed)
         selected = None
@@ -302,13 +304,14 @@ class GlmDsaRunner:
             Cl = self.C[l]
             Cl.view(-1, L + r).index_copy_(0, flat, torch.cat([latent, k_rot], dim=-1).view(-1, L + r))
             if Ly.indexer is not None:
-                selected = self._select(l, Ly, x, rot[:, :, H:], iq_pass, mask, rows, T)
+                selected = self._select(l, Ly, parts[4], rot[:, :, H:], iq_pass, mask, rows, keys)
             # attention in the latent space: q·k = (W_uk^T q_nope)·latent + q_rot·k_rot
             q_lat = torch.matmul(q_nope.view(B * S, H, -1).transpose(0, 1), Ly.w_uk)  # [H, BS, L]
             q = torch.cat([q_lat.transpose(0, 1), rot[:, :, :H].reshape(B * S, H, r)], dim=-1).view(B, S * H, L + r)
             cache = Cl[rows, :T]
             if selected is not None and selected.dtype == torch.long:  # decode: only the k selected keys
-                cache = torch.gather(cache, 1, selected[:, 0, :, None].expand(-1, -1, L + r))  # [B, k, L + r]
+                at = (selected[:, 0] + row_start).view(-1)
+                cache = Cl.view(-1, L + r).index_select(0, at).view(B, -1, L + r)  # [B, k, L + r]
                 keep = (selected <= pos[..., None])  # [B, 1, k]: selected keys the row really has
             else:
                 keep = mask if selected is None else mask & selected
@@ -322,10 +325,12 @@ class GlmDsaRunner:
         h = h[:, 0] if last is None else h[torch.arange(B, device=self.device), last]
         return F.linear(_rms(h, self.final_norm, self.final_eps), self.lm_head)
 
-    def _select(self, l: int, Ly: _Layer, x: torch.Tensor, q_rot: torch.Tensor, q_pass: torch.Tensor,
-                mask: torch.Tensor, rows: slice, T: int) -> torch.Tensor | None:
+    def _select(self, l: int, Ly: _Layer, head_w: torch.Tensor, q_rot: torch.Tensor, q_pass: torch.Tensor,
+                mask: torch.Tensor, rows: slice, positions: torch.Tensor) -> torch.Tensor | None:
         """The DSA indexer's top-k selection: key positions [B, 1, k] (long) when a decode step
-        attends sparsely, else a mask [B, S, T] (None: T <= k, every key is selected)."""
+        attends sparsely, else a mask [B, S, T] (None: T <= k, every key is selected).
+        `positions` = arange(T)."""
+        T = positions.shape[0]
         if T <= self.topk:
             return None
         ix = Ly.indexer
@@ -334,10 +339,10 @@ class GlmDsaRunner:
         keys = self.IK[l][rows, :T]
         scores = torch.matmul(q.float().view(B, S * ix.n_heads, -1), keys.float().transpose(1, 2))
         scores = F.relu(scores.mul_(ix.softmax_scale)).view(B, S, ix.n_heads, T)
-        w = F.linear(x.to(ix.weights_proj.weight.dtype), ix.weights_proj.weight).float() * (ix.n_heads ** -0.5)
+        w = head_w.float() * (ix.n_heads ** -0.5)  # weights_proj(x), from the fused input projection
         index = (w.unsqueeze(-1) * scores).sum(-2).masked_fill_(~mask, float("-inf"))  # Σ_heads w·relu(q·k)
-        if S == 1 and T >= SPARSE_DECODE_MIN_KEYS_PER_TOPK * self.topk:
-            return topk_recent(index, self.topk)
+        if S == 1:  # decode: gather the k selected keys (cheaper than a mask over all T from T = k + 1 on)
+            return topk_recent(index, self.topk, positions)
         return topk_mask(index, self.topk)
 
     def _mlp(self, Ly: _Layer, x: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,10 @@ class LocalEngine:
         self._generator = torch.Generator().manual_seed(seed)
         self._version = version
         self._lock = threading.RLock()  # the model, the runner and the running batch: one decode step at a time
+        # Held by a caller from outside while it waits for `_lock`; the decode thread passes it before
+        # every step, so a weight update waits for one step, not for a gap between steps (Python's
+        # locks are not fair: a loop that releases and re-acquires at once would starve the caller).
+        self._turn = threading.Lock()
         self._cv = threading.Condition()  # the queue and the decode thread's life
         self._pending: deque[Request] = deque()
         self._admitting: list[Request] = []  # taken from the queue, not yet in the batch
@@ -159,7 +163,7 @@ class LocalEngine:
 
     def abort_all(self) -> int:
         """End every queued and running request now (finish_reason "abort"); returns how many."""
-        with self._lock:
+        with self._turn, self._lock:
             done = self._abort_locked()
         _resolve(done)
         return len(done)
@@ -168,7 +172,7 @@ class LocalEngine:
         """Prefill log-probs of each completion token (e.g. a teacher's log-probs of the student's tokens)."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-        with self._lock, torch.inference_mode():
+        with self._turn, self._lock, torch.inference_mode():
             seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
             L = max(len(s) for s in seqs)
             ids = torch.full((len(seqs), L), self.pad_token_id, dtype=torch.long)
@@ -188,7 +192,7 @@ class LocalEngine:
         if path is not None:
             named_tensors = _load_safetensors(path).items()
         done = []
-        with self._lock, torch.no_grad():
+        with self._turn, self._lock, torch.no_grad():
             state = self.model.state_dict()
             nbytes = 0
             try:
@@ -217,7 +221,7 @@ class LocalEngine:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        with self._lock:
+        with self._turn, self._lock:
             done = self._abort_locked()
             self.model = self._runner = None
         _resolve(done)
@@ -272,6 +276,8 @@ class LocalEngine:
 
     def _step(self) -> list[tuple[Request, Generation]]:
         """One decode iteration: step the running rows, admit newcomers, sample, retire finished rows."""
+        with self._turn:  # let a waiting weight update (or abort, score, close) go first
+            pass
         with self._lock, torch.inference_mode():
             if self.model is None:
                 return []
