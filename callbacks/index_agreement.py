@@ -59,6 +59,7 @@ def indexer_agreement(model_a: torch.nn.Module, model_b: torch.nn.Module, input_
 
 
 class IndexAgreement(pl.Callback):
+    reads_old_logprobs = False  # runs its own forwards
     def __init__(self, every_n_steps: int = 10, num_sequences: int = 4):
         self.every_n_steps, self.num_sequences = every_n_steps, num_sequences
         self._warned = False

@@ -21,6 +21,7 @@ from glmlight.data.rollout import RolloutDataModule
 from glmlight.distributed import without_ddp_wrapper
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
 from glmlight.errors import ConfigError
+from glmlight.models import glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.warm_start import supervised_warm_start
 from glmlight.rewards import build_reward
@@ -228,6 +229,23 @@ def _require(module: str, what: str, extra: str) -> None:
         raise ConfigError(f"config error: {what} needs the {module} package: pip install '{extra}'")
 
 
+def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
+    """model.forward: whether the trainer runs glmlight's GLM-5 forward instead of the model's own."""
+    choice = cfg.model.forward
+    if choice == "transformers":
+        return False
+    reasons = []
+    if cfg.model.gradient_checkpointing:  # (the checkpointed layers run through the model's own forward)
+        reasons.append("model.gradient_checkpointing=true")
+    elif not glm_forward.supports(policy):
+        reasons.append(f"{type(policy).__name__} is not a GLM-5 (GlmMoeDsa) model of a shape it supports")
+    if cfg.trainer.strategy in ("fsdp", "deepspeed"):
+        reasons.append(f"trainer.strategy={cfg.trainer.strategy} shards parameters through the model's own forward")
+    if reasons and choice == "glmlight":
+        raise ConfigError(f"config error: model.forward=glmlight cannot be used: {'; '.join(reasons)}")
+    return not reasons
+
+
 def build(cfg: DictConfig | dict) -> Run:
     """Everything a run needs, from a (composed) config. Raises ConfigError on bad config."""
     cfg = validate(cfg)
@@ -257,7 +275,8 @@ def build(cfg: DictConfig | dict) -> Run:
                                    vocab_size=max(policy.config.vocab_size, len(tokenizer)))
     module_cls = ALGORITHMS[cfg.algo.name]
     module = module_cls(cfg.algo, policy, temperature=cfg.rollout.temperature,
-                        max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+                        max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                        use_glm_forward=use_glm_forward(cfg, policy))
     callbacks = build_callbacks(cfg)
     steps = module.optimizer_steps_per_rl_step
     ckpt_every = cfg.trainer.checkpoint_every_n_steps

@@ -40,6 +40,10 @@ class ModelConfig:
     seed: int = 0
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
+    # The trainer's forward: "glmlight" = glmlight/models/glm_forward.py (GLM-5 models only: same function,
+    # fewer ops); "transformers" = the model's own; "auto" = glmlight's where it applies (a GlmMoeDsa model,
+    # no gradient checkpointing, no fsdp/deepspeed sharding), else the model's own.
+    forward: str = "auto"
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
 
@@ -143,6 +147,10 @@ class AlgoConfig:
     ppo_epochs: int = 1
     num_minibatches: int = 1  # optimizer steps per epoch over one rollout batch
     micro_batch_size: int = 64  # rows per forward pass (gradient accumulation inside a minibatch)
+    # Where θ_old's log-probs come from: "forward" = a no-grad forward before the update; "update" = the
+    # update's own forward, detached (exact when ppo_epochs = num_minibatches = 1, saves a forward);
+    # "auto" = "update" when that is exact and nothing reads them before the update, else "forward".
+    old_logprobs: str = "auto"
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | constant
     loss_agg_constant: Optional[float] = None  # Dr.GRPO divisor; default max_new_tokens
     policy_loss: str = "ppo"  # ppo | dis
@@ -284,6 +292,8 @@ CHOICES = {
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "constant"),
     "algo.policy_loss": ("ppo", "dis"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.old_logprobs": ("auto", "forward", "update"),
+    "model.forward": ("auto", "glmlight", "transformers"),
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),
     "model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"),
@@ -301,6 +311,10 @@ def _check_choices(cfg: DictConfig) -> None:
                 "algo.ppo_epochs", "algo.num_minibatches", "algo.micro_batch_size"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"config error: {key} must be >= 1, got {OmegaConf.select(cfg, key)}")
+    if OmegaConf.select(cfg, "algo.old_logprobs") == "update" and (
+            OmegaConf.select(cfg, "algo.ppo_epochs") > 1 or OmegaConf.select(cfg, "algo.num_minibatches") > 1):
+        raise ConfigError("config error: algo.old_logprobs=update needs ppo_epochs=1 and num_minibatches=1 (every "
+                          "token trained once, at θ_old); use forward or auto")
 
 
 def format_config_error(e: BaseException) -> str:

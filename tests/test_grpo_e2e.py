@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import glmlight
+from glmlight.errors import ConfigError
 from tests.conftest import overrides_for_tests
 from train import compose
 
@@ -71,3 +72,68 @@ def test_checkpoint_and_resume(tmp_path):
     assert resumed.module.policy_version == 3
     # the prompt stream continued where it stopped (one more step of prompts)
     assert resumed.datamodule.state_dict()["cursor"] == cursor + 4
+
+
+def _params_after(tmp_path, *extra):
+    run = _build(tmp_path, "trainer.max_steps=2", "~callbacks.held_out_eval", "~callbacks.sample_table",
+                 "trainer.deterministic=true", *extra)
+    run.fit()
+    return run, {k: v.clone() for k, v in run.module.policy.state_dict().items()}
+
+
+def test_old_logprobs_from_the_update_forward_give_the_same_training(tmp_path):
+    # ppo_epochs = num_minibatches = 1: the update's first (only) forward runs at θ_old, so its detached
+    # log-probs are the old log-probs; the two runs must train identically.
+    run_u, upd = _params_after(tmp_path / "u", "algo.old_logprobs=update", "algo.micro_batch_size=3")
+    run_f, fwd = _params_after(tmp_path / "f", "algo.old_logprobs=forward", "algo.micro_batch_size=3")
+    assert run_u.module.old_logprobs_from_update() and not run_f.module.old_logprobs_from_update()
+    for k in fwd:
+        torch.testing.assert_close(upd[k], fwd[k], rtol=1e-5, atol=1e-6)
+    rows = _metrics(tmp_path / "u")
+    assert {float(r["train/old_logprobs_from_update"]) for r in rows if r.get("train/old_logprobs_from_update")} == {1.0}
+    assert all(float(r["train/ratio_mean"]) == pytest.approx(1.0) for r in rows if r.get("train/ratio_mean"))
+
+
+def test_auto_old_logprobs_fall_back_to_a_forward_when_needed(tmp_path):
+    # auto: a forward whenever tokens are trained more than once or a callback reads them first
+    def from_update(*extra):
+        run = _build(tmp_path, *extra)
+        run.module.trainer = run.trainer  # as fit() attaches it
+        return run.module.old_logprobs_from_update()
+
+    assert from_update()  # the default callbacks do not read them
+    assert not from_update("algo.ppo_epochs=2")
+    assert not from_update("callbacks=consistency")  # IcePop and MismatchMonitor do
+    assert not from_update("algo.old_logprobs=forward")
+    with pytest.raises(ValueError, match="MismatchMonitor, .*IcePop read the old log-probs"):
+        from_update("algo.old_logprobs=update", "callbacks=consistency")
+
+
+def test_old_logprobs_update_with_several_passes_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="old_logprobs=update needs ppo_epochs=1"):
+        _build(tmp_path, "algo.old_logprobs=update", "algo.num_minibatches=2")
+
+
+def test_the_trainer_forward_choice(tmp_path):
+    # model.forward=auto: glmlight's GLM-5 forward for a GlmMoeDsa model, the model's own otherwise
+    assert _build(tmp_path).module.use_glm_forward
+    assert not _build(tmp_path, "model.forward=transformers").module.use_glm_forward
+    assert not _build(tmp_path, "model.gradient_checkpointing=true").module.use_glm_forward
+    with pytest.raises(ConfigError, match="model.forward=glmlight cannot be used: model.gradient_checkpointing"):
+        _build(tmp_path, "model.forward=glmlight", "model.gradient_checkpointing=true")
+
+
+def test_both_trainer_forwards_give_the_same_response_logits(tmp_path):
+    # on a real rollout batch (left-padded prompts, right-padded responses); the test preset's
+    # DSA top-k exceeds these lengths, so both select every key and agree to float rounding
+    run = _build(tmp_path, "rollout.max_new_tokens=12", "rollout.n_samples_per_prompt=3")
+    batch = run.datamodule.next_experience()
+    assert batch.attention_mask[:, 0].min() == 0 or batch.attention_mask[:, -1].min() == 0  # there is padding
+    module = run.module
+    with torch.no_grad():
+        fast = module.forward_logits(module.policy, batch)
+        module.use_glm_forward = False
+        ref = module.forward_logits(module.policy, batch)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(fast[mask], ref[mask], rtol=1e-5, atol=1e-5)
+    run.datamodule.engine.close()

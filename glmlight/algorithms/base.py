@@ -2,7 +2,7 @@
 
 One training step = one rollout batch:
 
-    Experience ─► train-side old log-probs (θ_old, no grad) [+ reference log-probs]
+    Experience ─► train-side old log-probs (θ_old, no grad; or from the update's forward) [+ reference]
                ─► on_experience hooks (corrections, monitors), in callback order
                ─► advantages (the algorithm's own)
                ─► ppo_epochs × num_minibatches optimizer steps (micro-batched)
@@ -26,6 +26,7 @@ import torch
 
 from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients
+from glmlight.models import glm_forward
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
@@ -41,10 +42,14 @@ class NonFiniteLossError(RuntimeError):
 
 
 class RLModule(pl.LightningModule):
+    # Whether compute_advantages reads batch.old_logprobs (then they are computed before the update).
+    advantages_read_old_logprobs = False
+
     def __init__(self, cfg: AlgoConfig, policy: torch.nn.Module, *, temperature: float = 1.0,
-                 max_new_tokens: int = 64, pad_token_id: int = 0):
+                 max_new_tokens: int = 64, pad_token_id: int = 0, use_glm_forward: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.use_glm_forward = use_glm_forward  # logits through glmlight.models.glm_forward (model.forward)
         self.policy = policy.train()
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
@@ -102,9 +107,12 @@ class RLModule(pl.LightningModule):
     # ----------------------------------------------------------------- log-probs
     def forward_logits(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
         """Logits predicting each response token: [B, T, V]."""
+        P = exp.prompt_length
+        if self.use_glm_forward and glm_forward.supports(model):
+            return glm_forward.forward_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids,
+                                              start=P - 1)[:, :-1]
         out = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
                     use_cache=False)
-        P = exp.prompt_length
         return out.logits[:, P - 1 : -1]
 
     @torch.no_grad()
@@ -115,10 +123,39 @@ class RLModule(pl.LightningModule):
             chunks.append(logprobs_from_logits(self.forward_logits(model, mb), mb.response_ids, self.temperature))
         return torch.cat(chunks)
 
+    def old_logprob_readers(self) -> list[str]:
+        """What reads batch.old_logprobs before the update: the algorithm's advantages, and every
+        callback with an `on_experience` hook unless it declares `reads_old_logprobs = False`."""
+        readers = [type(self).__name__] if self.advantages_read_old_logprobs else []
+        callbacks = self.trainer.callbacks if self._trainer is not None else []
+        return readers + [type(cb).__name__ for cb in callbacks
+                          if callable(getattr(cb, "on_experience", None)) and getattr(cb, "reads_old_logprobs", True)]
+
+    def old_logprobs_from_update(self) -> bool:
+        """Whether θ_old's log-probs are the update's own forward, detached, instead of a separate
+        no-grad forward. Exact when every token is trained once, at θ_old (ppo_epochs =
+        num_minibatches = 1): the first forward of the update runs at θ_old. TRL does the same with
+        num_iterations=1. `algo.old_logprobs` = forward | update | auto (update when exact and
+        nothing reads them before the update)."""
+        cfg = self.cfg
+        if cfg.old_logprobs == "forward":
+            return False
+        exact = cfg.ppo_epochs == 1 and cfg.num_minibatches == 1
+        readers = self.old_logprob_readers()
+        if cfg.old_logprobs == "update":
+            if not exact:
+                raise ValueError("algo.old_logprobs=update needs ppo_epochs=1 and num_minibatches=1")
+            if readers:
+                raise ValueError(f"algo.old_logprobs=update, but {', '.join(readers)} read the old log-probs "
+                                 "before the update; use algo.old_logprobs=forward (or auto)")
+        return exact and not readers
+
     def prepare_experience(self, batch: Experience) -> None:
         was_training = self.policy.training
         self.policy.eval()
-        batch.old_logprobs = self.compute_logprobs(self.policy, batch)
+        from_update = self.old_logprobs_from_update()
+        batch.old_logprobs = None if from_update else self.compute_logprobs(self.policy, batch)
+        batch.stats["train/old_logprobs_from_update"] = float(from_update)
         if self._reference:
             ref = self._reference[0].to(self.device)
             batch.ref_logprobs = self.compute_logprobs(ref, batch)
@@ -230,7 +267,8 @@ class RLModule(pl.LightningModule):
             pg, kept = dis_loss_per_token(logprobs, mb.rollout_logprobs, mb.advantages, cfg.dis_eps_low, cfg.dis_eps_high)
             stats = {"train/dis_masked_frac": 1.0 - masked_mean(kept.float(), mask)}
         else:
-            out = ppo_clip_loss(logprobs, mb.old_logprobs, mb.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+            old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # θ_old = θ (see above)
+            out = ppo_clip_loss(logprobs, old, mb.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
             pg = out.loss
             stats = {"train/clip_frac": masked_mean(out.clipped, mask),
                      "train/dual_clip_frac": masked_mean(out.dual_clipped, mask),

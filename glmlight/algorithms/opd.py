@@ -140,6 +140,7 @@ class EngineTeacher:
 # ---------------------------------------------------------------------------------------------- module
 class OPD(RLModule):
     cfg: OPDConfig
+    advantages_read_old_logprobs = True  # the distillation advantage is teacher − student log-probs
 
     def __init__(self, cfg: OPDConfig, policy: torch.nn.Module, **kwargs: Any):
         super().__init__(cfg, policy, **kwargs)

@@ -15,8 +15,9 @@ import torch
 
 
 @torch.no_grad()
-def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
-                     cache=None):
+def index_scores(self, hidden_states, q_resid, position_embeddings, attention_mask, cache=None) -> torch.Tensor:
+    """The DSA indexer's scores [B, S, T] (Σ_h w_h · relu(q_h·k) / sqrt(D)), -inf where masked; `self`
+    is a GlmMoeDsaIndexer."""
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
     B, S, _ = hidden_states.shape
@@ -32,9 +33,15 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
     scores = torch.relu(scores * self.softmax_scale)
     weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * H**-0.5
     index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
-    index = index.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+    return index.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
         else index + attention_mask
-    return index.topk(min(self.index_topk, T), dim=-1).indices.to(torch.int32)
+
+
+@torch.no_grad()
+def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
+                     cache=None):
+    index = index_scores(self, hidden_states, q_resid, position_embeddings, attention_mask, cache)
+    return index.topk(min(self.index_topk, index.shape[-1]), dim=-1).indices.to(torch.int32)
 
 
 def install_fast_indexer(model: torch.nn.Module) -> int:

@@ -1,0 +1,319 @@
+"""A faster training forward for GlmMoeDsaForCausalLM (GLM-5 architecture).
+
+`forward_logits(model, input_ids, attention_mask, position_ids, start)` computes the logits of
+`model(input_ids=..., attention_mask=..., position_ids=..., use_cache=False).logits[:, start:]` at
+every real (attention_mask = 1) position, from the model's own parameters and with autograd:
+gradients reach the parameters exactly as through the model's forward (the DSA indexer runs
+without gradients there and here). Logits at padding positions are 0.
+
+Per layer (GLM-5 = DeepSeek-V3.2 MLA + DSA attention, then a dense MLP or a MoE with a shared expert):
+
+    x = rms(h);  q_resid = rms(x W_qa);  [c_kv | k_rope] = x W_kva
+    q = q_resid W_qb;  [k_nope | v] = rms(c_kv) W_kvb                 (MLA, expanded per head)
+    RoPE on q_rope and the shared k_rope (interleaved pairs)
+    a = softmax(q·k * scaling + mask) v          (mask: causal, key padding, DSA top-k selection)
+    h = h + a W_o;  h = h + MLP(rms(h))
+
+Why it is faster than the model's forward on CPU, for the batches of RL training:
+
+- every per-token computation (norms, projections, MLP/MoE, LM head) runs on the real tokens
+  only, packed [N, hidden]; only attention works on the padded [B, S] layout. Two autograd
+  functions with hand-written backward passes move queries, keys and values into it (scatter,
+  RoPE as one complex multiplication, head-major layout) with one copy each way;
+- the last layer and the LM head only run the queries of the returned positions (>= start);
+- one additive mask is built per forward and shared by the layers; a DSA layer only adds its
+  top-k selection, and only when the sequence is longer than the top-k; attention is the masked
+  SDPA kernel on it;
+- the DSA indexer scores chunks of queries against the keys up to the chunk's end only (the later
+  ones are causally masked anyway), its head sum is a few fused multiply-adds instead of a
+  [1, H] x [H, S] batched matmul per query, its top-k tie rule costs one cumulative sum, and
+  queries with at most k allowed keys (the first k positions) skip it;
+- RMSNorm with a hand-written backward (fewer passes over memory than autograd's);
+- q_a | kv_a as one matmul on concatenated weights (autograd splits the gradient back onto the
+  model's parameters); the MoE's routed experts as one grouped matmul per projection over the
+  tokens sorted by expert, the shared expert as a dense MLP.
+
+Deviations from the model's function: among DSA index scores that tie exactly at the top-k
+cut-off, the most recent positions are selected (the engine's `glm_runner.topk_mask` rule)
+where `Tensor.topk` leaves the choice unspecified; in bf16, RoPE is computed in fp32 and rounded
+once; logits at padding positions are 0 (no real position depends on them, in the model either).
+Everything else agrees up to float reassociation (~1e-6 in fp32).
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+
+from glmlight.rollout import glm_runner
+from glmlight.rollout.glm_moe import route
+
+# The DSA indexer scores the queries in this many chunks, each against the keys up to its last query.
+INDEX_QUERY_CHUNKS = 4
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether `model` is a GlmMoeDsaForCausalLM whose forward this module reproduces."""
+    if not glm_runner.supports(model):
+        return False
+    cfg = model.config
+    # complex views of the rotary pairs need even offsets; grouped matmuls need 16-byte rows
+    even = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.index_head_dim)
+    return (cfg.num_key_value_heads == cfg.num_attention_heads and cfg.indexer_types[0] == "full"
+            and all(d % 2 == 0 for d in even) and cfg.hidden_size % 8 == 0 and cfg.moe_intermediate_size % 8 == 0
+            and not getattr(model, "is_activation_checkpointing", False))
+
+
+class _Block:
+    """The real tokens among the query positions q0..S-1 of a [B, S] batch: `flat` = b * (S - q0) + s - q0
+    of each, in order, and `pick` = their indices among the packed real tokens (None: all of them)."""
+
+    def __init__(self, real: torch.Tensor, rows: torch.Tensor, q0: int):
+        B, S = real.shape
+        self.real, self.rows, self.q0, self.B, self.n = real, rows, q0, B, S - q0
+        s = rows % S
+        self.pick = None if q0 == 0 else (s >= q0).nonzero().squeeze(1)
+        self.flat = rows if q0 == 0 else (rows // S * self.n + s - q0).index_select(0, self.pick)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of packed x [N, ...] that are in this block."""
+        return x if self.pick is None else x.index_select(0, self.pick)
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """This block's packed rows [n, ...] -> [B * (S - q0), ...], zeros at padding."""
+        return x.new_zeros(self.B * self.n, *x.shape[1:]).index_copy_(0, self.flat, x)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S - q0, ...] -> this block's packed rows [n, ...]."""
+        return x.reshape(self.B * self.n, *x.shape[2:]).index_select(0, self.flat)
+
+
+def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   position_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Logits [B, S - start, V] of `model` at positions start..S-1, 0 at padding (see the module docstring)."""
+    m = model.model
+    B, S = input_ids.shape
+    real = attention_mask.bool()
+    rows = real.flatten().nonzero().squeeze(1)  # the real tokens, packed: h is [N, hidden]
+    h = m.embed_tokens(input_ids.flatten().index_select(0, rows))
+    rot = _rotation(*m.rotary_emb(h, position_ids.expand(B, S)))  # [B, S, 1, r/2]
+    rot_p = rot.flatten(0, 1).index_select(0, rows)  # [N, 1, r/2]
+    # allowed[b, i, j]: query i may attend key j (causal, key not padding)
+    allowed = torch.ones(S, S, dtype=torch.bool, device=h.device).tril_() & real[:, None, :]
+    bias = _bias(allowed, h.dtype)
+    keys = _Block(real, rows, 0)
+    layer_bias = bias  # a "shared" layer reuses the mask of the previous layer (its DSA selection)
+    for i, layer in enumerate(m.layers):
+        # the last layer only runs the queries of the returned positions
+        queries = _Block(real, rows, start) if i == len(m.layers) - 1 else keys
+        a = layer.self_attn
+        if a.indexer is not None:  # a "full" layer: every allowed key is selected unless S > top-k
+            layer_bias = bias if S <= a.indexer.index_topk else None
+        out, layer_bias = _attention(a, _norm(h, layer.input_layernorm), rot, rot_p, allowed, layer_bias, keys,
+                                     queries, model.training)
+        h = queries(h) + out
+        h = h + _mlp(layer.mlp, _norm(h, layer.post_attention_layernorm))
+    return queries.scatter(model.lm_head(_norm(h, m.norm))).view(B, S - start, -1)
+
+
+# ----------------------------------------------------------------- elementwise pieces
+class _RMSNorm(torch.autograd.Function):
+    """GlmMoeDsaRMSNorm, w * (x / rms(x)) normalised in fp32 and scaled in x's dtype, with a
+    hand-written backward (fewer passes over memory than autograd's through the ops)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        xhat = (xf * rstd).to(x.dtype)
+        ctx.save_for_backward(xhat, w, rstd)
+        return w * xhat
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        xhat, w, rstd = ctx.saved_tensors
+        dw = (dy * xhat).float().sum(tuple(range(dy.dim() - 1))).to(w.dtype)
+        g, xh = (dy * w).float(), xhat.float()
+        # d(x · rstd(x)) = rstd · (g - x̂ · mean(g · x̂))
+        c = torch.linalg.vecdot(g, xh).unsqueeze_(-1).div_(xh.shape[-1])
+        return torch.addcmul(g, xh, c, value=-1).mul_(rstd).to(dy.dtype), dw, None
+
+
+def _norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    return _RMSNorm.apply(x, norm.weight, norm.variance_epsilon)
+
+
+def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask [B, 1, S, S]: 0 where allowed, else the dtype's min (as the model's
+    masks: a fully masked padding query row stays finite)."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
+def _rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of every position as a complex [B, S, 1, r/2] (fp32, or fp64 for fp64 models), from the model's
+    rotary embedding: cos/sin [B, S, r] of cat(freqs, freqs), yarn scaling included."""
+    half = cos.shape[-1] // 2
+    real = torch.float64 if cos.dtype == torch.float64 else torch.float32
+    return torch.complex(cos[..., None, :half].to(real), sin[..., None, :half].to(real))
+
+
+def _pairs(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+
+
+def _rotate_(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Rotates, in place, the interleaved pairs (x0, x1), (x2, x3), ... of x [..., r] by rot [..., r/2]
+    (broadcast): the interleaved RoPE of GLM-5. The model's `apply_rotary_pos_emb_interleave` returns
+    the same pairs with the real parts first; queries and keys both keep them interleaved here, so
+    their dot products are the model's. x may be a strided view (even offsets and strides)."""
+    if x.dtype == rot.real.dtype:
+        torch.mul(_pairs(x), rot, out=_pairs(x))
+    else:
+        x.copy_(torch.view_as_real(_pairs(x.to(rot.real.dtype)) * rot).flatten(-2))
+    return x
+
+
+class _Query(torch.autograd.Function):
+    """The packed q_b projection [n, H, nope + r] -> SDPA's query [B, H, S', nope + r] (RoPE on the last
+    r dims, zeros at padding) with one scatter and an in-place rotation; back: a gather and a rotation."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, rot: torch.Tensor, block: _Block, nope: int) -> torch.Tensor:
+        rot = rot.reshape(-1, *rot.shape[2:])  # the block's positions, [B * S', 1, r/2]
+        out = block.scatter(q)
+        _rotate_(out[..., nope:], rot)
+        ctx.save_for_backward(rot)
+        ctx.block, ctx.nope = block, nope
+        return out.view(block.B, block.n, *q.shape[1:]).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (rot,), block, nope = ctx.saved_tensors, ctx.block, ctx.nope
+        dq = block.gather(g.transpose(1, 2))
+        _rotate_(dq[..., nope:], rot.index_select(0, block.flat).conj())
+        return dq, None, None, None
+
+
+class _KeyValue(torch.autograd.Function):
+    """The packed kv_b projection [N, H, nope + dv] and shared rotary key [N, r] -> SDPA's key
+    [B, H, S, nope + r] (RoPE on the shared part, broadcast over heads) and value [B, H, S, dv], zeros
+    at padding, with one scatter each; back: one gather each."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, k_rope: torch.Tensor, rot: torch.Tensor, block: _Block,
+                nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+        N, H, _ = kv.shape
+        r = k_rope.shape[-1]
+        k = kv.new_zeros(block.B * block.n, H, nope + r)
+        k[..., :nope].index_copy_(0, block.flat, kv[..., :nope])
+        k[..., nope:].index_copy_(0, block.flat, _rotate_(k_rope[:, None].clone(), rot).expand(N, H, r))
+        v = block.scatter(kv[..., nope:])
+        ctx.save_for_backward(rot)
+        ctx.block, ctx.nope = block, nope
+        return (k.view(block.B, block.n, H, -1).transpose(1, 2), v.view(block.B, block.n, H, -1).transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        (rot,), block, nope = ctx.saved_tensors, ctx.block, ctx.nope
+        dk = block.gather(dk.transpose(1, 2))
+        dkv = torch.cat([dk[..., :nope], block.gather(dv.transpose(1, 2))], dim=-1)
+        return dkv, _rotate_(dk[..., nope:].sum(1), rot[:, 0].conj()), None, None, None
+
+
+# ----------------------------------------------------------------- attention
+def _attention(a: torch.nn.Module, x: torch.Tensor, rot: torch.Tensor, rot_p: torch.Tensor, allowed: torch.Tensor,
+               bias: torch.Tensor | None, keys: _Block, queries: _Block,
+               training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """GlmMoeDsaAttention for the packed tokens x [N, hidden]: the outputs of the `queries` block's tokens,
+    and the additive mask [B, 1, S, S] used (rows before the block not meaningful). `bias` is the mask
+    to use, or None: this layer selects its keys with its DSA indexer. rot/rot_p: RoPE [B, S, 1, r/2]
+    and packed [N, 1, r/2]."""
+    H, nope, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim
+    qa, kva = a.q_a_proj, a.kv_a_proj_with_mqa
+    b_in = None if qa.bias is None and kva.bias is None else torch.cat(
+        [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in (qa, kva)])
+    q_resid, c_kv, k_rope = F.linear(x, torch.cat([qa.weight, kva.weight]), b_in).split(
+        [a.q_lora_rank, a.kv_lora_rank, r], dim=-1)
+    q_resid = _norm(q_resid, a.q_a_layernorm)
+    if bias is None:
+        with torch.no_grad():
+            bias = _bias(_select(a.indexer, x, q_resid, rot_p, allowed, keys, queries.q0), x.dtype)
+    q = F.linear(queries(q_resid), a.q_b_proj.weight).view(-1, H, nope + r)
+    q = _Query.apply(q, rot[:, queries.q0:], queries, nope)
+    kv = F.linear(_norm(c_kv, a.kv_a_layernorm), a.kv_b_proj.weight).view(-1, H, nope + a.v_head_dim)
+    k, v = _KeyValue.apply(kv, k_rope, rot_p, keys, nope)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :, queries.q0:], scale=a.scaling,
+                                       dropout_p=a.attention_dropout if training else 0.0)
+    return F.linear(queries.gather(o.transpose(1, 2)).flatten(1), a.o_proj.weight, a.o_proj.bias), bias
+
+
+def _select(ix: torch.nn.Module, x: torch.Tensor, q_resid: torch.Tensor, rot_p: torch.Tensor,
+            allowed: torch.Tensor, keys: _Block, q0: int) -> torch.Tensor:
+    """DSA lightning indexer (DeepSeek-V3.2; interleaved RoPE as GLM-5): index[i, j] =
+    Σ_h w_h(x_i) · relu(q_h(i)·k(j) / sqrt(d)) over the allowed keys j; returns `allowed` restricted
+    to the top-k keys of the queries at positions q0.. (ties at the cut-off to the most recent keys).
+    Queries before position k have at most k allowed keys, all selected, so they are skipped."""
+    k, Hi, Di, r = ix.index_topk, ix.n_heads, ix.head_dim, ix.qk_rope_head_dim
+    block = _Block(keys.real, keys.rows, max(q0, k))
+    B, n, S = block.B, block.n, keys.n
+    wp = ix.weights_proj.weight
+    weights = F.linear(block(x).to(wp.dtype), wp).float() * (Hi**-0.5 * ix.softmax_scale)
+    weights = block.scatter(weights).view(B, n, Hi)
+    key = F.layer_norm(F.linear(x, ix.wk.weight), (Di,), ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps)
+    _rotate_(key[:, :r], rot_p[:, 0])
+    q = F.linear(block(q_resid), ix.wq_b.weight).view(-1, Hi, Di)
+    _rotate_(q[..., :r], block(rot_p))
+    q = block.scatter(q).view(B, n, Hi, Di).float()
+    key = keys.scatter(key).view(B, S, Di).float()
+    selected = allowed.clone()
+    # queries in [lo, hi) only have allowed keys before hi: chunks of queries, each scored against the
+    # keys up to its end only
+    bounds = sorted({block.q0 + (S - block.q0) * c // INDEX_QUERY_CHUNKS for c in range(INDEX_QUERY_CHUNKS + 1)})
+    for lo, hi in pairwise(bounds):
+        part = slice(lo - block.q0, hi - block.q0)
+        scores = torch.bmm(q[:, part].flatten(1, 2), key[:, :hi].transpose(1, 2)).view(B, hi - lo, Hi, hi).relu_()
+        # Σ_h over a handful of heads: a loop of fused multiply-adds beats a batched [1, Hi] @ [Hi, S] matmul
+        w = weights[:, part]
+        index = scores[:, :, 0] * w[..., 0, None]
+        for h in range(1, Hi):
+            index.addcmul_(scores[:, :, h], w[..., h, None])
+        index.masked_fill_(~allowed[:, lo:hi, :hi], float("-inf"))
+        selected[:, lo:hi, :hi] &= _top_k(index, k)
+    return selected
+
+
+def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the k largest entries along the last dim, ties at the cut-off to the most
+    recent positions: the selection of the engine's `glm_runner.topk_mask`, computed with one
+    cumulative count of the ties instead of two flips around it."""
+    kth = scores.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above, tied = scores > kth, scores == kth
+    need = k - above.sum(-1, keepdim=True)
+    upto = tied.cumsum(-1)  # ties at or before each position; those after it: upto[-1] - upto
+    return above | (tied & (upto > upto[..., -1:] - need))
+
+
+# ----------------------------------------------------------------- MLP / MoE
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """GlmMoeDsaMLP, or GlmMoeDsaMoE, of packed tokens x [N, hidden]."""
+    if hasattr(mlp, "experts"):
+        return _moe(mlp, x)
+    return F.linear(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight), mlp.down_proj.weight)
+
+
+def _moe(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """GlmMoeDsaMoE: the routed experts (sigmoid router, top-k, `glm_moe.route`) over the tokens sorted
+    by expert with one grouped matmul per projection, plus the shared expert as a dense MLP."""
+    ex = mlp.experts
+    w, idx = route(mlp.gate, x)
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    tok = order.div(idx.shape[1], rounding_mode="floor")
+    offs = torch.bincount(flat, minlength=ex.num_experts).cumsum(0).to(torch.int32)
+    g, u = F.grouped_mm(x.index_select(0, tok), ex.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    # the routing weight scales the down projection's input (it is linear) rather than its output
+    y = F.grouped_mm(F.silu(g) * u * w.reshape(-1)[order, None].to(x.dtype), ex.down_proj.transpose(1, 2), offs=offs)
+    return _mlp(mlp.shared_experts, x).index_add(0, tok, y)
