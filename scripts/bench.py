@@ -8,8 +8,7 @@ engine  decode tokens/s of LocalEngine vs transformers' `model.generate` (same t
         prompts, exactly N new tokens on both sides, temperature 1). Target >= 3x.
 grpo    whole GRPO steps of a glmlight run vs TRL's GRPOTrainer on identical work. Target >= 3x.
         Baseline: trl==1.16.0, which works with transformers 5.24 (pip install -e '.[bench]').
-        The "+ ..." rows apply the changes recommended in docs/performance.md, by monkeypatching
-        in this script only.
+        "sync" is on-policy like TRL; "async" overlaps the next rollout with the update (2 threads).
 flops   achieved FLOP/s of a GRPO training step of the ~50M `small` preset vs a large fp32
         torch.matmul. Target >= 50% (FLOPs counted as in `train_step_flops`).
 
@@ -28,9 +27,8 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from train import compose`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -149,7 +147,7 @@ def digit_fraction_reward(sample) -> float:
     return digit_fraction(sample.metadata["completion_text"])
 
 
-def _glmlight_steps(s: Sizes, device: str, root: str) -> list[float]:
+def _glmlight_steps(s: Sizes, device: str, root: str, extra: list[str]) -> list[float]:
     import lightning.pytorch as pl
 
     import glmlight
@@ -168,7 +166,7 @@ def _glmlight_steps(s: Sizes, device: str, root: str) -> list[float]:
                  f"rollout.rollout_batch_size={s.prompts}", f"rollout.n_samples_per_prompt={s.group}",
                  f"rollout.max_new_tokens={s.completion}", "algo.lr=1e-4", f"algo.micro_batch_size={s.group * s.prompts}",
                  "~callbacks.held_out_eval", "~callbacks.sample_table",
-                 "task.reward._target_=bench.digit_fraction_reward"]
+                 "task.reward._target_=bench.digit_fraction_reward", *extra]
     if device.startswith("cuda"):
         overrides += ["accelerator=gpu", "trainer.devices=1", "trainer.precision=32-true", f"rollout.device={device}"]
     run = glmlight.build(compose(overrides))
@@ -179,7 +177,7 @@ def _glmlight_steps(s: Sizes, device: str, root: str) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def _trl_steps(s: Sizes, device: str, root: str) -> list[float]:
+def _trl_steps(s: Sizes, device: str, root: str, threads: int) -> list[float]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -208,84 +206,59 @@ def _trl_steps(s: Sizes, device: str, root: str) -> list[float]:
                      disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False, seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=dataset,
                           processing_class=tok, callbacks=[Stamp()])
-    trainer.train()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(before)
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-# The library's versions of changes 1 and 3 (kept as benchmark variants so that older
-# measurements can be reproduced; applying them again is a no-op).
-from glmlight.data.rollout import _epoch_order  # noqa: E402
-from glmlight.models.fast_indexer import _indexer_forward  # noqa: E402
+# glmlight's variants: "sync" is on-policy like TRL (generate, then train); "async" overlaps the
+# rollout of the next batch (the engine's decode thread) with the update (the trainer's thread), so
+# each batch is one policy version old when trained (rollout.mode=async, max_staleness 1).
+GLMLIGHT_VARIANTS = {"sync": [], "async": ["rollout.mode=async"]}
 
 
-@contextmanager
-def recommended_patches(level: int) -> Iterator[None]:
-    """The changes docs/performance.md recommends for files this script does not own, applied
-    cumulatively by monkeypatching: 1 = the prompt stream's epoch permutation computed once per
-    epoch (not once per prompt); 2 = + the engine's log-probs reused as old log-probs (same
-    weights and dtype in a sync rollout); 3 = + the DSA indexer without the key broadcast."""
-    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
-
-    from glmlight.algorithms.base import RLModule
-    from glmlight.data.rollout import RolloutDataModule
-
-    saved = RolloutDataModule._prompt_index, RLModule.prepare_experience, GlmMoeDsaIndexer.forward
-    prepare = saved[1]
-
-    def cached_prompt_index(self, k: int) -> int:
-        epoch, pos = divmod(k * self.world_size + self.rank, len(self.source))
-        return pos if len(self.source) > 1_000_000 else _epoch_order(self.cfg.seed, epoch, len(self.source))[pos]
-
-    def prepare_reusing(self, batch) -> None:
-        real = self.compute_logprobs
-        self.compute_logprobs = lambda model, exp: (batch.rollout_logprobs.float().clone()
-                                                    if model is self.policy and exp is batch else real(model, exp))
-        try:
-            prepare(self, batch)
-        finally:
-            del self.compute_logprobs
-
-    if level >= 1:
-        RolloutDataModule._prompt_index = cached_prompt_index
-    if level >= 2:
-        RLModule.prepare_experience = prepare_reusing
-    if level >= 3:
-        GlmMoeDsaIndexer.forward = _indexer_forward
-    try:
-        yield
-    finally:
-        RolloutDataModule._prompt_index, RLModule.prepare_experience, GlmMoeDsaIndexer.forward = saved
-
-
-PATCH_LABELS = ["", " +order cache", " +logp reuse", " +indexer fix"]
-
-
-def bench_grpo(s: Sizes, device: str, rounds: int = 1, levels: int = len(PATCH_LABELS)) -> list[dict[str, Any]]:
-    def glmlight_at(level: int) -> Callable[[str], list[float]]:
-        def go(root: str) -> list[float]:
-            with recommended_patches(level):
-                return _glmlight_steps(s, device, root)
-        return go
-
-    variants = {"trl": lambda root: _trl_steps(s, device, root)}
-    variants.update({f"level{i}": glmlight_at(i) for i in range(levels)})
-    times: dict[str, list[float]] = {k: [] for k in variants}
+def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...] = ("sync", "async"),
+               trl_threads: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+    """GRPO steps of glmlight's variants against TRL at each of `trl_threads` intra-op thread counts
+    (always this process's count; by default also one per core, on CPU). Rows: sync vs TRL at this
+    process's thread count (what each side does with one trainer thread), async vs TRL's fastest."""
+    threads = torch.get_num_threads()
+    cores = machine(device)["cores"] or 1
+    if trl_threads is None:
+        trl_threads = () if device.startswith("cuda") else (cores,)
+    trl_threads = tuple(sorted({threads, *trl_threads}))
+    runs: dict[str, Callable[[str], list[float]]] = {
+        f"trl@{t}": (lambda root, t=t: _trl_steps(s, device, root, t)) for t in trl_threads}
+    runs.update({v: (lambda root, v=v: _glmlight_steps(s, device, root, GLMLIGHT_VARIANTS[v])) for v in variants})
+    times: dict[str, list[float]] = {k: [] for k in runs}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(rounds):  # the variants alternate, so that they share the machine's moods
-            for name, fn in variants.items():
+        for r in range(rounds):  # the runs alternate, so that they share the machine's moods
+            for name, fn in runs.items():
                 times[name] += fn(os.path.join(tmp, f"{name}_{r}"))
+    step = {k: statistics.median(v) for k, v in times.items()}
     completions, tokens = s.group * s.prompts, s.group * s.prompts * s.completion
-    base = statistics.median(times.pop("trl"))
-    note = f"{s.preset} preset, {s.prompts} prompts x {s.group}, {s.completion} tokens each; baseline TRL GRPOTrainer"
+    work = f"{s.preset} preset, {s.prompts} prompts x {s.group}, {s.completion} tokens each"
+    same = f"trl@{threads}"
+    fastest = min((k for k in step if k.startswith("trl@")), key=step.get)
     rows = []
-    for i in range(levels):
-        ours = statistics.median(times[f"level{i}"])
-        label = "GRPO step" + "".join(PATCH_LABELS[1 : i + 1])
-        target = TARGETS["grpo"] if i == 0 else None
-        rows.append(row(f"{label}: completions", "completions/s", completions / ours, completions / base, target,
-                        note))
-        if i == 0:
-            rows.append(row(f"{label}: trained tokens", "tokens/s", tokens / ours, tokens / base, target, note))
+    if "sync" in step:
+        note = f"{work}; sync: on-policy, one trainer thread ({threads}); baseline TRL GRPOTrainer, {threads} threads"
+        rows.append(row("GRPO step, sync: completions", "completions/s", completions / step["sync"],
+                        completions / step[same], TARGETS["grpo"], note))
+        rows.append(row("GRPO step, sync: trained tokens", "tokens/s", tokens / step["sync"],
+                        tokens / step[same], TARGETS["grpo"], note))
+    if "async" in step:
+        note = (f"{work}; async: rollout overlapped with the update (decode thread 1 + trainer {threads} threads), "
+                f"one step off-policy; baseline TRL at its fastest ({fastest.split('@')[1]} threads)")
+        rows.append(row("GRPO step, async: completions", "completions/s", completions / step["async"],
+                        completions / step[fastest], TARGETS["grpo"], note))
+    trl = ", ".join(f"{k.split('@')[1]} threads {completions / v:.1f}" for k, v in step.items() if k.startswith("trl@"))
+    for r in rows:
+        r["note"] += f" (TRL completions/s: {trl})"
     return rows
 
 
@@ -297,42 +270,49 @@ def matmul_peak(n: int, device: str, reps: int = 3) -> float:
     return 2 * n**3 / statistics.median(timed(lambda: a @ b, device) for _ in range(reps))
 
 
-def train_step_flops(model: torch.nn.Module, batch: int, seq: int) -> tuple[float, dict[str, float]]:
-    """FLOPs of one forward+backward over `batch` x `seq` tokens, counted from the parameters
-    that do matmul work per token (embedding lookups and norm weights excluded):
-    6 x trained parameters (routed experts scaled by k/E), 2 x the DSA indexer's projections
-    (computed without gradients), plus causal attention over the top-k selected keys
-    (x3 for the backward) and the indexer's scores over every earlier key (forward only)."""
+def train_step_flops(model: torch.nn.Module, batch: int, seq: int, start: int = 0) -> tuple[float, dict[str, float]]:
+    """FLOPs of one forward+backward over `batch` x `seq` tokens whose logits are needed at positions
+    start..seq-1 only, counted from the parameters that do matmul work per token (embedding lookups
+    and norm weights excluded): 6 x trained parameters (routed experts scaled by k/E), 2 x the DSA
+    indexer's projections (computed without gradients), plus causal attention over the top-k selected
+    keys (x3 for the backward) and the indexer's scores over every earlier key (forward only). The LM
+    head and the last layer's query side (everything but its key/value projections) count only the
+    queries at positions >= start: no logit depends on the others there."""
     cfg = model.config
-    trained = indexer = experts = 0
+    L, H = cfg.num_hidden_layers, cfg.num_attention_heads
+    last = f"model.layers.{L - 1}."
+    key_side = ("kv_a_proj_with_mqa", "kv_b_proj", "indexer.wk", "indexer.k_norm")
+    k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts
+    tokens, queries = batch * seq, batch * (seq - start)
+    trained = indexer = active = 0.0
     for name, p in model.named_parameters():
         if p.dim() < 2 or name.endswith("embed_tokens.weight"):
             continue
+        n = p.numel() * (k_over_e if ".experts." in name else 1.0)
+        every = not (name.startswith("lm_head") or (name.startswith(last) and not any(k in name for k in key_side)))
+        work = n * (tokens if every else queries)
         if ".indexer." in name:
-            indexer += p.numel()
-        elif ".experts." in name:
-            experts += p.numel()
+            indexer += work
         else:
-            trained += p.numel()
-    k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts
-    active = trained + experts * k_over_e
-    tokens = batch * seq
-    L, H = cfg.num_hidden_layers, cfg.num_attention_heads
+            trained += work
+        active += n
     dk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    keys = sum(min(cfg.index_topk, t + 1) for t in range(seq))  # attended keys, summed over positions
+    keys = [min(cfg.index_topk, t + 1) for t in range(seq)]  # keys attended by the query at position t
+    per_pass = 3 * 2 * H * (dk + dv) * batch
+    attention = per_pass * (sum(keys) * (L - 1) + sum(keys[start:]))
     seen = seq * (seq + 1) // 2  # keys the indexer scores
     full_indexer_layers = sum(t == "full" for t in cfg.indexer_types)
-    attention = 3 * 2 * H * (dk + dv) * keys * L * batch
     index_scores = 2 * (cfg.index_n_heads * cfg.index_head_dim + cfg.index_n_heads) * seen * full_indexer_layers * batch
-    parts = {"matmul_params": 6 * active * tokens, "indexer_params": 2 * indexer * tokens,
-             "attention": attention, "indexer_scores": index_scores}
+    parts = {"matmul_params": 6 * trained, "indexer_params": 2 * indexer, "attention": attention,
+             "indexer_scores": index_scores}
     total_params = sum(p.numel() for p in model.parameters())
-    return float(sum(parts.values())), {**parts, "active_params": active + indexer, "total_params": total_params}
+    return float(sum(parts.values())), {**parts, "active_params": active, "total_params": total_params}
 
 
 def bench_flops(s: Sizes, device: str) -> list[dict[str, Any]]:
     from glmlight.algorithms.grpo import GRPO
     from glmlight.config import GRPOConfig
+    from glmlight.models import glm_forward
     from glmlight.sample import Experience, Sample
 
     tok, policy = tiny_model(s.flops_preset, device)
@@ -345,7 +325,8 @@ def bench_flops(s: Sizes, device: str) -> list[dict[str, Any]]:
                               loss_mask=[1] * len(resp), rollout_logprobs=[-4.6] * len(resp),
                               versions=[0] * len(resp), reward=float(i % 2), group_id=i // 2))
     batch = Experience.collate(samples, tok.pad_token_id).to(device)
-    module = GRPO(GRPOConfig(micro_batch_size=s.flops_batch, lr=1e-5), policy, max_new_tokens=s.flops_seq).to(device)
+    module = GRPO(GRPOConfig(micro_batch_size=s.flops_batch, lr=1e-5), policy, max_new_tokens=s.flops_seq,
+                  use_glm_forward=glm_forward.supports(policy)).to(device)  # as a run's model.forward=auto
     module.prepare_experience(batch)
     module.compute_advantages(batch)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
@@ -361,7 +342,7 @@ def bench_flops(s: Sizes, device: str) -> list[dict[str, Any]]:
 
     step()  # warm-up (allocates the optimizer state)
     t = statistics.median(timed(step, device) for _ in range(s.flops_steps))
-    flops, parts = train_step_flops(policy, s.flops_batch, s.flops_seq)
+    flops, parts = train_step_flops(policy, s.flops_batch, s.flops_seq, start=batch.prompt_length - 1)
     n = 2 * s.matmul_n if device.startswith("cuda") else s.matmul_n
     peak = matmul_peak(n, device)
     note = (f"{s.flops_preset}: {parts['total_params'] / 1e6:.1f}M params, {parts['active_params'] / 1e6:.1f}M active; "

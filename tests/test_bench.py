@@ -46,9 +46,10 @@ def test_flop_count_by_hand(tokenizer):
 
 def test_grpo_figures_against_trl(tmp_path):
     pytest.importorskip("trl")
-    rows = bench.bench_grpo(TINY, "cpu", rounds=1, levels=1)
-    _check(rows, 2)
-    assert {r["unit"] for r in rows} == {"completions/s", "tokens/s"}
+    rows = bench.bench_grpo(TINY, "cpu", rounds=1, trl_threads=())
+    _check(rows, 3)
+    assert [r["figure"].split(":")[0] for r in rows] == ["GRPO step, sync"] * 2 + ["GRPO step, async"]
+    assert {r["unit"] for r in rows} == {"completions/s", "tokens/s"} and "TRL completions/s" in rows[0]["note"]
 
 
 def test_main_writes_json(tmp_path, monkeypatch):
@@ -61,3 +62,28 @@ def test_main_writes_json(tmp_path, monkeypatch):
         torch.set_num_threads(threads)  # main() pins the process to one thread on CPU
     data = json.loads(out.read_text())
     assert data["machine"]["cores"] >= 1 and data["rows"][0]["figure"] == "engine decode"
+
+
+def test_flop_count_skips_what_no_returned_logit_needs(tokenizer):
+    # with logits needed at position 1 only, the position-0 query of the last layer (its query side:
+    # q, o, indexer query and weights, the MLP/MoE) and the LM head at position 0 do no useful work
+    from glmlight.models.loading import load_causal_lm
+
+    model = load_causal_lm(None, tokenizer, preset="test")
+    cfg = model.config
+    last = model.model.layers[-1]
+    a, ix, mlp = last.self_attn, last.self_attn.indexer, last.mlp
+    q_side = sum(m.weight.numel() for m in (a.q_a_proj, a.q_b_proj, a.o_proj, ix.wq_b, ix.weights_proj))
+    if hasattr(mlp, "experts"):
+        k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts
+        q_side += mlp.gate.weight.numel() + sum(p.numel() for p in mlp.shared_experts.parameters())
+        q_side += (mlp.experts.gate_up_proj.numel() + mlp.experts.down_proj.numel()) * k_over_e
+    else:
+        q_side += sum(p.numel() for p in mlp.parameters())
+    indexer_q = ix.wq_b.weight.numel() + ix.weights_proj.weight.numel()  # forward only: 2 FLOPs each
+    dk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    saved = 6 * (q_side - indexer_q + model.lm_head.weight.numel()) + 2 * indexer_q
+    saved += 3 * 2 * cfg.num_attention_heads * (dk + dv) * 1  # the position-0 query attends one key
+    full, _ = bench.train_step_flops(model, batch=1, seq=2)
+    part, _ = bench.train_step_flops(model, batch=1, seq=2, start=1)
+    assert full - part == pytest.approx(saved)
