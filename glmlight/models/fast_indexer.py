@@ -1,10 +1,15 @@
-"""A faster GlmMoeDsaIndexer.forward for training-side forward passes.
+"""The DSA indexer's forward for every GlmMoeDsa model glmlight loads.
 
-transformers computes the indexer's query-key scores with a matmul that broadcasts
-(copies) the keys over every query position; this computes the same scores as one
-bmm over (positions × heads). The selected top-k indices are identical (the
-benchmark in scripts/bench.py checks logits match exactly); the indexer has no
-gradient either way.
+Two changes to transformers' `GlmMoeDsaIndexer.forward`, both within its function:
+- speed: transformers computes the query-key scores with a matmul that broadcasts
+  (copies) the keys over every query position; this computes the same scores as one
+  bmm over (positions x heads);
+- the top-k choice among scores tied exactly at the cut-off (they are sums of ReLUs
+  and tie at 0 often) follows the engine's rule, the most recent keys
+  (`glm_runner.topk_recent`), where `Tensor.topk` leaves it unspecified and
+  padding-dependent. So the model's own forward (a reference model, a teacher, the
+  engine's `score`, `model.forward=transformers`) selects the keys the engine and
+  glmlight's training forward select. The indexer has no gradient either way.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import types
 
 import torch
+
+from glmlight.rollout.glm_runner import topk_recent
 
 
 @torch.no_grad()
@@ -41,7 +48,7 @@ def index_scores(self, hidden_states, q_resid, position_embeddings, attention_ma
 def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
                      cache=None):
     index = index_scores(self, hidden_states, q_resid, position_embeddings, attention_mask, cache)
-    return index.topk(min(self.index_topk, index.shape[-1]), dim=-1).indices.to(torch.int32)
+    return topk_recent(index, min(self.index_topk, index.shape[-1])).to(torch.int32)
 
 
 def install_fast_indexer(model: torch.nn.Module) -> int:
