@@ -89,7 +89,7 @@ class RolloutConfig:
     overlong: str = "none"  # none | mask | soft_penalty (DAPO)
     overlong_cache: int = 4  # L_cache of the soft overlong penalty
     max_context: int = 2048  # prompt + response token budget
-    queue_size: int = 1  # async: rollout batches that may wait in the queue
+    queue_size: int = 1  # async: rollout batches generated ahead of training (1: each is one step off-policy)
     engine_retries: int = 3  # retries of a failed engine call before its samples are FAILED
     engine_retry_backoff_s: float = 0.5
     on_weight_update: str = "continue"  # async: in-flight generations continue (per-token versions) or abort

@@ -1,8 +1,10 @@
 """The agentic TITO loop and asynchronous rollout (real engine, tiny model)."""
 
 import threading
+import time
 from collections import Counter
 
+import lightning.pytorch as pl
 import pytest
 
 import glmlight
@@ -146,3 +148,21 @@ def test_async_staleness_is_bounded_by_the_gate(tmp_path):
     t = run.datamodule.totals
     assert t["produced"] == t["trained"] + sum(v for k, v in t.items() if k.startswith("dropped/"))
     assert not [th for th in threading.enumerate() if th.name == "glmlight-rollout-producer"]
+
+
+def test_async_producer_runs_one_batch_ahead_so_nothing_goes_stale(tmp_path):
+    # training much slower than generation: the producer must wait for the trainer to take a batch
+    # before starting the next one, or its batches reach the gate two versions old and are dropped
+    run = _build(tmp_path, "rollout.mode=async", "rollout.queue_size=1", "trainer.max_steps=4",
+                 "callbacks.version_gate.max_staleness=1", "~callbacks.held_out_eval", "~callbacks.sample_table")
+
+    class SlowTrainer(pl.Callback):
+        def on_train_batch_end(self, *args, **kwargs):
+            time.sleep(0.3)
+
+    run.trainer.callbacks.append(SlowTrainer())
+    run.fit()
+    t = run.datamodule.totals
+    assert t["dropped/stale"] == 0 and t["dropped/group_stale"] == 0
+    assert t["trained"] == 4 * run.cfg.rollout.rollout_batch_size * run.cfg.rollout.n_samples_per_prompt
+    assert t["produced"] == t["trained"] + sum(v for k, v in t.items() if k.startswith("dropped/"))

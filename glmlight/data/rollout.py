@@ -69,6 +69,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self._lock = threading.RLock()  # prompt cursor, ids and totals (the async producer shares them)
         self._producer: threading.Thread | None = None
         self._queue: queue.Queue | None = None
+        # async: groups the producer may have generated or be generating ahead of training; a batch
+        # starts only when the trainer has taken enough of the earlier ones (see _produce)
+        self._slots: threading.Semaphore | None = None
         self._stop = threading.Event()
         self._producer_error: BaseException | None = None
         self._producer_counts: Counter = Counter()
@@ -311,6 +314,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 continue
             try:
                 group = self._queue.get(timeout=0.5)
+                self._slots.release()
             except queue.Empty:
                 if self._producer_error is not None:
                     raise RuntimeError("the rollout producer failed") from self._producer_error
@@ -328,13 +332,22 @@ class RolloutDataModule(pl.LightningDataModule):
             return
         self._stop.clear()
         self._producer_error = None
-        self._queue = queue.Queue(maxsize=max(1, self.cfg.queue_size * self.cfg.rollout_batch_size))
+        ahead = self.cfg.queue_size * self.cfg.rollout_batch_size
+        self._queue = queue.Queue(maxsize=ahead)
+        self._slots = threading.Semaphore(ahead)
         self._producer = threading.Thread(target=self._produce, name="glmlight-rollout-producer", daemon=True)
         self._producer.start()
 
     def _produce(self) -> None:
         try:
             while not self._stop.is_set():
+                # Start a batch only when at most queue_size - 1 others wait untrained: a batch then
+                # starts from the weights the trainer had when it took the batch before, and is one
+                # version old when trained (queue_size=1). Without this bound the producer ran a batch
+                # further ahead whenever training was slower, and the gate dropped it as too stale.
+                taken = self._take_slots(self.cfg.rollout_batch_size)
+                if taken < self.cfg.rollout_batch_size:
+                    break  # stopping
                 counts: Counter = Counter()
                 with self._lock:
                     self._inflight_cursor = self._cursor
@@ -349,6 +362,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 for smp in samples:
                     by_group.setdefault(smp.group_id, []).append(smp)
                 pending = list(by_group.values())
+                for _ in range(max(0, taken - len(pending))):  # fewer groups than slots taken
+                    self._slots.release()
                 while pending and not self._stop.is_set():
                     try:
                         self._queue.put(pending[0], timeout=0.1)
@@ -359,6 +374,14 @@ class RolloutDataModule(pl.LightningDataModule):
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
             self._producer_error = e
             log.error("rollout producer failed: %s: %s", type(e).__name__, e)
+
+    def _take_slots(self, n: int) -> int:
+        """Acquire up to n group slots, giving up when the producer is stopped; returns how many."""
+        taken = 0
+        while taken < n and not self._stop.is_set():
+            if self._slots.acquire(timeout=0.1):
+                taken += 1
+        return taken
 
     def _count_shutdown(self, groups: list[list[Sample]]) -> None:
         n = sum(len(g) for g in groups)
