@@ -17,6 +17,8 @@ every case for models whose experts are too large for the dense form ever to pay
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -30,11 +32,21 @@ def dense_possible(cfg) -> bool:
         <= DENSE_MOE_MAX_WASTED_FLOPS
 
 
+class Stacked(NamedTuple):
+    """Expert weights stacked for x @ W: gate_up [E', h, 2m], down [E', m, h] (E' = E, or E + 1 when
+    the shared expert has the routed experts' width and is appended last: `shared`), and gate_up as
+    one [h, E' * 2m] matrix for the dense form."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    shared: bool
+    gate_up_flat: torch.Tensor
+
+
 @torch.no_grad()
-def stacked_experts(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-    """Expert weights as [E(+1), h, 2m] and [E(+1), m, h] for x @ W; the shared expert is
-    appended as the last expert when it has the routed experts' width (third value True).
-    None (no copy of the experts kept) when the dense form can never be used."""
+def stacked_experts(mlp: torch.nn.Module) -> Stacked | None:
+    """The experts of `mlp` as `Stacked`; None (no copy of the experts kept) when the dense form can
+    never be used."""
     if not dense_possible(mlp.config):
         return None
     ex, sh = mlp.experts, mlp.shared_experts
@@ -43,11 +55,12 @@ def stacked_experts(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, b
         gate_up = torch.cat([gate_up, torch.cat([sh.gate_proj.weight, sh.up_proj.weight])[None]])
         down = torch.cat([down, sh.down_proj.weight[None]])
         shared = True
-    return gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous(), shared
+    gate_up = gate_up.transpose(1, 2).contiguous()
+    return Stacked(gate_up, down.transpose(1, 2).contiguous(), shared,
+                   gate_up.transpose(0, 1).reshape(gate_up.shape[1], -1).contiguous())
 
 
-def moe_forward(mlp: torch.nn.Module, stacked: tuple[torch.Tensor, torch.Tensor, bool] | None,
-                x: torch.Tensor) -> torch.Tensor:
+def moe_forward(mlp: torch.nn.Module, stacked: Stacked | None, x: torch.Tensor) -> torch.Tensor:
     """GlmMoeDsaMoE(x) for x [B, S, h], with `stacked_experts(mlp)` weights."""
     B, S, h = x.shape
     cfg = mlp.config
@@ -55,11 +68,10 @@ def moe_forward(mlp: torch.nn.Module, stacked: tuple[torch.Tensor, torch.Tensor,
     dense = B * S * (E - k) * h * m * 6 <= DENSE_MOE_MAX_WASTED_FLOPS
     if stacked is None or (not dense and x.device.type != "cpu"):
         return mlp(x)
-    gate_up, down, shared_stacked = stacked
     xt = x.view(B * S, h)
     w, idx = route(mlp.gate, xt)
-    y = (_dense if dense else _grouped)(gate_up, down, shared_stacked, xt, w, idx)
-    if not shared_stacked:
+    y = _dense(stacked, xt, w, idx) if dense else _grouped(stacked, xt, w, idx)
+    if not stacked.shared:
         y = y + mlp.shared_experts(xt)
     return y.view(B, S, h)
 
@@ -77,19 +89,21 @@ def route(gate: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return w * gate.routed_scaling_factor, idx
 
 
-def _dense(gate_up: torch.Tensor, down: torch.Tensor, shared: bool, xt: torch.Tensor, w: torch.Tensor,
-           idx: torch.Tensor) -> torch.Tensor:
-    weights = torch.zeros(xt.shape[0], gate_up.shape[0], dtype=w.dtype, device=xt.device)
-    if shared:
+def _dense(st: Stacked, xt: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, two plain matmuls: [N, h] @ [h, E' * 2m], then the activations,
+    scaled by the (mostly zero) routing weights, [N, E' * m] @ [E' * m, h] sums over the experts."""
+    N, E1 = xt.shape[0], st.gate_up.shape[0]
+    weights = torch.zeros(N, E1, dtype=w.dtype, device=xt.device)
+    if st.shared:
         weights[:, -1] = 1.0
     weights.scatter_(1, idx, w)
-    g, u = torch.matmul(xt, gate_up).chunk(2, dim=-1)  # [E', N, m]
-    out = torch.matmul(F.silu(g) * u, down)  # [E', N, h]
-    return (out * weights.t()[..., None]).sum(0).to(xt.dtype)  # in expert order, the shared one last
+    g, u = torch.matmul(xt, st.gate_up_flat).view(N, E1, -1).chunk(2, dim=-1)  # [N, E', m] each
+    act = F.silu(g) * u * weights.to(xt.dtype)[..., None]
+    return torch.matmul(act.view(N, -1), st.down.view(-1, st.down.shape[-1]))
 
 
-def _grouped(gate_up: torch.Tensor, down: torch.Tensor, shared: bool, xt: torch.Tensor, w: torch.Tensor,
-             idx: torch.Tensor) -> torch.Tensor:
+def _grouped(st: Stacked, xt: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    gate_up, down, shared = st.gate_up, st.down, st.shared
     N, k = idx.shape
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)

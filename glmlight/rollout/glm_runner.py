@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from glmlight.rollout.glm_moe import moe_forward, stacked_experts
+from glmlight.rollout.glm_moe import Stacked, moe_forward, stacked_experts
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -115,7 +115,7 @@ class _Layer:
     mlp: torch.nn.Module
     gate_up: torch.Tensor | None  # dense MLP: [2m, h]
     moe: bool
-    experts: tuple[torch.Tensor, torch.Tensor, bool] | None  # glm_moe.stacked_experts
+    experts: Stacked | None  # glm_moe.stacked_experts
 
 
 class GlmDsaRunner:
