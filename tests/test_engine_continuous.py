@@ -209,14 +209,17 @@ def test_both_runners_decode_the_model_s_own_greedy_tokens(tokenizer, tiny_model
         torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer):
+@pytest.mark.parametrize("growth", [1.5, 0.0])  # MLA weights absorbed (the test preset) or not (large models)
+def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer, monkeypatch, growth):
     """Prefill, decode, row compaction and cache growth against the model's forward, with the
     DSA top-k well below the sequence length. 16 indexer heads and non-pad tokens keep exact
     ties between index scores (where any two implementations may pick differently) away."""
-    from glmlight.rollout.glm_runner import GlmDsaRunner
+    from glmlight.rollout import glm_runner
 
     model = load_causal_lm(None, tokenizer, preset="test", seed=0, index_topk=8, index_n_heads=16).eval()
-    runner = GlmDsaRunner(model, rows=2, capacity=16)  # both grow during the test
+    monkeypatch.setattr(glm_runner, "ABSORB_MAX_GROWTH", growth)
+    runner = glm_runner.GlmDsaRunner(model, rows=2, capacity=16)  # both grow during the test
+    assert runner.absorb_q == runner.absorb_o == (growth > 0)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(6, 100, (n,), generator=g).tolist() for n in (5, 12, 3)]
     with torch.inference_mode():

@@ -40,6 +40,9 @@ import torch.nn.functional as F
 from glmlight.rollout.glm_moe import Stacked, moe_forward, stacked_experts
 
 
+ABSORB_MAX_GROWTH = 1.5
+
+
 def supports(model: torch.nn.Module) -> bool:
     """Whether `model` is a GlmMoeDsaForCausalLM this runner reproduces exactly."""
     cfg = getattr(model, "config", None)
@@ -105,9 +108,9 @@ class _Layer:
     kv_eps: float
     w_qb: torch.Tensor  # [q nope (H) | indexer q pass (Hi) | q rope (H) | indexer q rope (Hi)], rope de-interleaved
     split_qb: list[int]
-    w_uk: torch.Tensor  # [H, nope, L]: key half of kv_b_proj (absorbed into the query)
-    w_uv: torch.Tensor  # [H, L, dv]: value half of kv_b_proj (applied to the attention output)
-    o_proj: torch.Tensor
+    w_uk: torch.Tensor | None  # [H, nope, L]: key half of kv_b_proj (None: absorbed into w_qb)
+    w_uv: torch.Tensor | None  # [H, L, dv]: value half of kv_b_proj (None: absorbed into o_proj)
+    o_proj: torch.Tensor  # [hidden, H * dv], or [hidden, H * L] with w_uv absorbed
     o_bias: torch.Tensor | None
     scaling: float
     indexer: Any  # the layer's GlmMoeDsaIndexer module, or None for "shared" layers
@@ -131,6 +134,12 @@ class GlmDsaRunner:
         self.H, self.L = cfg.num_attention_heads, cfg.kv_lora_rank
         self.nope, self.rope, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.topk = cfg.index_topk
+        # MLA weight absorption (kv_b_proj's halves merged into q_b_proj / o_proj: fewer ops per step)
+        # where the merged matrices are at most ABSORB_MAX_GROWTH times the two they replace: small
+        # models only (for GLM-5's sizes they would be 2x and more).
+        q_lora, hidden = cfg.q_lora_rank, cfg.hidden_size
+        self.absorb_q = self.H * self.L * q_lora <= ABSORB_MAX_GROWTH * self.H * self.nope * (q_lora + self.L)
+        self.absorb_o = hidden * self.H * self.L <= ABSORB_MAX_GROWTH * self.H * self.dv * (self.L + hidden)
         self._rope_len = 0
         self.refresh()
         self.n = 0  # rows in the running batch
@@ -158,7 +167,15 @@ class GlmDsaRunner:
             bs = [a.q_a_proj.bias, *(a.kv_a_proj_with_mqa.bias.split([L, r]) if a.kv_a_proj_with_mqa.bias is not None
                                      else (None, None))]
             qb = a.q_b_proj.weight.view(H, nope + r, -1)
+            kv_b = a.kv_b_proj.weight.view(H, nope + dv, L)
+            w_uk, w_uv, o_proj = kv_b[:, :nope], kv_b[:, nope:].transpose(1, 2), a.o_proj.weight
             q_nope, q_rot = qb[:, :nope].reshape(H * nope, -1), qb[:, nope:][:, perm].reshape(H * r, -1)
+            if self.absorb_q:  # q_lat = q_resid W_qb,nope W_uk: one [H * L, q_lora] matrix
+                q_nope = torch.einsum("hnl,hnq->hlq", w_uk.float(), qb[:, :nope].float()).reshape(H * L, -1)
+                q_nope, w_uk = q_nope.to(qb.dtype), None
+            if self.absorb_o:  # o_proj(o_lat W_uv): one [hidden, H * L] matrix
+                o_proj = torch.einsum("ehd,hld->ehl", o_proj.view(-1, H, dv).float(), w_uv.float())
+                o_proj, w_uv = o_proj.reshape(o_proj.shape[0], H * L).to(qb.dtype), None
             qbs, k_ln = [q_nope], None
             if ix is not None:
                 ipm = torch.cat([perm, torch.arange(r, ix.head_dim, device=self.device)])
@@ -174,7 +191,6 @@ class GlmDsaRunner:
             b_in = None
             if any(b is not None for b in bs):
                 b_in = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(bs, ws)])
-            kv_b = a.kv_b_proj.weight.view(H, nope + dv, L)
             moe = hasattr(layer.mlp, "experts")
             gate_up = stacked = None
             if moe:
@@ -187,8 +203,8 @@ class GlmDsaRunner:
                 q_norm=a.q_a_layernorm.weight, q_eps=a.q_a_layernorm.variance_epsilon,
                 kv_norm=a.kv_a_layernorm.weight, kv_eps=a.kv_a_layernorm.variance_epsilon,
                 w_qb=torch.cat(qbs), split_qb=[w.shape[0] for w in qbs],
-                w_uk=kv_b[:, :nope].contiguous(), w_uv=kv_b[:, nope:].transpose(1, 2).contiguous(),
-                o_proj=a.o_proj.weight, o_bias=a.o_proj.bias, scaling=a.scaling, indexer=ix, k_ln=k_ln,
+                w_uk=None if w_uk is None else w_uk.contiguous(), w_uv=None if w_uv is None else w_uv.contiguous(),
+                o_proj=o_proj, o_bias=a.o_proj.bias, scaling=a.scaling, indexer=ix, k_ln=k_ln,
                 mlp=layer.mlp, gate_up=gate_up, moe=moe, experts=stacked))
         self._rope_table(max(self._rope_len, 256))
 
@@ -306,8 +322,9 @@ class GlmDsaRunner:
             if Ly.indexer is not None:
                 selected = self._select(l, Ly, parts[4], rot[:, :, H:], iq_pass, mask, rows, keys)
             # attention in the latent space: q·k = (W_uk^T q_nope)·latent + q_rot·k_rot
-            q_lat = torch.matmul(q_nope.view(B * S, H, -1).transpose(0, 1), Ly.w_uk)  # [H, BS, L]
-            q = torch.cat([q_lat.transpose(0, 1), rot[:, :, :H].reshape(B * S, H, r)], dim=-1).view(B, S * H, L + r)
+            q_lat = q_nope.view(B * S, H, L) if Ly.w_uk is None else \
+                torch.matmul(q_nope.view(B * S, H, -1).transpose(0, 1), Ly.w_uk).transpose(0, 1)  # [BS, H, L]
+            q = torch.cat([q_lat, rot[:, :, :H].reshape(B * S, H, r)], dim=-1).view(B, S * H, L + r)
             cache = Cl[rows, :T]
             if selected is not None and selected.dtype == torch.long:  # decode: only the k selected keys
                 at = (selected[:, 0] + row_start).view(-1)
@@ -318,9 +335,10 @@ class GlmDsaRunner:
             n = cache.shape[1]
             att = torch.matmul(q, cache.transpose(1, 2)).mul_(Ly.scaling).view(B, S, H, n)
             att = att.masked_fill_(~keep[:, :, None], float("-inf")).softmax(-1, dtype=torch.float32).to(h.dtype)
-            o_lat = torch.matmul(att.view(B, S * H, n), cache[..., :L])  # [B, SH, L]
-            o = torch.matmul(o_lat.view(B * S, H, L).transpose(0, 1), Ly.w_uv)  # [H, BS, dv]
-            h = h + F.linear(o.transpose(0, 1).reshape(B, S, H * self.dv), Ly.o_proj, Ly.o_bias)
+            o = torch.matmul(att.view(B, S * H, n), cache[..., :L])  # [B, SH, L]
+            if Ly.w_uv is not None:
+                o = torch.matmul(o.view(B * S, H, L).transpose(0, 1), Ly.w_uv).transpose(0, 1)  # [BS, H, dv]
+            h = h + F.linear(o.reshape(B, S, -1), Ly.o_proj, Ly.o_bias)
             h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps))
         h = h[:, 0] if last is None else h[torch.arange(B, device=self.device), last]
         return F.linear(_rms(h, self.final_norm, self.final_eps), self.lm_head)
