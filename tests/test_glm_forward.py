@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from glmlight.models.glm_forward import _top_k, forward_logits, supports
 from glmlight.models.loading import load_causal_lm
-from glmlight.rollout.glm_runner import topk_mask
+from glmlight.rollout.glm_runner import topk_mask, topk_recent
 
 PROMPT = 12  # prompt columns: the response starts at position 12
 
@@ -146,3 +146,10 @@ def test_supports_only_the_glm_dsa_models_it_reproduces(tokenizer):
     assert not supports(llama)
     model.gradient_checkpointing_enable()  # the model's own forward then trades compute for memory
     assert not supports(model)
+
+
+def test_the_tie_rule_takes_half_precision_scores():
+    # under autocast the indexer's scores can be bf16; the rule reads them as float32
+    scores = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0, 0.0]])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert sorted(topk_recent(scores.to(dtype), 3)[0].tolist()) == [1, 3, 5]

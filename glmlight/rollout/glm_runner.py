@@ -86,8 +86,8 @@ def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
 def topk_recent(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Positions of the k largest entries along the last dim, ties to the most recent ones:
     the same choice as `topk_mask`, as indices. One top-k over int64 keys that order first by
-    score (the float's bits made order-preserving) and then by position."""
-    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0: equal scores, equal keys
+    score (the float32's bits made order-preserving) and then by position."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0: equal scores, equal keys
     order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() * 2**32
     if positions is None:
         positions = torch.arange(scores.shape[-1], device=scores.device)
