@@ -11,9 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from glmlight.models.glm_forward import _top_k, forward_logits, supports
+from glmlight.models.glm_forward import forward_logits, supports
 from glmlight.models.loading import load_causal_lm
-from glmlight.rollout.glm_runner import topk_mask, topk_recent
 
 PROMPT = 12  # prompt columns: the response starts at position 12
 
@@ -127,17 +126,6 @@ def test_padding_on_both_sides_stays_finite(tokenizer, dtype):
         torch.testing.assert_close(forward_logits(model.eval(), ids, mask, pos, start=PROMPT - 1), logits.detach())
 
 
-def test_top_k_is_the_engines_tie_rule():
-    """Scores with many exact ties (rounded, zeros, -inf for masked keys): the same selection as
-    glm_runner.topk_mask, i.e. the k largest, ties at the cut-off to the most recent positions."""
-    g = torch.Generator().manual_seed(0)
-    scores = torch.relu(torch.randn(64, 50, generator=g)).round()
-    scores[torch.rand(64, 50, generator=g) < 0.3] = float("-inf")
-    for k in (1, 8, 20):
-        assert torch.equal(_top_k(scores, k), topk_mask(scores, k))
-    assert _top_k(torch.tensor([[1.0, 0.0, 0.0, 0.0, 2.0]]), 3).tolist() == [[True, False, False, True, True]]
-
-
 def test_supports_only_the_glm_dsa_models_it_reproduces(tokenizer):
     model = _model(tokenizer)
     assert supports(model)
@@ -146,10 +134,3 @@ def test_supports_only_the_glm_dsa_models_it_reproduces(tokenizer):
     assert not supports(llama)
     model.gradient_checkpointing_enable()  # the model's own forward then trades compute for memory
     assert not supports(model)
-
-
-def test_the_tie_rule_takes_half_precision_scores():
-    # under autocast the indexer's scores can be bf16; the rule reads them as float32
-    scores = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0, 0.0]])
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert sorted(topk_recent(scores.to(dtype), 3)[0].tolist()) == [1, 3, 5]

@@ -6,7 +6,7 @@ Two changes to transformers' `GlmMoeDsaIndexer.forward`, both within its functio
   bmm over (positions x heads);
 - the top-k choice among scores tied exactly at the cut-off (they are sums of ReLUs
   and tie at 0 often) follows the engine's rule, the most recent keys
-  (`glm_runner.topk_recent`), where `Tensor.topk` leaves it unspecified and
+  (`glmlight.ops.dsa`), where `Tensor.topk` leaves it unspecified and
   padding-dependent. So the model's own forward (a reference model, a teacher, the
   engine's `score`, `model.forward=transformers`) selects the keys the engine and
   glmlight's training forward select. The indexer has no gradient either way.
@@ -18,7 +18,7 @@ import types
 
 import torch
 
-from glmlight.rollout.glm_runner import topk_recent
+from glmlight.ops.dsa import topk_recent
 
 
 @torch.no_grad()

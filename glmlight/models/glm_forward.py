@@ -34,7 +34,7 @@ Why it is faster than the model's forward on CPU, for the batches of RL training
   tokens sorted by expert, the shared expert as a dense MLP.
 
 Deviations from the model's function: among DSA index scores that tie exactly at the top-k
-cut-off, the most recent positions are selected (the engine's `glm_runner.topk_mask` rule)
+cut-off, the most recent positions are selected (`glmlight.ops.dsa`, the engine's rule)
 where `Tensor.topk` leaves the choice unspecified; in bf16, RoPE is computed in fp32 and rounded
 once; logits at padding positions are 0 (no real position depends on them, in the model either).
 Everything else agrees up to float reassociation (~1e-6 in fp32).
@@ -47,6 +47,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
+from glmlight.ops.dsa import topk_mask
 from glmlight.rollout import glm_runner
 from glmlight.rollout.glm_moe import route
 
@@ -281,19 +282,8 @@ def _select(ix: torch.nn.Module, x: torch.Tensor, q_resid: torch.Tensor, rot_p: 
         for h in range(1, Hi):
             index.addcmul_(scores[:, :, h], w[..., h, None])
         index.masked_fill_(~allowed[:, lo:hi, :hi], float("-inf"))
-        selected[:, lo:hi, :hi] &= _top_k(index, k)
+        selected[:, lo:hi, :hi] &= topk_mask(index, k)
     return selected
-
-
-def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Boolean mask of the k largest entries along the last dim, ties at the cut-off to the most
-    recent positions: the selection of the engine's `glm_runner.topk_mask`, computed with one
-    cumulative count of the ties instead of two flips around it."""
-    kth = scores.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    above, tied = scores > kth, scores == kth
-    need = k - above.sum(-1, keepdim=True)
-    upto = tied.cumsum(-1)  # ties at or before each position; those after it: upto[-1] - upto
-    return above | (tied & (upto > upto[..., -1:] - need))
 
 
 # ----------------------------------------------------------------- MLP / MoE

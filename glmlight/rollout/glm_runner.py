@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from glmlight.ops.dsa import topk_mask, topk_recent
 from glmlight.rollout.glm_moe import Stacked, moe_forward, stacked_experts
 
 
@@ -69,29 +70,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _deinterleave(r: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
-
-
-def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Boolean mask of the k largest entries along the last dim. Among equal scores at the
-    cut-off the most recent positions win (ReLU index scores tie at exactly 0 often, e.g.
-    for a query whose indexer projection is all negative), so the selection depends only on
-    the row's own scores, never on trailing -inf padding (which may be selected only when
-    fewer than k entries are finite; callers mask it)."""
-    kth = scores.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    tied = scores == kth
-    need = k - (scores > kth).sum(-1, keepdim=True)
-    return (scores > kth) | (tied & (tied.flip(-1).cumsum(-1).flip(-1) <= need))
-
-
-def topk_recent(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Positions of the k largest entries along the last dim, ties to the most recent ones:
-    the same choice as `topk_mask`, as indices. One top-k over int64 keys that order first by
-    score (the float32's bits made order-preserving) and then by position."""
-    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0: equal scores, equal keys
-    order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() * 2**32
-    if positions is None:
-        positions = torch.arange(scores.shape[-1], device=scores.device)
-    return (order + positions).topk(k, dim=-1, sorted=False).indices
 
 
 @dataclass
