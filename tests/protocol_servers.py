@@ -454,6 +454,11 @@ def greedy(tokenizer: Any, n: int = 5) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=[tokenizer.eos_token_id])
 
 
+def expected(ref: Any, ps: list[list[int]], sp: SamplingParams) -> list:
+    """What the embedded engine answers to each prompt on its own."""
+    return [ref.generate([p], sp)[0] for p in ps]
+
+
 def assert_same(got: list, want: list, served: list | None = None) -> None:
     """Token ids and finish reasons equal; log-probs equal up to float noise (the embedded engine
     itself moves the last bit between calls: vectorised sums depend on memory alignment). With

@@ -18,7 +18,7 @@ from glmlight.rollout.local import LocalEngine
 from glmlight.rollout.servers import build_server_engine, free_port
 from glmlight.rollout.sglang import SGLangEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
-    SGLangServer, assert_same, greedy, launch_config, model, prompts, ref, standin_script)
+    SGLangServer, assert_same, expected, greedy, launch_config, model, prompts, ref, standin_script)
 
 
 @pytest.fixture()
@@ -35,17 +35,10 @@ def make(url_or_urls, tmp_path, **kw) -> SGLangEngine:
                         sync_backend="gloo", **kw)
 
 
-def expected(ref, ps, sp):
-    return [ref.generate([p], sp)[0] for p in ps]
-
-
 def test_generate_equals_embedded_engine_in_order(server, ref, tokenizer, tmp_path):
     ps, sp = prompts(tokenizer, 6), greedy(tokenizer)
-    eng = make(server.url, tmp_path)
-    try:
+    with make(server.url, tmp_path) as eng:
         got = eng.generate(ps, sp)
-    finally:
-        eng.close()
     calls = server.calls("/generate")
     assert len(calls) == 6 and len({c.body["rid"] for c in calls}) == 6
     rid_of = {tuple(c.body["input_ids"]): c.body["rid"] for c in calls}
@@ -65,11 +58,8 @@ def test_faults_every_prompt_answered_once_in_order(server, ref, tokenizer, tmp_
     server.inject("/generate", "delay", seconds=3.0)
     server.inject("/generate", "drop")
     server.inject("/generate", "restart", seconds=0.2)
-    eng = make(server.url, tmp_path, http=HttpSettings(timeout_s=2.0, max_retries=6, backoff_s=0.1, max_in_flight=3))
-    try:
+    with make(server.url, tmp_path, http=HttpSettings(timeout_s=2.0, max_retries=6, backoff_s=0.1, max_in_flight=3)) as eng:
         got = eng.generate(ps, sp)
-    finally:
-        eng.close()
     calls = server.calls("/generate")
     rids = [c.body["rid"] for c in calls]
     assert len(set(rids)) == len(ps)  # a retry is the same request: same rid
@@ -85,11 +75,8 @@ def test_faults_every_prompt_answered_once_in_order(server, ref, tokenizer, tmp_
 def test_timed_out_request_is_aborted_then_retried(server, ref, tokenizer, tmp_path):
     ps, sp = prompts(tokenizer, 1), greedy(tokenizer)
     server.inject("/generate", "delay", seconds=3.0)
-    eng = make(server.url, tmp_path, http=HttpSettings(timeout_s=2.0, max_retries=2, backoff_s=0.01))
-    try:
+    with make(server.url, tmp_path, http=HttpSettings(timeout_s=2.0, max_retries=2, backoff_s=0.01)) as eng:
         assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
-    finally:
-        eng.close()
     rid = server.calls("/generate")[0].body["rid"]
     assert [c.body["rid"] for c in server.calls("/generate")] == [rid, rid]
     assert [c.body for c in server.calls("/abort_request")] == [{"rid": rid}]
@@ -116,11 +103,8 @@ def test_score_equals_embedded_engine(server, ref, tokenizer, tmp_path):
     ps = prompts(tokenizer, 3)
     comps = [g.token_ids for g in expected(ref, ps, greedy(tokenizer))] + [[]]
     ps = ps + [ps[0]]
-    eng = make(server.url, tmp_path)
-    try:
+    with make(server.url, tmp_path) as eng:
         got = eng.score(ps, comps)
-    finally:
-        eng.close()
     rid_of = {tuple(c.body["input_ids"]): c.body["rid"] for c in server.calls("/generate")}
     assert got[:3] == [server.scores[rid_of[tuple(p + c)]][0] for p, c in zip(ps[:3], comps)]  # exact transport
     assert got[3] == []  # an empty completion needs no request
@@ -140,8 +124,7 @@ def test_weight_sync_handshake_and_new_version(mode, model, server, tokenizer, t
     want = expected(want_engine, ps, sp)
     want_engine.close()
     server.version_lag_s = 0.2 if mode == "disk" else 0.0
-    eng = make(server.url, tmp_path, weight_sync=mode)
-    try:
+    with make(server.url, tmp_path, weight_sync=mode) as eng:
         eng.generate(ps[:1], sp)
         start = len(server.calls())
         eng.update_weights(new, version=1)
@@ -151,8 +134,6 @@ def test_weight_sync_handshake_and_new_version(mode, model, server, tokenizer, t
         if mode == "distributed":  # the group is set up once; a second sync reuses it
             eng.update_weights(new, version=2)
             assert eng.version == 2 and len(server.calls("/init_weights_update_group")) == 1
-    finally:
-        eng.close()
     update = {"disk": ["/update_weights_from_disk"], "tensor": ["/get_server_info", "/update_weights_from_tensor"],
               "distributed": ["/get_server_info", "/init_weights_update_group", "/update_weights_from_distributed"]}[mode]
     assert sync == ["/pause_generation", *update, "/flush_cache", "/continue_generation"]
@@ -168,13 +149,10 @@ def test_weight_sync_handshake_and_new_version(mode, model, server, tokenizer, t
 
 def test_failed_update_keeps_version_and_resumes(server, model, tmp_path):
     server.inject("/update_weights_from_disk", "status", status=400)
-    eng = make(server.url, tmp_path)
-    try:
+    with make(server.url, tmp_path) as eng:
         with pytest.raises(EngineError, match="rejected /update_weights_from_disk with HTTP 400"):
             eng.update_weights(list(model.state_dict().items()), version=1)
         assert eng.version == 0
-    finally:
-        eng.close()
     assert server.paths()[-1] == "/continue_generation" and server.running.is_set()
     assert len(server.calls("/update_weights_from_disk")) == 1  # a 4xx is not retried
 
@@ -204,12 +182,9 @@ def test_malformed_body_names_url_and_field(server, tokenizer, tmp_path):
         return body
 
     server.inject("/generate", "malform", mutate=strip)
-    eng = make(server.url, tmp_path)
-    try:
+    with make(server.url, tmp_path) as eng:
         with pytest.raises(EngineError) as err:
             eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
-    finally:
-        eng.close()
     msg = str(err.value)
     assert "\n" not in msg and server.url in msg and "meta_info.output_token_logprobs" in msg
 
@@ -232,13 +207,10 @@ def test_two_servers_share_the_load_and_router_needs_workers(model, ref, tokeniz
         eng.close()
         assert a.calls("/generate") and b.calls("/generate")
         assert a.weight_version == b.weight_version == "1"
-        routed = make([a.url], tmp_path, router=True)
-        try:
+        with make([a.url], tmp_path, router=True) as routed:
             assert len(routed.generate(ps[:2], sp)) == 2
             with pytest.raises(EngineError, match="router mode"):
                 routed.update_weights(list(model.state_dict().items()), version=2)
-        finally:
-            routed.close()
     finally:
         a.close()
         b.close()

@@ -16,7 +16,7 @@ from glmlight.rollout.local import LocalEngine
 from glmlight.rollout.servers import build_server_engine, free_port
 from glmlight.rollout.vllm import EXTENSION, VLLMEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
-    VLLMServer, assert_same, greedy, launch_config, model, prompts, ref, standin_script)
+    VLLMServer, assert_same, expected, greedy, launch_config, model, prompts, ref, standin_script)
 
 
 @pytest.fixture()
@@ -32,17 +32,10 @@ def make(url, tmp_path, **kw) -> VLLMEngine:
                       sync_backend="gloo", **kw)
 
 
-def expected(ref, ps, sp):
-    return [ref.generate([p], sp)[0] for p in ps]
-
-
 def test_generate_equals_embedded_engine_in_order(server, ref, tokenizer, tmp_path):
     ps, sp = prompts(tokenizer, 6), greedy(tokenizer)
-    eng = make(server.url, tmp_path)
-    try:
+    with make(server.url, tmp_path) as eng:
         got = eng.generate(ps, sp)
-    finally:
-        eng.close()
     calls = server.calls("/v1/completions")
     rid_of = {tuple(c.body["prompt"]): c.body["request_id"] for c in calls}
     assert_same(got, expected(ref, ps, sp), served=[server.answers[rid_of[tuple(p)]] for p in ps])
@@ -58,11 +51,8 @@ def test_token_ids_from_tokens_when_server_lacks_return_token_ids(server, ref, t
 
     ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
     server.inject("/v1/completions", "malform", mutate=older_server, times=2)
-    eng = make(server.url, tmp_path)
-    try:
+    with make(server.url, tmp_path) as eng:
         assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
-    finally:
-        eng.close()
 
 
 def test_faults_every_prompt_answered_once_in_order(server, ref, tokenizer, tmp_path):
@@ -72,11 +62,8 @@ def test_faults_every_prompt_answered_once_in_order(server, ref, tokenizer, tmp_
     server.inject("/v1/completions", "delay", seconds=3.0)
     server.inject("/v1/completions", "drop")
     server.inject("/v1/completions", "restart", seconds=0.2)
-    eng = make(server.url, tmp_path, http=HttpSettings(timeout_s=2.0, max_retries=6, backoff_s=0.1, max_in_flight=3))
-    try:
+    with make(server.url, tmp_path, http=HttpSettings(timeout_s=2.0, max_retries=6, backoff_s=0.1, max_in_flight=3)) as eng:
         got = eng.generate(ps, sp)
-    finally:
-        eng.close()
     calls = server.calls("/v1/completions")
     rids = [c.body["request_id"] for c in calls]
     assert len(set(rids)) == len(ps)
@@ -91,11 +78,8 @@ def test_faults_every_prompt_answered_once_in_order(server, ref, tokenizer, tmp_
 def test_score_uses_prompt_logprobs(server, ref, tokenizer, tmp_path):
     ps = prompts(tokenizer, 3)
     comps = [g.token_ids for g in expected(ref, ps, greedy(tokenizer))]
-    eng = make(server.url, tmp_path)
-    try:
+    with make(server.url, tmp_path) as eng:
         got = eng.score(ps, comps)
-    finally:
-        eng.close()
     calls = server.calls("/v1/completions")
     rid_of = {tuple(c.body["prompt"]): c.body["request_id"] for c in calls}
     assert got == [server.scores[rid_of[tuple(p + c)]][0][len(p) - 1:] for p, c in zip(ps, comps)]  # exact
@@ -112,15 +96,12 @@ def test_weight_sync_through_worker_extension(mode, model, server, tokenizer, tm
     want_engine.update_weights(new, version=1)
     want = expected(want_engine, ps, sp)
     want_engine.close()
-    eng = make(server.url, tmp_path, weight_sync=mode)
-    try:
+    with make(server.url, tmp_path, weight_sync=mode) as eng:
         start = len(server.calls())
         eng.update_weights(new, version=1)
         assert eng.version == 1
         sync = [(c.path, c.body.get("method") if isinstance(c.body, dict) else None) for c in server.calls()[start:]]
         got = eng.generate(ps, sp)
-    finally:
-        eng.close()
     load = {"disk": [("/collective_rpc", "glmlight_load_path")],
             "tensor": [("/collective_rpc", "glmlight_load_payload")],
             "distributed": [("/collective_rpc", "glmlight_init_group"), ("/collective_rpc", "glmlight_update_distributed")]}
@@ -174,12 +155,9 @@ def test_malformed_body_and_missing_server_are_one_line(server, tokenizer, tmp_p
         return body
 
     server.inject("/v1/completions", "malform", mutate=strip)
-    eng = make(server.url, tmp_path)
-    try:
+    with make(server.url, tmp_path) as eng:
         with pytest.raises(EngineError) as err:
             eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
-    finally:
-        eng.close()
     assert "\n" not in str(err.value) and server.url in str(err.value)
     assert "choices.0.logprobs.token_logprobs" in str(err.value)
     url = f"http://127.0.0.1:{free_port()}"

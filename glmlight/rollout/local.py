@@ -213,6 +213,12 @@ class LocalEngine:
             self._batch.mark_version(self._iteration, version)
         _resolve(done)
 
+    def __enter__(self) -> "LocalEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def close(self) -> None:
         """Stop the decode thread (in-flight requests end with "abort") and release the model."""
         with self._cv:

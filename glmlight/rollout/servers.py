@@ -255,6 +255,12 @@ class ServerEngineBase:
         self._confirm_version(urls, version)
         self._version = version
 
+    def __enter__(self) -> "ServerEngineBase":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def close(self) -> None:
         if self._closed:
             return
