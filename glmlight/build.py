@@ -97,7 +97,7 @@ def build_engine(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any):
     r = cfg.rollout
     if r.backend == "local":
         return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
-                           seed=r.seed, on_weight_update=r.on_weight_update)
+                           seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile)
     from glmlight.rollout import servers  # server clients are optional extras
 
     return servers.build_server_engine(cfg, tokenizer)

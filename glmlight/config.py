@@ -77,6 +77,7 @@ class RolloutConfig:
     mode: str = "sync"  # sync | async
     dtype: str = "float32"  # the engine's own weight copy (e.g. bfloat16 while training runs in fp32)
     device: Optional[str] = None  # embedded engine device; None = the trainer's device
+    compile: bool = False  # embedded engine, GLM-5 models: torch.compile the decode step (long generations)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -311,6 +312,9 @@ def _check_choices(cfg: DictConfig) -> None:
                 "algo.ppo_epochs", "algo.num_minibatches", "algo.micro_batch_size"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"config error: {key} must be >= 1, got {OmegaConf.select(cfg, key)}")
+    if OmegaConf.select(cfg, "rollout.compile") and OmegaConf.select(cfg, "rollout.backend") != "local":
+        raise ConfigError(f"config error: rollout.compile is for the embedded engine (rollout=local); "
+                          f"{OmegaConf.select(cfg, 'rollout.backend')} servers capture their own graphs")
     if OmegaConf.select(cfg, "algo.old_logprobs") == "update" and (
             OmegaConf.select(cfg, "algo.ppo_epochs") > 1 or OmegaConf.select(cfg, "algo.num_minibatches") > 1):
         raise ConfigError("config error: algo.old_logprobs=update needs ppo_epochs=1 and num_minibatches=1 (every "

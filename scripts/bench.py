@@ -4,11 +4,13 @@
     python scripts/bench.py [--quick] [--only engine|grpo|flops] [--device cpu|cuda] [--json out.json]
                             [--threads N] [--rounds R]
 
-engine  decode tokens/s of LocalEngine vs transformers' `model.generate` (same tiny GLM-5, batch,
-        prompts, exactly N new tokens on both sides, temperature 1). Target >= 3x.
+engine  decode tokens/s of LocalEngine (eager, and with compile=True) vs transformers'
+        `model.generate` (same tiny GLM-5, batch, prompts, exactly N new tokens on both sides,
+        temperature 1). Target >= 3x.
 grpo    whole GRPO steps of a glmlight run vs TRL's GRPOTrainer on identical work. Target >= 3x.
         Baseline: trl==1.16.0, which works with transformers 5.24 (pip install -e '.[bench]').
-        "sync" is on-policy like TRL; "async" overlaps the next rollout with the update (2 threads).
+        "sync" is on-policy like TRL; "async" overlaps the next rollout with the update (2 threads);
+        both with rollout.compile=true (the compile falls in the untimed first step).
 flops   achieved FLOP/s of a GRPO training step of the ~50M `small` preset vs a large fp32
         torch.matmul. Target >= 50% (FLOPs counted as in `train_step_flops`).
 
@@ -112,7 +114,7 @@ def bench_engine(s: Sizes, device: str) -> list[dict[str, Any]]:
     model.eval()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(6, len(tok), (s.batch, s.prompt), generator=g)
-    engine = LocalEngine(model, device=device)
+    engines = {"eager": LocalEngine(model, device=device), "compiled": LocalEngine(model, device=device, compile=True)}
 
     def hf(n: int) -> None:
         with torch.inference_mode():
@@ -121,20 +123,26 @@ def bench_engine(s: Sizes, device: str) -> list[dict[str, Any]]:
                                  pad_token_id=tok.pad_token_id)
         assert out.shape[1] == s.prompt + n
 
-    def ours(n: int) -> None:
-        gens = engine.generate(ids.tolist(), SamplingParams(temperature=1.0, max_new_tokens=n))
+    def ours(name: str, n: int) -> None:
+        gens = engines[name].generate(ids.tolist(), SamplingParams(temperature=1.0, max_new_tokens=n))
         assert all(len(x.token_ids) == n for x in gens)
 
-    hf(4), ours(4)  # warm-up
-    t_hf, t_ours = [], []
-    for _ in range(s.reps):  # interleaved, so that both sides see the same machine load
+    hf(4)  # warm-up; the compiled engine compiles its decode step here
+    warm = {name: timed(lambda: ours(name, s.new_tokens), device) for name in engines}
+    t_hf, t_ours = [], {name: [] for name in engines}
+    for _ in range(s.reps):  # interleaved, so that all sides see the same machine load
         t_hf.append(timed(lambda: hf(s.new_tokens), device))
-        t_ours.append(timed(lambda: ours(s.new_tokens), device))
-    engine.close()
+        for name in engines:
+            t_ours[name].append(timed(lambda: ours(name, s.new_tokens), device))
+    for e in engines.values():
+        e.close()
     n = s.batch * s.new_tokens
     note = f"{s.preset} preset, batch {s.batch}, prompt {s.prompt}, {s.new_tokens} new tokens"
-    return [row("engine decode", "tokens/s", n / statistics.median(t_ours), n / statistics.median(t_hf),
-                TARGETS["engine"], note)]
+    return [row("engine decode, eager", "tokens/s", n / statistics.median(t_ours["eager"]),
+                n / statistics.median(t_hf), TARGETS["engine"], note),
+            row("engine decode, compile=True", "tokens/s", n / statistics.median(t_ours["compiled"]),
+                n / statistics.median(t_hf), TARGETS["engine"],
+                f"{note}; compile=True: the first generate (with the compile) took {warm['compiled']:.1f} s")]
 
 
 # ----------------------------------------------------------------- grpo
@@ -218,7 +226,7 @@ def _trl_steps(s: Sizes, device: str, root: str, threads: int) -> list[float]:
 # glmlight's variants: "sync" is on-policy like TRL (generate, then train); "async" overlaps the
 # rollout of the next batch (the engine's decode thread) with the update (the trainer's thread), so
 # each batch is one policy version old when trained (rollout.mode=async, max_staleness 1).
-GLMLIGHT_VARIANTS = {"sync": [], "async": ["rollout.mode=async"]}
+GLMLIGHT_VARIANTS = {"sync": ["rollout.compile=true"], "async": ["rollout.mode=async", "rollout.compile=true"]}
 
 
 def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...] = ("sync", "async"),

@@ -21,8 +21,9 @@ def _check(rows, n):
 
 def test_engine_and_flops_figures(capsys):
     rows = bench.bench_engine(TINY, "cpu") + bench.bench_flops(TINY, "cpu")
-    _check(rows, 2)
-    assert rows[0]["unit"] == "tokens/s" and rows[1]["target"] == 0.5
+    _check(rows, 3)
+    assert [r["figure"] for r in rows[:2]] == ["engine decode, eager", "engine decode, compile=True"]
+    assert rows[0]["unit"] == "tokens/s" and rows[2]["target"] == 0.5 and "the compile" in rows[1]["note"]
     bench.print_table(bench.machine("cpu"), rows)
     out = capsys.readouterr().out
     assert "engine decode" in out and "train step FLOP/s" in out and "machine:" in out
@@ -61,7 +62,7 @@ def test_main_writes_json(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)  # main() pins the process to one thread on CPU
     data = json.loads(out.read_text())
-    assert data["machine"]["cores"] >= 1 and data["rows"][0]["figure"] == "engine decode"
+    assert data["machine"]["cores"] >= 1 and data["rows"][0]["figure"] == "engine decode, eager"
 
 
 def test_flop_count_skips_what_no_returned_logit_needs(tokenizer):

@@ -46,3 +46,5 @@ def test_validate_in_python():
         validate({"algo": {"name": "x"}})
     with pytest.raises(ConfigError, match="rollout.rollout_batch_size must be >= 1"):
         validate({"rollout": {"rollout_batch_size": 0}})
+    with pytest.raises(ConfigError, match="rollout.compile is for the embedded engine"):
+        validate({"rollout": {"backend": "sglang", "compile": True}})

@@ -50,8 +50,8 @@ def _staggered(engine: LocalEngine, prompts: list[list[int]], arrivals: dict[int
 
     engine.on_step = on_step
     futures[0] = engine.submit(prompts[0], _params(0))
-    assert all_in.wait(30), "the decode loop did not reach the arrival steps"
-    return [futures[i].result(timeout=30) for i in range(len(prompts))]
+    assert all_in.wait(120), "the decode loop did not reach the arrival steps"
+    return [futures[i].result(timeout=120) for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("runner", ["glm", "hf"])
@@ -209,8 +209,9 @@ def test_both_runners_decode_the_model_s_own_greedy_tokens(tokenizer, tiny_model
         torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("growth", [1.5, 0.0])  # MLA weights absorbed (the test preset) or not (large models)
-def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer, monkeypatch, growth):
+# MLA weights absorbed (the test preset) or not (large models); decode steps eager or compiled
+@pytest.mark.parametrize("growth, compile", [(1.5, False), (0.0, False), (1.5, True)])
+def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer, monkeypatch, growth, compile):
     """Prefill, decode, row compaction and cache growth against the model's forward, with the
     DSA top-k well below the sequence length. 16 indexer heads and non-pad tokens keep exact
     ties between index scores (where any two implementations may pick differently) away."""
@@ -218,7 +219,7 @@ def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer, monkeypatc
 
     model = load_causal_lm(None, tokenizer, preset="test", seed=0, index_topk=8, index_n_heads=16).eval()
     monkeypatch.setattr(glm_runner, "ABSORB_MAX_GROWTH", growth)
-    runner = glm_runner.GlmDsaRunner(model, rows=2, capacity=16)  # both grow during the test
+    runner = glm_runner.GlmDsaRunner(model, rows=2, capacity=16, compile=compile)  # both grow during the test
     assert runner.absorb_q == runner.absorb_o == (growth > 0)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(6, 100, (n,), generator=g).tolist() for n in (5, 12, 3)]
@@ -272,3 +273,44 @@ def test_a_waiting_weight_update_stops_new_decode_steps(tokenizer, tiny_model):
     while engine.stats()["iterations"] < held + 3:  # decoding goes on
         time.sleep(0.001)
     engine.close()
+
+
+def test_cache_grows_only_what_is_short(tiny_model):
+    from glmlight.rollout.glm_runner import GlmDsaRunner
+
+    runner = GlmDsaRunner(tiny_model, rows=8, capacity=128)
+    runner._ensure(30, 7)  # more rows, short sequences: the capacity stays
+    assert (runner.rows_cap, runner.capacity) == (30, 128)
+    runner._ensure(4, 200)  # longer sequences: the rows stay
+    assert (runner.rows_cap, runner.capacity) == (30, 256)
+
+
+def test_compiled_decode_equals_eager_and_survives_weight_updates(tokenizer):
+    """The compiled engine samples the eager engine's tokens, from one row to five and back (requests
+    join mid-decode and finish at different lengths), and after a weight update, which reuses the
+    compiled graph."""
+    from torch._dynamo.utils import counters
+
+    # the model of the sparse runner test above (inductor's cache may serve its graph)
+    sparse_model = load_causal_lm(None, tokenizer, preset="test", seed=0, index_topk=8, index_n_heads=16).eval()
+    prompts = [encode(tokenizer, t) for t in TEXTS]
+    new_weights = [(n, p + 0.01 * torch.randn_like(p)) for n, p in sparse_model.state_dict().items()]
+    runs = {}
+    for compile in (False, True):
+        with LocalEngine(sparse_model, compile=compile) as engine:
+            first = _staggered(engine, prompts, {3: [1, 2], 7: [3], 12: [4]})
+            engine.on_step = None
+            graphs = counters["stats"]["unique_graphs"]
+            engine.update_weights(new_weights, version=1)
+            second = engine.generate(prompts, [_params(i) for i in range(len(prompts))])
+            if compile:
+                assert counters["stats"]["unique_graphs"] == graphs  # same shapes: nothing compiled anew
+            runs[compile] = first + second
+    for eager, compiled in zip(runs[False], runs[True]):
+        assert compiled.token_ids == eager.token_ids
+        torch.testing.assert_close(torch.tensor(compiled.logprobs), torch.tensor(eager.logprobs), atol=1e-5, rtol=1e-5)
+
+
+def test_compile_needs_the_glm_runner(tiny_model):
+    with pytest.raises(EngineError, match="compile=True needs the GLM-5 runner"):
+        LocalEngine(tiny_model, runner="hf", compile=True)

@@ -22,6 +22,12 @@ model's own weights, with a layout made for continuous batching:
   halves are contiguous), one rotary table, cache writes by flat `index_copy_`,
   an inline router and, for few tokens, a dense all-experts MoE (`glm_moe.py`).
 
+- `compile=True`: decode steps run one `torch.compile`d graph (elementwise ops fused, Python
+  and dispatch overhead gone) over the whole preallocated cache, `capacity` keys, under the same
+  masks, so the shapes stay the same from step to step. The graph is traced with the batch size,
+  the row count and the capacity of the cache as symbols: one compile serves every step (a batch
+  of one row decodes a scratch row beside it). Prefill stays eager.
+
 Numerics: the same fp32 function as the model's forward up to reassociation
 (latent-space attention, fused matmuls): logits agree to ~1e-6.
 
@@ -68,6 +74,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat([x[..., h:], x[..., :h]], dim=-1) * sin
 
 
+def _dynamic(t: torch.Tensor, *dims: int) -> torch.Tensor:
+    """Marks dims of t as varying, so that a compiled decode step is traced for any size of them
+    (sizes 0 and 1 still get graphs of their own)."""
+    for d in dims:
+        torch._dynamo.maybe_mark_dynamic(t, d)
+    return t
+
+
 def _deinterleave(r: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
 
@@ -104,7 +118,7 @@ class GlmDsaRunner:
 
     can_merge = True
 
-    def __init__(self, model: torch.nn.Module, rows: int = 8, capacity: int = 128):
+    def __init__(self, model: torch.nn.Module, rows: int = 8, capacity: int = 128, compile: bool = False):
         self.model = model
         self.cfg = cfg = model.config
         p = next(model.parameters())
@@ -125,9 +139,12 @@ class GlmDsaRunner:
         self._max_len = 0
         self.rows_cap = self.capacity = 0
         self._alloc(rows, capacity)
+        self._decode = torch.compile(self._decode_full_cache) if compile else None
 
     # ----------------------------------------------------------------- weights
-    @torch.no_grad()
+    # Every tensor the runner owns is made, and used, in inference mode: a compiled decode step
+    # (guarded on how its inputs were made) then survives `refresh` and `_alloc`.
+    @torch.inference_mode()
     def refresh(self) -> None:
         """(Re)read the weights from the model; call after every weight update."""
         m, cfg = self.model.model, self.cfg
@@ -191,8 +208,11 @@ class GlmDsaRunner:
         cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), pos)
         c, s_ = cos[0, :, : cos.shape[-1] // 2], sin[0, :, : sin.shape[-1] // 2]
         self._cos, self._sin, self._rope_len = torch.cat([c, c], -1), torch.cat([-s_, s_], -1), length
+        _dynamic(self._cos, 0)
+        _dynamic(self._sin, 0)
 
     # ----------------------------------------------------------------- cache
+    @torch.inference_mode()
     def _alloc(self, rows: int, capacity: int) -> None:
         dev, dt, n, T = self.device, self.dtype, self.n, self._max_len
         C = [torch.zeros(rows, capacity, self.L + self.rope, dtype=dt, device=dev) for _ in self.layers]
@@ -203,15 +223,17 @@ class GlmDsaRunner:
                 C[l][:n, :T] = self.C[l][:n, :T]
                 if IK[l] is not None:
                     IK[l][:n, :T] = self.IK[l][:n, :T]
+        for t in C + [t for t in IK if t is not None]:  # rows and capacity: dynamic in a compiled step
+            _dynamic(t, 0, 1)
         self.C, self.IK = C, IK
         self.rows_cap, self.capacity = rows, capacity
         if capacity > self._rope_len:
             self._rope_table(capacity)
 
     def _ensure(self, rows: int, length: int) -> None:
-        if rows > self.rows_cap or length > self.capacity:
-            self._alloc(rows if rows <= self.rows_cap else max(rows, 2 * self.rows_cap),
-                        length if length <= self.capacity else max(length, 2 * self.capacity))
+        if rows > self.rows_cap or length > self.capacity:  # grow what is short (at least 2x), keep the rest
+            self._alloc(self.rows_cap if rows <= self.rows_cap else max(rows, 2 * self.rows_cap),
+                        self.capacity if length <= self.capacity else max(length, 2 * self.capacity))
 
     def reset(self) -> None:
         self.n, self._max_len = 0, 0
@@ -258,10 +280,22 @@ class GlmDsaRunner:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token to every row of the batch; logits of the next token [n, V]."""
         self._ensure(self.n, self._max_len + 1)
-        logits = self._forward(tokens[:, None], self.lens[:, None], self.lens + 1, 0, self._max_len + 1, None)
+        if self._decode is not None:
+            n, lens = self.n, self.lens
+            if n == 1:  # one row would get a graph of its own: decode a scratch row (a free one) beside it
+                self._ensure(2, self._max_len + 1)
+                tokens, lens = F.pad(tokens, (0, 1)), F.pad(lens, (0, 1))
+            logits = self._decode(_dynamic(tokens, 0), _dynamic(lens, 0))[:n]
+        else:
+            logits = self._forward(tokens[:, None], self.lens[:, None], self.lens + 1, 0, self._max_len + 1, None)
         self.lens = self.lens + 1
         self._max_len += 1
         return logits
+
+    def _decode_full_cache(self, tokens: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """A decode step over all `capacity` cache positions (masked past each row's length): the
+        same function as over the first max_len + 1, with shapes that do not change per step."""
+        return self._forward(tokens[:, None], lens[:, None], lens + 1, 0, self.C[0].shape[1], None)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, total: torch.Tensor, r0: int, T: int,
                  last: torch.Tensor | None) -> torch.Tensor:
@@ -273,7 +307,7 @@ class GlmDsaRunner:
         cos, sin = self._cos[pos][:, :, None], self._sin[pos][:, :, None]  # [B, S, 1, r]
         keys = torch.arange(T, device=self.device)
         mask = (keys <= pos[..., None]) & (keys < total[:, None, None])  # [B, S, T]
-        row_start = torch.arange(r0, r0 + B, device=self.device)[:, None] * self.capacity
+        row_start = torch.arange(r0, r0 + B, device=self.device)[:, None] * self.C[0].shape[1]  # rows' offsets
         flat = (row_start + pos).view(-1)  # flat cache index of every new token
         rows = slice(r0, r0 + B)
         h = F.embedding(ids, self.embed)

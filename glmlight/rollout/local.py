@@ -68,12 +68,15 @@ class LocalEngine:
     The default 1 suits the small models this engine runs on CPU: a decode step is
     hundreds of small ops, which splitting across cores slows down. Threads that have
     already run torch ops (the trainer's) keep their own setting.
+    `compile`: run the GLM-5 runner's decode steps as one `torch.compile`d graph (see
+    `glm_runner`): the first steps of each new batch size or cache size wait for a compile
+    (seconds to tens of seconds; a C++ compiler on CPU), every later step is faster.
     """
 
     def __init__(self, model: PreTrainedModel, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", pad_token_id: int = 0, seed: int = 0, version: int = 0,
                  on_weight_update: str = "continue", max_batch_size: int = 256, runner: str = "auto",
-                 num_threads: int | None = 1):
+                 num_threads: int | None = 1, compile: bool = False):
         if on_weight_update not in ("continue", "abort"):
             raise ValueError(f"on_weight_update must be 'continue' or 'abort', got {on_weight_update!r}")
         if runner not in ("auto", "glm", "hf"):
@@ -92,7 +95,11 @@ class LocalEngine:
         if runner == "glm" and not glm_runner.supports(self.model):
             raise EngineError(f"runner='glm' needs a GlmMoeDsaForCausalLM, got {type(model).__name__}")
         use_glm = runner == "glm" or (runner == "auto" and glm_runner.supports(self.model))
-        self._runner = glm_runner.GlmDsaRunner(self.model) if use_glm else HFRunner(self.model, pad_token_id)
+        if compile and not use_glm:
+            raise EngineError(f"compile=True needs the GLM-5 runner (a GlmMoeDsaForCausalLM and runner 'auto' or "
+                              f"'glm'), got {type(model).__name__} with runner={runner!r}")
+        self._runner = (glm_runner.GlmDsaRunner(self.model, compile=compile) if use_glm
+                        else HFRunner(self.model, pad_token_id))
         self._generator = torch.Generator().manual_seed(seed)
         self._version = version
         self._lock = threading.RLock()  # the model, the runner and the running batch: one decode step at a time
