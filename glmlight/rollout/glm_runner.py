@@ -23,10 +23,11 @@ model's own weights, with a layout made for continuous batching:
   an inline router and, for few tokens, a dense all-experts MoE (`glm_moe.py`).
 
 - `compile=True`: decode steps run one `torch.compile`d graph (elementwise ops fused, Python
-  and dispatch overhead gone) over the whole preallocated cache, `capacity` keys, under the same
-  masks, so the shapes stay the same from step to step. The graph is traced with the batch size,
-  the row count and the capacity of the cache as symbols: one compile serves every step (a batch
-  of one row decodes a scratch row beside it). Prefill stays eager.
+  and dispatch overhead gone). A step attends over a window of the cache rounded up to whole
+  `DECODE_WINDOW` blocks, under the same masks, so shapes change only every 64 steps. The graph is
+  traced with the batch size, the window and the cache's size as symbols: one compile serves
+  every step (a batch of one row decodes a scratch row beside it; models whose DSA top-k exceeds
+  the first window get a second graph for windows past it). Prefill stays eager.
 
 Numerics: the same fp32 function as the model's forward up to reassociation
 (latent-space attention, fused matmuls): logits agree to ~1e-6.
@@ -48,6 +49,7 @@ from glmlight.rollout.glm_moe import Stacked, moe_forward, stacked_experts
 
 
 ABSORB_MAX_GROWTH = 1.5
+DECODE_WINDOW = 64  # compiled decode steps attend over cache positions [0, T), T a multiple of this
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -139,7 +141,7 @@ class GlmDsaRunner:
         self._max_len = 0
         self.rows_cap = self.capacity = 0
         self._alloc(rows, capacity)
-        self._decode = torch.compile(self._decode_full_cache) if compile else None
+        self._decode = torch.compile(self._decode_window) if compile else None
 
     # ----------------------------------------------------------------- weights
     # Every tensor the runner owns is made, and used, in inference mode: a compiled decode step
@@ -208,6 +210,7 @@ class GlmDsaRunner:
         cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), pos)
         c, s_ = cos[0, :, : cos.shape[-1] // 2], sin[0, :, : sin.shape[-1] // 2]
         self._cos, self._sin, self._rope_len = torch.cat([c, c], -1), torch.cat([-s_, s_], -1), length
+        self._positions = torch.arange(length, device=self.device)
         _dynamic(self._cos, 0)
         _dynamic(self._sin, 0)
 
@@ -270,7 +273,7 @@ class GlmDsaRunner:
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         pos = torch.arange(S, device=self.device).expand(m, S)
-        logits = self._forward(ids.to(self.device), pos, lens, self.n, S, lens - 1)
+        logits = self._forward(ids.to(self.device), pos, lens, self.n, self._positions[:S], lens - 1)
         self.lens = torch.cat([self.lens, lens])
         self.n += m
         self._max_len = max(self._max_len, S)
@@ -279,33 +282,38 @@ class GlmDsaRunner:
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token to every row of the batch; logits of the next token [n, V]."""
-        self._ensure(self.n, self._max_len + 1)
         if self._decode is not None:
             n, lens = self.n, self.lens
+            # attend over a window of whole DECODE_WINDOW blocks: its length changes rarely (the compiled
+            # graph has it as a symbol), and no step looks at more than a block past the longest row.
+            # The window stays short of the whole cache (that would be a graph of its own).
+            T = -(-(self._max_len + 1) // DECODE_WINDOW) * DECODE_WINDOW
+            self._ensure(max(n, 2), T + 1)
             if n == 1:  # one row would get a graph of its own: decode a scratch row (a free one) beside it
-                self._ensure(2, self._max_len + 1)
                 tokens, lens = F.pad(tokens, (0, 1)), F.pad(lens, (0, 1))
-            logits = self._decode(_dynamic(tokens, 0), _dynamic(lens, 0))[:n]
+            logits = self._decode(_dynamic(tokens, 0), _dynamic(lens, 0), _dynamic(self._positions[:T], 0))[:n]
         else:
-            logits = self._forward(tokens[:, None], self.lens[:, None], self.lens + 1, 0, self._max_len + 1, None)
+            self._ensure(self.n, self._max_len + 1)
+            logits = self._forward(tokens[:, None], self.lens[:, None], self.lens + 1, 0,
+                                   self._positions[: self._max_len + 1], None)
         self.lens = self.lens + 1
         self._max_len += 1
         return logits
 
-    def _decode_full_cache(self, tokens: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """A decode step over all `capacity` cache positions (masked past each row's length): the
-        same function as over the first max_len + 1, with shapes that do not change per step."""
-        return self._forward(tokens[:, None], lens[:, None], lens + 1, 0, self.C[0].shape[1], None)
+    def _decode_window(self, tokens: torch.Tensor, lens: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """A decode step over cache positions `keys` = [0, T), T >= max_len + 1 (masked past each row's
+        length): the same function as over [0, max_len + 1)."""
+        return self._forward(tokens[:, None], lens[:, None], lens + 1, 0, keys, None)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, total: torch.Tensor, r0: int, T: int,
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, total: torch.Tensor, r0: int, keys: torch.Tensor,
                  last: torch.Tensor | None) -> torch.Tensor:
         """ids/pos [B, S] for cache rows r0..r0+B-1; `total` [B] valid tokens per row after this
-        call; attention runs over cache positions [0, T). `last` [B] picks one position per row
-        (None: the only one)."""
+        call; attention runs over the cache positions `keys` = [0, T). `last` [B] picks one position
+        per row (None: the only one)."""
         B, S = ids.shape
         H, L, r = self.H, self.L, self.rope
         cos, sin = self._cos[pos][:, :, None], self._sin[pos][:, :, None]  # [B, S, 1, r]
-        keys = torch.arange(T, device=self.device)
+        T = keys.shape[0]
         mask = (keys <= pos[..., None]) & (keys < total[:, None, None])  # [B, S, T]
         row_start = torch.arange(r0, r0 + B, device=self.device)[:, None] * self.C[0].shape[1]  # rows' offsets
         flat = (row_start + pos).view(-1)  # flat cache index of every new token
