@@ -61,19 +61,32 @@ def stacked_experts(mlp: torch.nn.Module) -> Stacked | None:
 
 
 def moe_forward(mlp: torch.nn.Module, stacked: Stacked | None, x: torch.Tensor) -> torch.Tensor:
-    """GlmMoeDsaMoE(x) for x [B, S, h], with `stacked_experts(mlp)` weights."""
+    """GlmMoeDsaMoE(x) for x [B, S, h], with `stacked_experts(mlp)` weights. Inside a compiled
+    graph the dense form is used whenever it exists (the others have data-dependent shapes)."""
     B, S, h = x.shape
     cfg = mlp.config
     E, k, m = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    dense = B * S * (E - k) * h * m * 6 <= DENSE_MOE_MAX_WASTED_FLOPS
-    if stacked is None or (not dense and x.device.type != "cpu"):
-        return mlp(x)
+    if stacked is None or not (torch.compiler.is_compiling()
+                               or B * S * (E - k) * h * m * 6 <= DENSE_MOE_MAX_WASTED_FLOPS):
+        return _sparse_moe(mlp, stacked, x)
     xt = x.view(B * S, h)
     w, idx = route(mlp.gate, xt)
-    y = _dense(stacked, xt, w, idx) if dense else _grouped(stacked, xt, w, idx)
-    if not stacked.shared:
-        y = y + mlp.shared_experts(xt)
-    return y.view(B, S, h)
+    return _with_shared(mlp, stacked, xt, _dense(stacked, xt, w, idx)).view(B, S, h)
+
+
+@torch.compiler.disable  # data-dependent group sizes: eager, also when called from a compiled step
+def _sparse_moe(mlp: torch.nn.Module, stacked: Stacked | None, x: torch.Tensor) -> torch.Tensor:
+    """Only the routed FLOPs: the grouped form on CPU, else the model's own MoE."""
+    if stacked is None or x.device.type != "cpu":
+        return mlp(x)
+    xt = x.reshape(-1, x.shape[-1])
+    w, idx = route(mlp.gate, xt)
+    return _with_shared(mlp, stacked, xt, _grouped(stacked, xt, w, idx)).view(x.shape)
+
+
+def _with_shared(mlp: torch.nn.Module, st: Stacked, xt: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Adds the shared expert's output unless it is stacked with the routed ones."""
+    return y if st.shared else y + mlp.shared_experts(xt)
 
 
 def route(gate: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
