@@ -33,23 +33,27 @@ def sparse_model(tokenizer):
     return load_causal_lm(None, tokenizer, preset="test", seed=0, index_topk=8).eval()
 
 
-def _params(i: int, n: int = 16) -> SamplingParams:
-    return SamplingParams(temperature=1.0, max_new_tokens=n + 3 * i, seed=100 + i)
+def _params(i: int, n: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(temperature=1.0, max_new_tokens=n + 3 * i, seed=100 + i, **kw)
 
 
-def _staggered(engine: LocalEngine, prompts: list[list[int]], arrivals: dict[int, list[int]]):
+def _filtered(i: int) -> SamplingParams:
+    return _params(i, top_k=7, top_p=0.9)
+
+
+def _staggered(engine: LocalEngine, prompts: list[list[int]], arrivals: dict[int, list[int]], params=_params):
     """Submit request 0 now and request i when iteration arrivals[i] has finished; wait for all."""
     futures: dict[int, object] = {}
     all_in = threading.Event()
 
     def on_step(iteration: int) -> None:
         for i in arrivals.get(iteration, []):
-            futures[i] = engine.submit(prompts[i], _params(i))
+            futures[i] = engine.submit(prompts[i], params(i))
         if len(futures) == len(prompts):
             all_in.set()
 
     engine.on_step = on_step
-    futures[0] = engine.submit(prompts[0], _params(0))
+    futures[0] = engine.submit(prompts[0], params(0))
     assert all_in.wait(120), "the decode loop did not reach the arrival steps"
     return [futures[i].result(timeout=120) for i in range(len(prompts))]
 
@@ -286,9 +290,9 @@ def test_cache_grows_only_what_is_short(tiny_model):
 
 
 def test_compiled_decode_equals_eager_and_survives_weight_updates(tokenizer):
-    """The compiled engine samples the eager engine's tokens, from one row to five and back (requests
-    join mid-decode and finish at different lengths), and after a weight update, which reuses the
-    compiled graph."""
+    """The compiled engine (sampling fused into the step) samples the eager engine's tokens, from one
+    row to five and back (requests join mid-decode and finish at different lengths), and after a
+    weight update, which reuses the compiled graph."""
     from torch._dynamo.utils import counters
 
     # the model of the sparse runner test above (inductor's cache may serve its graph)
@@ -298,11 +302,11 @@ def test_compiled_decode_equals_eager_and_survives_weight_updates(tokenizer):
     runs = {}
     for compile in (False, True):
         with LocalEngine(sparse_model, compile=compile) as engine:
-            first = _staggered(engine, prompts, {3: [1, 2], 7: [3], 12: [4]})
+            first = _staggered(engine, prompts, {3: [1, 2], 7: [3], 12: [4]}, _filtered)  # top-k/top-p in the graph
             engine.on_step = None
             graphs = counters["stats"]["unique_graphs"]
             engine.update_weights(new_weights, version=1)
-            second = engine.generate(prompts, [_params(i) for i in range(len(prompts))])
+            second = engine.generate(prompts, [_filtered(i) for i in range(len(prompts))])
             if compile:
                 assert counters["stats"]["unique_graphs"] == graphs  # same shapes: nothing compiled anew
             runs[compile] = first + second
@@ -314,3 +318,21 @@ def test_compiled_decode_equals_eager_and_survives_weight_updates(tokenizer):
 def test_compile_needs_the_glm_runner(tiny_model):
     with pytest.raises(EngineError, match="compile=True needs the GLM-5 runner"):
         LocalEngine(tiny_model, runner="hf", compile=True)
+
+
+def test_compiled_decode_with_the_model_s_own_moe(tokenizer, tiny_model, monkeypatch):
+    """Experts too large for the dense form: the compiled step runs the MoE eagerly (a graph break)
+    and still computes the eager runner's logits."""
+    from glmlight.rollout import glm_moe
+    from glmlight.rollout.glm_runner import GlmDsaRunner
+
+    monkeypatch.setattr(glm_moe, "DENSE_MOE_MAX_WASTED_FLOPS", 0.0)
+    runners = [GlmDsaRunner(tiny_model), GlmDsaRunner(tiny_model, compile=True)]
+    assert all(L.experts is None for L in runners[1].layers if L.moe)
+    prompts = [encode(tokenizer, t) for t in TEXTS]
+    with torch.inference_mode():
+        logits = [r.admit(prompts) for r in runners]
+        for _ in range(3):
+            nxt = logits[0].argmax(-1)
+            logits = [r.step(nxt) for r in runners]
+            torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)

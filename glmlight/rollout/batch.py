@@ -13,6 +13,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -102,12 +103,23 @@ class RunningBatch:
         self._use_top_k = any(r.params.top_k > 0 for r in reqs)
         self._use_top_p = any(r.params.top_p < 1 for r in reqs)
 
+    def sampler(self, lo: int = 0, hi: int | None = None) -> partial:
+        """`sample_with_uniforms` bound to the settings of rows lo..hi-1 and the uniforms of their
+        next tokens: a row-wise function of their logits [hi - lo, V] -> (tokens, log-probs)."""
+        ints, floats = self.ints[lo:hi], self.floats[lo:hi]
+        return partial(sample_with_uniforms, temperature=floats[:, 0], top_k=ints[:, TOP_K], top_p=floats[:, 1],
+                       uniforms=self.uniforms[ints[:, SLOT], ints[:, STEP]], use_top_k=self._use_top_k,
+                       use_top_p=self._use_top_p, greedy=self._greedy)
+
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """Sample, record and advance every row; returns the bool mask of rows that finished [n]."""
-        temp, ints = self.floats[:, 0], self.ints
+        return self.record(*self.sampler()(logits))
+
+    def record(self, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+        """Record every row's sampled token and its log-prob and advance the rows; returns the bool
+        mask of rows that finished [n]."""
+        ints = self.ints
         step, slot = ints[:, STEP], ints[:, SLOT]
-        tok, lp = sample_with_uniforms(logits, temp, ints[:, TOP_K], self.floats[:, 1], self.uniforms[slot, step],
-                                       use_top_k=self._use_top_k, use_top_p=self._use_top_p, greedy=self._greedy)
         self.tokens[slot, step] = tok
         self.logps[slot, step] = lp.to(self.logps.dtype)
         ints[:, STEP] += 1

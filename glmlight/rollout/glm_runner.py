@@ -39,7 +39,8 @@ weight update.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +83,11 @@ def _dynamic(t: torch.Tensor, *dims: int) -> torch.Tensor:
     for d in dims:
         torch._dynamo.maybe_mark_dynamic(t, d)
     return t
+
+
+def _map_tensors(fn: partial, f: Callable[[torch.Tensor], torch.Tensor]) -> partial:
+    """`fn` with f applied to its tensor keyword arguments."""
+    return partial(fn.func, *fn.args, **{k: f(v) if isinstance(v, torch.Tensor) else v for k, v in fn.keywords.items()})
 
 
 def _deinterleave(r: int) -> torch.Tensor:
@@ -280,8 +286,10 @@ class GlmDsaRunner:
         return logits
 
     @torch.inference_mode()
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append one token to every row of the batch; logits of the next token [n, V]."""
+    def step(self, tokens: torch.Tensor, sample: partial | None = None) -> Any:
+        """Append one token to every row of the batch; logits of the next token [n, V], or
+        `sample(logits)` (a row-wise function, e.g. `RunningBatch.sampler()`; fused into the
+        compiled step)."""
         if self._decode is not None:
             n, lens = self.n, self.lens
             # attend over a window of whole DECODE_WINDOW blocks: its length changes rarely (the compiled
@@ -291,19 +299,25 @@ class GlmDsaRunner:
             self._ensure(max(n, 2), T + 1)
             if n == 1:  # one row would get a graph of its own: decode a scratch row (a free one) beside it
                 tokens, lens = F.pad(tokens, (0, 1)), F.pad(lens, (0, 1))
-            logits = self._decode(_dynamic(tokens, 0), _dynamic(lens, 0), _dynamic(self._positions[:T], 0))[:n]
+                sample = None if sample is None else _map_tensors(sample, lambda t: torch.cat([t, t]))
+            sample = None if sample is None else _map_tensors(sample, lambda t: _dynamic(t, 0))
+            out = self._decode(_dynamic(tokens, 0), _dynamic(lens, 0), _dynamic(self._positions[:T], 0), sample)
+            out = out[:n] if sample is None else tuple(o[:n] for o in out)
         else:
             self._ensure(self.n, self._max_len + 1)
-            logits = self._forward(tokens[:, None], self.lens[:, None], self.lens + 1, 0,
-                                   self._positions[: self._max_len + 1], None)
+            out = self._forward(tokens[:, None], self.lens[:, None], self.lens + 1, 0,
+                                self._positions[: self._max_len + 1], None)
+            out = out if sample is None else sample(out)
         self.lens = self.lens + 1
         self._max_len += 1
-        return logits
+        return out
 
-    def _decode_window(self, tokens: torch.Tensor, lens: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def _decode_window(self, tokens: torch.Tensor, lens: torch.Tensor, keys: torch.Tensor,
+                       sample: partial | None) -> Any:
         """A decode step over cache positions `keys` = [0, T), T >= max_len + 1 (masked past each row's
         length): the same function as over [0, max_len + 1)."""
-        return self._forward(tokens[:, None], lens[:, None], lens + 1, 0, keys, None)
+        logits = self._forward(tokens[:, None], lens[:, None], lens + 1, 0, keys, None)
+        return logits if sample is None else sample(logits)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, total: torch.Tensor, r0: int, keys: torch.Tensor,
                  last: torch.Tensor | None) -> torch.Tensor:

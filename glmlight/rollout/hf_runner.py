@@ -18,6 +18,8 @@ padding; the GLM-5 runner in `glm_runner.py` does not have that dependence.)
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
@@ -70,13 +72,13 @@ class HFRunner:
         return logits
 
     @torch.inference_mode()
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append one token to every row; logits of the next token [n, V]."""
+    def step(self, tokens: torch.Tensor, sample: Callable[[torch.Tensor], Any] | None = None) -> Any:
+        """Append one token to every row; logits of the next token [n, V], or `sample(logits)`."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.n, 1)], dim=1)
         logits = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
                             cache=self.cache, use_cache=True).logits[:, -1]
         self.next_pos = self.next_pos + 1
-        return logits
+        return logits if sample is None else sample(logits)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (indices into the running batch, in this order)."""

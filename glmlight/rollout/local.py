@@ -297,14 +297,16 @@ class LocalEngine:
             batch, runner = self._batch, self._runner
             self._admitting = self._take_pending()
             running = len(batch)
-            logits = [runner.step(batch.last)] if running else []
+            # (tokens, log-probs) of the running rows (sampled inside a compiled step), then of newcomers
+            sampled = [runner.step(batch.last, batch.sampler())] if running else []
             if self._admitting:
-                logits.append(runner.admit([r.prompt for r in self._admitting]))
+                logits = runner.admit([r.prompt for r in self._admitting])
                 batch.add(self._admitting, self._iteration)
                 self._admitting = []
-            if not logits:
+                sampled.append(batch.sampler(running)(logits))
+            if not sampled:
                 return []
-            finished = batch.sample(logits[0] if len(logits) == 1 else torch.cat(logits))
+            finished = batch.record(*(sampled[0] if len(sampled) == 1 else map(torch.cat, zip(*sampled))))
             self._iteration += 1
             n = len(batch)
             rows = finished.nonzero()[:, 0].tolist()
