@@ -111,10 +111,6 @@ class RunningBatch:
                        uniforms=self.uniforms[ints[:, SLOT], ints[:, STEP]], use_top_k=self._use_top_k,
                        use_top_p=self._use_top_p, greedy=self._greedy)
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """Sample, record and advance every row; returns the bool mask of rows that finished [n]."""
-        return self.record(*self.sampler()(logits))
-
     def record(self, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
         """Record every row's sampled token and its log-prob and advance the rows; returns the bool
         mask of rows that finished [n]."""

@@ -22,12 +22,13 @@ model's own weights, with a layout made for continuous batching:
   halves are contiguous), one rotary table, cache writes by flat `index_copy_`,
   an inline router and, for few tokens, a dense all-experts MoE (`glm_moe.py`).
 
-- `compile=True`: decode steps run one `torch.compile`d graph (elementwise ops fused, Python
-  and dispatch overhead gone). A step attends over a window of the cache rounded up to whole
-  `DECODE_WINDOW` blocks, under the same masks, so shapes change only every 64 steps. The graph is
-  traced with the batch size, the window and the cache's size as symbols: one compile serves
-  every step (a batch of one row decodes a scratch row beside it; models whose DSA top-k exceeds
-  the first window get a second graph for windows past it). Prefill stays eager.
+- `compile=True`: a decode step, with the sampler `step` is given, runs as one
+  `torch.compile`d graph (elementwise ops fused, Python and dispatch overhead gone). It attends
+  over a window of the cache rounded up to whole `DECODE_WINDOW` blocks, under the same masks,
+  so shapes change only every 64 steps. The graph is traced with the batch size, the window
+  and the cache's size as symbols: one compile serves every step (a batch of one row decodes a
+  scratch row beside it; models whose DSA top-k exceeds the first window get a second graph for
+  windows past it). Prefill stays eager.
 
 Numerics: the same fp32 function as the model's forward up to reassociation
 (latent-space attention, fused matmuls): logits agree to ~1e-6.

@@ -68,9 +68,9 @@ class LocalEngine:
     The default 1 suits the small models this engine runs on CPU: a decode step is
     hundreds of small ops, which splitting across cores slows down. Threads that have
     already run torch ops (the trainer's) keep their own setting.
-    `compile`: run the GLM-5 runner's decode steps as one `torch.compile`d graph (see
-    `glm_runner`): the first steps of each new batch size or cache size wait for a compile
-    (seconds to tens of seconds; a C++ compiler on CPU), every later step is faster.
+    `compile`: run the GLM-5 runner's decode steps, with the sampling of the running rows,
+    as one `torch.compile`d graph (see `glm_runner`): the first decode step waits for the
+    compile (10-30 s on CPU, which needs a C++ compiler), every later step is faster.
     """
 
     def __init__(self, model: PreTrainedModel, *, dtype: str | torch.dtype = "float32",
