@@ -94,6 +94,15 @@ def test_old_logprobs_from_the_update_forward_give_the_same_training(tmp_path):
     assert all(float(r["train/ratio_mean"]) == pytest.approx(1.0) for r in rows if r.get("train/ratio_mean"))
 
 
+def test_compiled_rollout_trains_as_the_eager_one(tmp_path):
+    # rollout.compile=true: the same tokens (fused sampling from the same uniforms), so the same training
+    run_c, compiled = _params_after(tmp_path / "c", "rollout.compile=true")
+    assert run_c.datamodule.engine._runner._decode is not None
+    _, eager = _params_after(tmp_path / "e")
+    for k in eager:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-4, atol=1e-5)
+
+
 def test_auto_old_logprobs_fall_back_to_a_forward_when_needed(tmp_path):
     # auto: a forward whenever tokens are trained more than once or a callback reads them first
     def from_update(*extra):
