@@ -264,6 +264,8 @@ def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...]
                 f"one step off-policy; baseline TRL at its fastest ({fastest.split('@')[1]} threads)")
         rows.append(row("GRPO step, async: completions", "completions/s", completions / step["async"],
                         completions / step[fastest], TARGETS["grpo"], note))
+        rows.append(row("GRPO step, async: trained tokens", "tokens/s", tokens / step["async"],
+                        tokens / step[fastest], TARGETS["grpo"], note))
     trl = ", ".join(f"{k.split('@')[1]} threads {completions / v:.1f}" for k, v in step.items() if k.startswith("trl@"))
     for r in rows:
         r["note"] += f" (TRL completions/s: {trl})"

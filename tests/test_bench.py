@@ -48,8 +48,8 @@ def test_flop_count_by_hand(tokenizer):
 def test_grpo_figures_against_trl(tmp_path):
     pytest.importorskip("trl")
     rows = bench.bench_grpo(TINY, "cpu", rounds=1, trl_threads=())
-    _check(rows, 3)
-    assert [r["figure"].split(":")[0] for r in rows] == ["GRPO step, sync"] * 2 + ["GRPO step, async"]
+    _check(rows, 4)
+    assert [r["figure"].split(":")[0] for r in rows] == ["GRPO step, sync"] * 2 + ["GRPO step, async"] * 2
     assert {r["unit"] for r in rows} == {"completions/s", "tokens/s"} and "TRL completions/s" in rows[0]["note"]
 
 
