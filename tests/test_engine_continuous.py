@@ -315,9 +315,11 @@ def test_compiled_decode_equals_eager_and_survives_weight_updates(tokenizer):
         torch.testing.assert_close(torch.tensor(compiled.logprobs), torch.tensor(eager.logprobs), atol=1e-5, rtol=1e-5)
 
 
-def test_compile_needs_the_glm_runner(tiny_model):
+def test_compile_needs_the_glm_runner_on_cpu_or_cuda(tiny_model):
     with pytest.raises(EngineError, match="compile=True needs the GLM-5 runner"):
         LocalEngine(tiny_model, runner="hf", compile=True)
+    with pytest.raises(EngineError, match="compile=True needs a cpu or cuda engine device"):
+        LocalEngine(tiny_model, device="meta", compile=True)
 
 
 def test_compiled_decode_with_the_model_s_own_moe(tokenizer, tiny_model, monkeypatch):

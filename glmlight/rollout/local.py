@@ -85,6 +85,9 @@ class LocalEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
+        if compile and self.device.type not in ("cpu", "cuda"):
+            raise EngineError(f"compile=True needs a cpu or cuda engine device (torch.compile's inductor), "
+                              f"got {self.device}")
         self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype).eval()
         self.model.requires_grad_(False)
         self.pad_token_id = pad_token_id
