@@ -219,6 +219,8 @@ def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer, monkeypatc
     """Prefill, decode, row compaction and cache growth against the model's forward, with the
     DSA top-k well below the sequence length. 16 indexer heads and non-pad tokens keep exact
     ties between index scores (where any two implementations may pick differently) away."""
+    from torch._dynamo.utils import counters
+
     from glmlight.rollout import glm_runner
 
     model = load_causal_lm(None, tokenizer, preset="test", seed=0, index_topk=8, index_n_heads=16).eval()
@@ -227,19 +229,25 @@ def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer, monkeypatc
     assert runner.absorb_q == runner.absorb_o == (growth > 0)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(6, 100, (n,), generator=g).tolist() for n in (5, 12, 3)]
+    graphs = counters["stats"]["unique_graphs"]
     with torch.inference_mode():
         logits = torch.cat([runner.admit(seqs[:2]), runner.admit(seqs[2:])])
-        for step in range(40):
+        for step in range(300):  # past the initial rotary table (256 positions): it grows too
             nxt = logits[:, 6:].argmax(-1) + 6
             for s, t in zip(seqs, nxt.tolist()):
                 s.append(t)
             if step == 20:  # the first row leaves; the last one moves into its place
                 runner.keep([2, 1])
                 seqs, nxt = [seqs[2], seqs[1]], nxt[[2, 1]]
+            if step == 280:
+                with torch.inference_mode(False), torch.no_grad():  # as the engine after a weight update
+                    runner.refresh()
             logits = runner.step(nxt)
-            if step % 13 == 0 or step == 39:
+            if step % 50 == 13 or step == 299:
                 for s, lg in zip(seqs, logits):
                     torch.testing.assert_close(lg, model(torch.tensor([s])).logits[0, -1], atol=1e-4, rtol=1e-4)
+    # compiled: one graph for all of it (rows 3 -> 2, the cache and the rotary table grown, new weights)
+    assert counters["stats"]["unique_graphs"] - graphs == int(compile)
 
 
 @pytest.mark.parametrize("form", ["dense", "grouped", "model's own"])
