@@ -330,6 +330,14 @@ def test_compile_needs_the_glm_runner_on_cpu_or_cuda(tiny_model):
         LocalEngine(tiny_model, device="meta", compile=True)
 
 
+def test_compile_on_cpu_needs_a_cxx_compiler(tiny_model, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(EngineError, match="compile=True on CPU needs a C.. compiler"):
+        LocalEngine(tiny_model, compile=True)
+
+
 def test_compiled_decode_with_the_model_s_own_moe(tokenizer, tiny_model, monkeypatch):
     """Experts too large for the dense form: the compiled step runs the MoE eagerly (a graph break)
     and still computes the eager runner's logits."""

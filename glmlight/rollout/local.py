@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import threading
 import time
 from collections import deque
@@ -88,6 +89,10 @@ class LocalEngine:
         if compile and self.device.type not in ("cpu", "cuda"):
             raise EngineError(f"compile=True needs a cpu or cuda engine device (torch.compile's inductor), "
                               f"got {self.device}")
+        if compile and self.device.type == "cpu" and not any(
+                shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c):
+            raise EngineError("compile=True on CPU needs a C++ compiler (g++ or clang++ on PATH, or $CXX): "
+                              "torch.compile builds the decode step with it")
         self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype).eval()
         self.model.requires_grad_(False)
         self.pad_token_id = pad_token_id
