@@ -298,10 +298,10 @@ class GlmDsaRunner:
             # The window stays short of the whole cache (that would be a graph of its own).
             T = -(-(self._max_len + 1) // DECODE_WINDOW) * DECODE_WINDOW
             self._ensure(max(n, 2), T + 1)
+            rows = (lambda t: t) if n > 1 else (lambda t: torch.cat([t, t]))
             if n == 1:  # one row would get a graph of its own: decode a scratch row (a free one) beside it
                 tokens, lens = F.pad(tokens, (0, 1)), F.pad(lens, (0, 1))
-                sample = None if sample is None else _map_tensors(sample, lambda t: torch.cat([t, t]))
-            sample = None if sample is None else _map_tensors(sample, lambda t: _dynamic(t, 0))
+            sample = None if sample is None else _map_tensors(sample, lambda t: _dynamic(rows(t), 0))
             out = self._decode(_dynamic(tokens, 0), _dynamic(lens, 0), _dynamic(self._positions[:T], 0), sample)
             out = out[:n] if sample is None else tuple(o[:n] for o in out)
         else:
