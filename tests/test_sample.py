@@ -55,6 +55,19 @@ def test_collate_pads_prompts_left_and_responses_right():
     assert exp.response_ids.tolist() == [[8, 9, 0], [2, 3, 4]]
     sub = exp.select([1])
     assert sub.samples == [b] and sub.input_ids.tolist() == [[0, 0, 1, 2, 3, 4]]
+    assert (exp.input_ids.dtype, exp.attention_mask.dtype, exp.versions.dtype) == (torch.long,) * 3
+    assert (exp.response_mask.dtype, exp.loss_mask.dtype, exp.rollout_logprobs.dtype) == (torch.float32,) * 3
+
+
+def test_collate_keeps_an_empty_response_and_a_missing_reward():
+    c = _sample(prompt_ids=[4, 4], response_ids=[], loss_mask=[], rollout_logprobs=[], versions=[], reward=None)
+    exp = Experience.collate([c, _sample()], pad_token_id=0)
+    assert exp.input_ids.tolist() == [[0, 4, 4, 0, 0], [5, 6, 7, 8, 9]]
+    assert exp.attention_mask.tolist() == [[0, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert exp.response_mask.tolist() == [[0, 0], [1, 1]] and exp.loss_mask.tolist() == [[0, 0], [1, 1]]
+    assert exp.versions.tolist() == [[-1, -1], [2, 2]] and exp.rewards.tolist() == [0.0, 1.0]
+    only = Experience.collate([c], pad_token_id=0)  # no response at all: one padding column
+    assert only.input_ids.tolist() == [[4, 4, 0]] and only.response_mask.tolist() == [[0]]
 
 
 def test_collate_rejects_failed_and_empty():
