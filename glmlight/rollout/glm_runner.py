@@ -23,7 +23,8 @@ model's own weights, with a layout made for continuous batching:
   an inline router and, for few tokens, a dense all-experts MoE (`glm_moe.py`).
 
 - `compile=True`: a decode step, with the sampler `step` is given, runs as one
-  `torch.compile`d graph (elementwise ops fused, Python and dispatch overhead gone). It attends
+  `torch.compile`d graph (elementwise ops fused, Python and dispatch overhead gone; on CPU with
+  inductor's C++ wrapper, so the host code between kernels is C++ too). It attends
   over a window of the cache rounded up to whole `DECODE_WINDOW` blocks, under the same masks,
   so shapes change only every 64 steps. The graph is traced with the batch size, the window
   and the cache's size as symbols: one compile serves every step (a batch of one row decodes a
@@ -148,7 +149,10 @@ class GlmDsaRunner:
         self._max_len = 0
         self.rows_cap = self.capacity = 0
         self._alloc(rows, capacity)
-        self._decode = torch.compile(self._decode_window) if compile else None
+        # On CPU the step's host code is generated as C++ too (`cpp_wrapper`): about a tenth of a
+        # decode step at small batches went to the Python wrapper calling the kernels.
+        options = {"cpp_wrapper": True} if self.device.type == "cpu" else None
+        self._decode = torch.compile(self._decode_window, options=options) if compile else None
 
     # ----------------------------------------------------------------- weights
     # Every tensor the runner owns is made, and used, in inference mode: a compiled decode step
