@@ -170,6 +170,9 @@ class AlgoConfig:
 class GRPOConfig(AlgoConfig):
     name: str = "grpo"
     normalize_std: bool = True  # False = Dr.GRPO
+    # Rows whose advantages are all 0 (groups with equal rewards) have exactly zero loss and gradient
+    # when no KL or entropy term is on: skip their forward and backward (same update, less compute).
+    skip_zero_advantage_rows: bool = True
 
 
 ALGO_SCHEMAS: dict[str, type] = {}

@@ -41,6 +41,15 @@ def overrides_for_tests(tmp_path, *extra: str) -> list[str]:
     ]
 
 
+def equal_on_even_prompts_reward(sample) -> float:
+    """Equal rewards (zero advantages) for the groups of even prompts, the dense reward for the others."""
+    return 0.5 if sample.metadata["prompt_index"] % 2 == 0 else digit_fraction_reward(sample)
+
+
+def constant_reward(sample) -> float:
+    return 0.5
+
+
 def digit_fraction_reward(sample) -> float:
     """A dense test reward (fraction of digit characters) so that a random tiny model gets
     non-zero advantages; the arithmetic exact-match reward is all zeros before training."""

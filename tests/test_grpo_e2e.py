@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import glmlight
+from glmlight.algorithms.grpo import GRPO
 from glmlight.errors import ConfigError
 from tests.conftest import overrides_for_tests
 from train import compose
@@ -92,6 +93,53 @@ def test_old_logprobs_from_the_update_forward_give_the_same_training(tmp_path):
     rows = _metrics(tmp_path / "u")
     assert {float(r["train/old_logprobs_from_update"]) for r in rows if r.get("train/old_logprobs_from_update")} == {1.0}
     assert all(float(r["train/ratio_mean"]) == pytest.approx(1.0) for r in rows if r.get("train/ratio_mean"))
+
+
+@pytest.mark.parametrize("reward", ["equal_on_even_prompts_reward", "constant_reward"])
+def test_rows_with_zero_advantages_are_skipped_with_the_same_update(tmp_path, monkeypatch, reward):
+    # Groups with equal rewards have all-zero advantages: their loss and gradient are exactly zero, so
+    # the update skips them. The parameters must come out as when every row trains; with every row
+    # skipped AdamW still steps on zero gradients (its weight decay moves the parameters).
+    extra = [f"task.reward._target_=tests.conftest.{reward}", "algo.weight_decay=0.1", "algo.micro_batch_size=3"]
+    rows_seen = []
+    real = GRPO.micro_batch_loss
+
+    def counting(self, mb, scale):
+        rows_seen.append(mb.batch_size)
+        return real(self, mb, scale)
+
+    monkeypatch.setattr(GRPO, "micro_batch_loss", counting)
+    _, skipped = _params_after(tmp_path / "s", *extra)
+    seen_skipping, rows_seen[:] = sum(rows_seen), []
+    _, full = _params_after(tmp_path / "f", *extra, "algo.skip_zero_advantage_rows=false")
+    seen_full = sum(rows_seen)
+    for k in full:  # other micro-batches: the same sums up to float reassociation
+        torch.testing.assert_close(skipped[k], full[k], rtol=1e-4, atol=1e-5)
+    def logged(root, key):
+        return [float(r[key]) for r in _metrics(root) if r.get(key)]
+
+    for key in ("train/loss", "train/grad_norm"):  # skipped rows still count in the loss's normaliser
+        assert logged(tmp_path / "s", key) == pytest.approx(logged(tmp_path / "f", key), rel=1e-4, abs=1e-9)
+    initial = _build(tmp_path / "i").module.policy.state_dict()
+    assert any(not torch.equal(initial[k], skipped[k]) for k in initial)
+    frac = logged(tmp_path / "s", "train/rows_without_gradient_frac")
+    assert len(frac) == 2 and min(frac) > 0  # prompts are shuffled: some groups of even ones in every step
+    assert seen_full == 2 * 16 and seen_skipping == sum(round((1 - f) * 16) for f in frac)
+    if reward == "constant_reward":
+        assert frac == [1.0, 1.0] and seen_skipping == 0
+
+
+def test_rows_are_not_skipped_when_they_carry_a_kl_or_entropy_term(tmp_path):
+    run = _build(tmp_path, "task.reward._target_=tests.conftest.constant_reward")
+    batch = run.datamodule.next_experience()
+    run.module.compute_advantages(batch)
+    assert run.module.rows_without_gradient(batch).all()
+    for extra in ("algo.kl_coef=0.1", "algo.entropy_coef=0.01", "algo.skip_zero_advantage_rows=false"):
+        other = _build(tmp_path, extra)
+        other.module.trainer = other.trainer  # as fit() attaches it
+        fresh = batch.select(list(range(batch.batch_size)))
+        other.module.prepare_experience(fresh)  # with kl_coef: the reference's log-probs
+        assert other.module.rows_without_gradient(fresh) is None, extra
 
 
 def test_compiled_rollout_trains_as_the_eager_one(tmp_path):

@@ -19,7 +19,7 @@ import logging
 import math
 import random
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -206,7 +206,13 @@ class RLModule(pl.LightningModule):
     def minibatch_update(self, batch: Experience, rows: torch.Tensor) -> dict[str, float]:
         """The optimizer steps of one minibatch (subclasses add critic steps)."""
         return self.optimizer_step(self._optimizer(), self._scheduler(), self.policy,
-                                   lambda mb, scale: self.micro_batch_loss(mb, scale), batch, rows)
+                                   lambda mb, scale: self.micro_batch_loss(mb, scale), batch, rows,
+                                   idle_rows=self.rows_without_gradient)
+
+    def rows_without_gradient(self, mb: Experience) -> torch.Tensor | None:
+        """Boolean [B]: rows of `mb` whose policy loss is identically zero, so the update skips their
+        forward and backward (their gradient is exactly zero). None (the default): every row trains."""
+        return None
 
     @staticmethod
     def _step_without_update(opt: Any, sched: Any) -> dict[str, float]:
@@ -218,9 +224,12 @@ class RLModule(pl.LightningModule):
         return {}
 
     def optimizer_step(self, opt: Any, sched: Any, model: torch.nn.Module, loss_fn: Any, batch: Experience,
-                       rows: torch.Tensor, skip: bool = False) -> dict[str, float]:
+                       rows: torch.Tensor, skip: bool = False,
+                       idle_rows: Callable[[Experience], torch.Tensor | None] | None = None) -> dict[str, float]:
         """One optimizer step over `rows` of `batch`, micro-batched. With no rows (or skip) the step
-        still counts (no gradients: parameters stay), so every RL step has the same number of steps."""
+        still counts (no gradients: parameters stay), so every RL step has the same number of steps.
+        `idle_rows(minibatch)` marks rows whose loss is identically zero: they count in the loss's
+        normalisers but run no forward; statistics are means over the rows that ran."""
         opt.zero_grad(set_to_none=True)
         params = [p for p in model.parameters() if p.requires_grad]
         if skip:
@@ -231,12 +240,19 @@ class RLModule(pl.LightningModule):
             model.train()
             mb_all = batch.select(rows)
             scale = {"total_tokens": float(mb_all.loss_mask.sum().item()), "num_sequences": float(len(rows))}
-            for micro in self._micro_batches(torch.arange(len(rows))):
+            idle = idle_rows(mb_all) if idle_rows is not None else None
+            active = torch.arange(len(rows)) if idle is None else (~idle.cpu()).nonzero().squeeze(1)
+            for micro in self._micro_batches(active) if len(active) else []:
                 loss, stats = loss_fn(mb_all.select(micro), scale)
                 self.manual_backward(loss)
                 loss_value += loss.item()
                 for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(rows)
+                    totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(active)
+            if idle is not None:
+                totals["train/rows_without_gradient_frac"] = 1.0 - len(active) / len(rows)
+                if not len(active):  # what backward of the all-zero loss would leave: zero gradients
+                    for p in params:
+                        p.grad = torch.zeros_like(p)
         all_reduce_gradients(params)  # data parallel: every rank joins, even with no rows
         if all(p.grad is None for p in params):
             return self._step_without_update(opt, sched)

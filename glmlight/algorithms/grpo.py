@@ -19,3 +19,13 @@ class GRPO(RLModule):
         adv = group_advantages(batch.rewards.cpu(), group_ids.cpu(), normalize_std=self.cfg.normalize_std)
         batch.advantages = adv.to(batch.rewards.device).unsqueeze(-1) * batch.loss_mask
         batch.stats["train/advantage_abs_mean"] = adv.abs().mean().item()
+
+    def rows_without_gradient(self, mb: Experience) -> torch.Tensor | None:
+        """Rows whose advantages are all 0 (a group whose rewards are all equal): the PPO / DIS per-token
+        loss is the advantage times a finite factor, so with no KL, entropy or extra term such a row's
+        loss and gradient are exactly zero (Shao et al. 2024, eq. 3 with Â = 0)."""
+        cfg = self.cfg
+        if (not cfg.skip_zero_advantage_rows or mb.advantages is None or mb.ref_logprobs is not None
+                or cfg.entropy_coef or type(self).extra_loss is not RLModule.extra_loss):
+            return None
+        return (mb.advantages == 0).all(-1)
