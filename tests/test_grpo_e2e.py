@@ -142,6 +142,26 @@ def test_rows_are_not_skipped_when_they_carry_a_kl_or_entropy_term(tmp_path):
         assert other.module.rows_without_gradient(fresh) is None, extra
 
 
+def test_only_data_parallel_ranks_may_skip_rows(tmp_path):
+    # FSDP / DeepSpeed gather and reduce inside every forward and backward: a rank that skipped rows
+    # the others run would leave them waiting in a collective
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from glmlight.build import hardware_kwargs
+
+    module = _build(tmp_path).module
+    assert module.ranks_may_skip_rows()  # no trainer attached: one process
+    ddp = hardware_kwargs(OmegaConf.create({"accelerator": "cpu", "strategy": "ddp", "devices": 2, "num_nodes": 1,
+                                            "precision": "32-true", "zero_stage": 2}))["strategy"]
+    for strategy, may in ((ddp, True), (SimpleNamespace(), False)):
+        module.trainer = SimpleNamespace(world_size=2, strategy=strategy)
+        assert module.ranks_may_skip_rows() is may
+    module.trainer = SimpleNamespace(world_size=1, strategy=SimpleNamespace())
+    assert module.ranks_may_skip_rows()
+
+
 def test_compiled_rollout_trains_as_the_eager_one(tmp_path):
     # rollout.compile=true: the same tokens (fused sampling from the same uniforms), so the same training
     run_c, compiled = _params_after(tmp_path / "c", "rollout.compile=true")

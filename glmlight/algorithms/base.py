@@ -209,6 +209,14 @@ class RLModule(pl.LightningModule):
                                    lambda mb, scale: self.micro_batch_loss(mb, scale), batch, rows,
                                    idle_rows=self.rows_without_gradient)
 
+    def ranks_may_skip_rows(self) -> bool:
+        """Whether a rank may run fewer forward/backward passes than the others: yes on one process and
+        under glmlight's data parallelism (gradients all-reduced once, after the passes); no under
+        FSDP / DeepSpeed, whose passes gather parameters and reduce gradients collectively."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return True
+        return bool(getattr(self.trainer.strategy, "rl_gradient_sync", False))
+
     def rows_without_gradient(self, mb: Experience) -> torch.Tensor | None:
         """Boolean [B]: rows of `mb` whose policy loss is identically zero, so the update skips their
         forward and backward (their gradient is exactly zero). None (the default): every row trains."""
@@ -240,7 +248,7 @@ class RLModule(pl.LightningModule):
             model.train()
             mb_all = batch.select(rows)
             scale = {"total_tokens": float(mb_all.loss_mask.sum().item()), "num_sequences": float(len(rows))}
-            idle = idle_rows(mb_all) if idle_rows is not None else None
+            idle = idle_rows(mb_all) if idle_rows is not None and self.ranks_may_skip_rows() else None
             active = torch.arange(len(rows)) if idle is None else (~idle.cpu()).nonzero().squeeze(1)
             for micro in self._micro_batches(active) if len(active) else []:
                 loss, stats = loss_fn(mb_all.select(micro), scale)
