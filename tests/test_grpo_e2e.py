@@ -115,6 +115,7 @@ def test_rows_with_zero_advantages_are_skipped_with_the_same_update(tmp_path, mo
     seen_full = sum(rows_seen)
     for k in full:  # other micro-batches: the same sums up to float reassociation
         torch.testing.assert_close(skipped[k], full[k], rtol=1e-4, atol=1e-5)
+
     def logged(root, key):
         return [float(r[key]) for r in _metrics(root) if r.get(key)]
 
