@@ -173,7 +173,8 @@ class RLModule(pl.LightningModule):
 
     # ----------------------------------------------------------------- update
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        return list(rows.split(self.cfg.micro_batch_size))
+        """`rows` in chunks of micro_batch_size; none for no rows."""
+        return list(rows.split(self.cfg.micro_batch_size)) if len(rows) else []
 
     def _minibatches(self, n: int) -> list[torch.Tensor]:
         """Exactly num_minibatches row sets (some empty when the batch is smaller), shuffled per step."""
@@ -250,7 +251,7 @@ class RLModule(pl.LightningModule):
             scale = {"total_tokens": float(mb_all.loss_mask.sum().item()), "num_sequences": float(len(rows))}
             idle = idle_rows(mb_all) if idle_rows is not None and self.ranks_may_skip_rows() else None
             active = torch.arange(len(rows)) if idle is None else (~idle.cpu()).nonzero().squeeze(1)
-            for micro in self._micro_batches(active) if len(active) else []:
+            for micro in self._micro_batches(active):
                 loss, stats = loss_fn(mb_all.select(micro), scale)
                 self.manual_backward(loss)
                 loss_value += loss.item()
