@@ -24,6 +24,31 @@ def test_group_advantages_by_hand():
     assert_close(group_advantages(torch.tensor([2.0, 2.0]), torch.tensor([1, 1])), torch.zeros(2))
 
 
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_equal_reward_groups_get_exactly_zero(normalize_std):
+    # Rewards like 0.8 are not exact in binary: a float32 mean is an ulp off, and an ulp divided by a
+    # std of one ulp used to give every member the same non-zero advantage (8 x 0.8 -> -0.056).
+    values = [0.8, 0.2, 0.1, 0.3, 0.7, 0.9, 1.1, -0.6, 1 / 3, 2 / 3, 0.05, 1e-7, 123.456, 1.0, 0.0]
+    for g in (2, 3, 4, 5, 7, 8, 16, 31, 32, 64, 128):
+        for v in values:
+            r = torch.full((g,), v, dtype=torch.float32)
+            adv = group_advantages(r, torch.zeros(g, dtype=torch.long), normalize_std=normalize_std)
+            assert (adv == 0).all(), (g, v, adv[:3])
+    # mixed batch: equal groups stay exactly 0 next to groups with signal
+    r = torch.tensor([0.8] * 8 + [1.0, 0.1] * 4 + [0.2] * 32)
+    ids = torch.tensor([0] * 8 + [1] * 8 + [2] * 32)
+    adv = group_advantages(r, ids, normalize_std=normalize_std)
+    assert (adv[:8] == 0).all() and (adv[16:] == 0).all() and (adv[8:16] != 0).all()
+
+
+def test_singleton_groups():
+    # zero by default (no baseline); "raw" keeps R (verl: mean 0, std 1 for a group of one)
+    r, ids = torch.tensor([0.7, 0.3, 1.0, 0.0]), torch.tensor([0, 1, 2, 2])
+    assert_close(group_advantages(r, ids), torch.tensor([0.0, 0.0, 1.0, -1.0]), atol=1e-5, rtol=0)
+    assert_close(group_advantages(r, ids, singleton="raw", eps=0.0), torch.tensor([0.7, 0.3, 1.0, -1.0]))
+    assert_close(group_advantages(r, ids, normalize_std=False, singleton="raw"), torch.tensor([0.7, 0.3, 0.5, -0.5]))
+
+
 def test_soft_overlong_penalty_dapo():
     # L_max = 10, L_cache = 4: lengths <= 6 -> 0; 8 -> (6 - 8)/4 = -0.5; 10 -> -1; 11 -> -1
     pen = soft_overlong_penalty(torch.tensor([3, 6, 8, 10, 11]), max_len=10, cache_len=4)
