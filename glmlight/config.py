@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from glmlight.errors import ConfigError
+from glmlight.registry import algorithm
 
 # ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
 OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default'}", replace=True)
@@ -167,28 +168,6 @@ class AlgoConfig:
 
 
 @dataclass
-class GRPOConfig(AlgoConfig):
-    name: str = "grpo"
-    normalize_std: bool = True  # False = Dr.GRPO
-    # Rows whose advantages are all 0 (groups with equal rewards) have exactly zero loss and gradient
-    # when no KL or entropy term is on: skip their forward and backward (same update, less compute).
-    skip_zero_advantage_rows: bool = True
-
-
-ALGO_SCHEMAS: dict[str, type] = {}
-
-
-def register_algo_schema(name: str, schema: type) -> None:
-    """Algorithms call this so `algo.name=<name>` validates against their own dataclass;
-    conf/algo/<name>.yaml starts from it via `defaults: [<name>_schema]`."""
-    ALGO_SCHEMAS[name] = schema
-    ConfigStore.instance().store(group="algo", name=f"{name}_schema", node=schema)
-
-
-register_algo_schema("grpo", GRPOConfig)
-
-
-@dataclass
 class TrainerConfig:
     """Lightning Trainer arguments. max_steps counts RL steps (rollout batches)."""
 
@@ -221,7 +200,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    algo: Any = None  # the chosen algorithm's own dataclass (ALGO_SCHEMAS)
+    algo: Any = None  # the chosen algorithm's own dataclass (glmlight.registry)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     # Lightning callbacks, each a dict with _target_ (instantiated in this order).
@@ -237,18 +216,9 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def _schema_for(cfg: DictConfig) -> Any:
-    algo_name = OmegaConf.select(cfg, "algo.name", default="grpo")
-    if algo_name not in ALGO_SCHEMAS:
-        _load_algorithms()
-    if algo_name not in ALGO_SCHEMAS:
-        raise ConfigError(f"config error: algo.name={algo_name!r} is not an algorithm; choose one of {sorted(ALGO_SCHEMAS)}")
     schema = OmegaConf.structured(TrainConfig)
-    schema.algo = OmegaConf.structured(ALGO_SCHEMAS[algo_name])
+    schema.algo = OmegaConf.structured(algorithm(OmegaConf.select(cfg, "algo.name", default="grpo")).schema)
     return schema
-
-
-def _load_algorithms() -> None:
-    import glmlight.algorithms  # noqa: F401  (registers every algorithm's schema)
 
 
 def _suggest(key: str, parent_type: Any) -> str:

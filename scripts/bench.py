@@ -32,11 +32,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from train import compose`
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-import torch  # noqa: E402
+import torch
 
 
 @dataclass
@@ -159,7 +157,7 @@ def _glmlight_steps(s: Sizes, device: str, root: str, extra: list[str]) -> list[
     import lightning.pytorch as pl
 
     import glmlight
-    from train import compose
+    from glmlight import compose
 
     stamps: list[float] = []
 
@@ -321,7 +319,7 @@ def train_step_flops(model: torch.nn.Module, batch: int, seq: int, start: int = 
 
 def bench_flops(s: Sizes, device: str) -> list[dict[str, Any]]:
     from glmlight.algorithms.grpo import GRPO
-    from glmlight.config import GRPOConfig
+    from glmlight.algorithms.grpo import GRPOConfig
     from glmlight.models import glm_forward
     from glmlight.sample import Experience, Sample
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -23,6 +22,17 @@ def tiny_model(tokenizer):
     from glmlight.models.loading import load_causal_lm
 
     return load_causal_lm(None, tokenizer, preset="test", seed=0).eval()
+
+
+def load_script(name: str):
+    """A script of scripts/ as a module (scripts are not a package; nothing touches sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"script_{name}", os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -17,7 +17,7 @@ from glmlight.ops.reduce import aggregate_loss
 from glmlight.rollout.base import Generation, SamplingParams
 from glmlight.sample import Experience, Sample, Status
 from tests.conftest import overrides_for_tests
-from train import compose
+from glmlight import compose
 
 
 class ScriptedPolicy:

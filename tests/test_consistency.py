@@ -15,7 +15,7 @@ from glmlight.rollout.base import SamplingParams
 from glmlight.rollout.local import LocalEngine
 from glmlight.sample import Experience, Sample
 from tests.conftest import encode, overrides_for_tests
-from train import compose
+from glmlight import compose
 
 
 def _batch(ratios, mask=None):

@@ -11,7 +11,7 @@ import glmlight
 from glmlight.algorithms.grpo import GRPO
 from glmlight.errors import ConfigError
 from tests.conftest import overrides_for_tests
-from train import compose
+from glmlight import compose
 
 
 def _build(tmp_path, *extra):
@@ -150,7 +150,7 @@ def test_only_data_parallel_ranks_may_skip_rows(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from glmlight.build import hardware_kwargs
+    from glmlight.builder import hardware_kwargs
 
     module = _build(tmp_path).module
     assert module.ranks_may_skip_rows()  # no trainer attached: one process

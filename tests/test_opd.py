@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from train import compose
+from glmlight import compose
 
 import glmlight
 from glmlight.algorithms.opd import OPD

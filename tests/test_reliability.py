@@ -23,7 +23,7 @@ from glmlight.rollout.base import Generation
 from glmlight.rollout.local import LocalEngine
 from glmlight.sample import Status
 from tests.conftest import REPO, overrides_for_tests
-from train import compose
+from glmlight import compose
 
 KEYS = ["rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm", "train/entropy",
         "policy_version"]

@@ -13,7 +13,7 @@ import pytest
 import glmlight
 from glmlight.rollout.local import LocalEngine
 from tests.conftest import overrides_for_tests
-from train import compose
+from glmlight import compose
 
 _rng = random.Random(0)
 

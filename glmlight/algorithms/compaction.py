@@ -18,6 +18,7 @@ from glmlight.algorithms.sao import SAO, SAOConfig
 from glmlight.data.groups import trajectories
 from glmlight.ops.gae import cross_trajectory_gae, segment_lambda, skip_observation_gae
 from glmlight.ops.value import terminal_rewards
+from glmlight.registry import register_algorithm
 from glmlight.sample import Experience
 
 
@@ -29,6 +30,7 @@ class CompactionConfig(SAOConfig):
     segment_alpha: float = 1.5  # λ_s = 1 − 1/(α·L_s)
 
 
+@register_algorithm("compaction", CompactionConfig)
 class CompactionRL(SAO):
     cfg: CompactionConfig
 

@@ -48,6 +48,7 @@ from glmlight.ops.advantages import group_advantages
 from glmlight.ops.distill import mix_outcome_advantages, opd_advantages, reverse_kl
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.ops.reduce import masked_mean
+from glmlight.registry import register_algorithm
 from glmlight.sample import Experience, Sample
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class EngineTeacher:
 
 
 # ---------------------------------------------------------------------------------------------- module
+@register_algorithm("opd", OPDConfig)
 class OPD(RLModule):
     cfg: OPDConfig
     advantages_read_old_logprobs = True  # the distillation advantage is teacher − student log-probs

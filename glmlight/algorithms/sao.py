@@ -22,6 +22,7 @@ from glmlight.config import AlgoConfig
 from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_whiten, skip_observation_gae
 from glmlight.ops.reduce import masked_mean
 from glmlight.ops.value import terminal_rewards, value_loss
+from glmlight.registry import register_algorithm
 from glmlight.sample import Experience
 
 
@@ -103,6 +104,7 @@ class RunningMeanStd(nn.Module):
         return self.var.sqrt().clamp(min=1e-6)
 
 
+@register_algorithm("sao", SAOConfig)
 class SAO(RLModule):
     cfg: SAOConfig
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from glmlight.checkpoint import AtomicCheckpointIO, verified_resume_path
 from glmlight.config import validate
+from glmlight.registry import algorithm
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.distributed import without_ddp_wrapper
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
@@ -249,7 +250,6 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
 def build(cfg: DictConfig | dict) -> Run:
     """Everything a run needs, from a (composed) config. Raises ConfigError on bad config."""
     cfg = validate(cfg)
-    from glmlight.algorithms import ALGORITHMS
 
     if cfg.trainer.accelerator == "npu":  # stop at start-up, before any model work, if the runtime is missing
         from glmlight.accelerators.npu import require_npu
@@ -273,8 +273,7 @@ def build(cfg: DictConfig | dict) -> Run:
                                    env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns,
                                    compaction=compaction_options(cfg.task.agent),
                                    vocab_size=max(policy.config.vocab_size, len(tokenizer)))
-    module_cls = ALGORITHMS[cfg.algo.name]
-    module = module_cls(cfg.algo, policy, temperature=cfg.rollout.temperature,
+    module = algorithm(cfg.algo.name).module(cfg.algo, policy, temperature=cfg.rollout.temperature,
                         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                         use_glm_forward=use_glm_forward(cfg, policy))
     callbacks = build_callbacks(cfg)
