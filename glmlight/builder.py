@@ -22,11 +22,11 @@ from glmlight.data.rollout import RolloutDataModule
 from glmlight.distributed import without_ddp_wrapper
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
 from glmlight.errors import ConfigError
-from glmlight.models import glm_forward
+from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.warm_start import supervised_warm_start
 from glmlight.rewards import build_reward
-from glmlight.rollout.local import LocalEngine
+from glmlight.rollout.factory import build_engine
 
 log = logging.getLogger(__name__)
 
@@ -78,30 +78,6 @@ def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSour
         return JsonlSource(task.path, **keys), (JsonlSource(task.eval_path, **keys) if task.eval_path else None)
     return (HFDatasetSource(task.path, task.split, **keys),
             HFDatasetSource(task.eval_path, task.split, **keys) if task.eval_path else None)
-
-
-def engine_device(cfg: DictConfig) -> torch.device:
-    """The embedded engine's device: rollout.device, else the trainer's accelerator (first device)."""
-    if cfg.rollout.device:
-        return torch.device(cfg.rollout.device)
-    if cfg.trainer.accelerator in ("gpu", "cuda"):
-        return torch.device("cuda", 0)
-    if cfg.trainer.accelerator == "npu":
-        from glmlight.accelerators.npu import npu_device, require_npu
-
-        require_npu()
-        return npu_device(0)
-    return torch.device("cpu")
-
-
-def build_engine(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any):
-    r = cfg.rollout
-    if r.backend == "local":
-        return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
-                           seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile)
-    from glmlight.rollout import servers  # server clients are optional extras
-
-    return servers.build_server_engine(cfg, tokenizer)
 
 
 def build_env_factory(agent: DictConfig):

@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from glmlight.dtypes import DTYPES
 from glmlight.errors import ConfigError
 from glmlight.registry import algorithm
 
@@ -41,7 +42,7 @@ class ModelConfig:
     seed: int = 0
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
-    # The trainer's forward: "glmlight" = glmlight/models/glm_forward.py (GLM-5 models only: same function,
+    # The trainer's forward: "glmlight" = glmlight/models/glm5/forward.py (GLM-5 models only: same function,
     # fewer ops); "transformers" = the model's own; "auto" = glmlight's where it applies (a GlmMoeDsa model,
     # no gradient checkpointing, no fsdp/deepspeed sharding), else the model's own.
     forward: str = "auto"
@@ -270,8 +271,8 @@ CHOICES = {
     "model.forward": ("auto", "glmlight", "transformers"),
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),
-    "model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"),
-    "rollout.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"),
+    "model.dtype": tuple(DTYPES),
+    "rollout.dtype": tuple(DTYPES),
     "logger.mode": ("offline", "online", "disabled"),
 }
 

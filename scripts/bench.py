@@ -320,7 +320,7 @@ def train_step_flops(model: torch.nn.Module, batch: int, seq: int, start: int = 
 def bench_flops(s: Sizes, device: str) -> list[dict[str, Any]]:
     from glmlight.algorithms.grpo import GRPO
     from glmlight.algorithms.grpo import GRPOConfig
-    from glmlight.models import glm_forward
+    from glmlight.models.glm5 import forward as glm_forward
     from glmlight.sample import Experience, Sample
 
     tok, policy = tiny_model(s.flops_preset, device)

@@ -15,7 +15,8 @@ import torch
 from glmlight.errors import EngineError
 from glmlight.rollout.http import HttpSettings
 from glmlight.rollout.local import LocalEngine
-from glmlight.rollout.servers import build_server_engine, free_port
+from glmlight.rollout.factory import build_server_engine
+from glmlight.rollout.launch import free_port
 from glmlight.rollout.sglang import SGLangEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
     SGLangServer, assert_same, expected, greedy, launch_config, model, prompts, ref, standin_script)
@@ -218,7 +219,7 @@ def test_two_servers_share_the_load_and_router_needs_workers(model, ref, tokeniz
 
 def test_managed_launch_with_standin_executable(tokenizer, tmp_path):
     cmd = [sys.executable, standin_script(tmp_path, "sglang")]
-    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd), tokenizer)
+    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd))
     try:
         proc = eng.launcher.proc
         got = eng.generate(prompts(tokenizer, 2), greedy(tokenizer))
@@ -237,6 +238,6 @@ def test_managed_launch_with_standin_executable(tokenizer, tmp_path):
 def test_managed_launch_exit_is_reported_with_log_tail(tokenizer, tmp_path):
     cmd = [sys.executable, standin_script(tmp_path, "sglang", exit_code=3, message="RuntimeError: no GPU found")]
     with pytest.raises(EngineError) as err:
-        build_server_engine(launch_config(tmp_path, "sglang", cmd), tokenizer)
+        build_server_engine(launch_config(tmp_path, "sglang", cmd))
     msg = str(err.value)
     assert "\n" not in msg and "exited with code 3" in msg and "no GPU found" in msg

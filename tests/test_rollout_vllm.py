@@ -13,7 +13,8 @@ from glmlight.config import validate
 from glmlight.errors import EngineError
 from glmlight.rollout.http import HttpSettings
 from glmlight.rollout.local import LocalEngine
-from glmlight.rollout.servers import build_server_engine, free_port
+from glmlight.rollout.factory import build_server_engine
+from glmlight.rollout.launch import free_port
 from glmlight.rollout.vllm import EXTENSION, VLLMEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
     VLLMServer, assert_same, expected, greedy, launch_config, model, prompts, ref, standin_script)
@@ -170,12 +171,11 @@ def test_build_validates_config(server, tokenizer):
     from glmlight.errors import ConfigError
 
     with pytest.raises(ConfigError, match="needs rollout.server.urls"):
-        build_server_engine(validate({"rollout": {"backend": "vllm"}}), tokenizer)
+        build_server_engine(validate({"rollout": {"backend": "vllm"}}))
     with pytest.raises(ConfigError, match="weight_sync='nccl'"):
         build_server_engine(validate({"rollout": {"backend": "vllm", "server": {"urls": [server.url],
-                                                                                  "weight_sync": "nccl"}}}), tokenizer)
-    eng = build_server_engine(validate({"rollout": {"backend": "vllm_ascend", "server": {"urls": [server.url]}}}),
-                              tokenizer)
+                                                                                  "weight_sync": "nccl"}}}))
+    eng = build_server_engine(validate({"rollout": {"backend": "vllm_ascend", "server": {"urls": [server.url]}}}))
     try:
         assert isinstance(eng, VLLMEngine) and eng.name == "vLLM-Ascend" and eng.sync_backend == "hccl"
     finally:
@@ -184,7 +184,7 @@ def test_build_validates_config(server, tokenizer):
 
 def test_managed_launch_vllm_ascend_with_standin_executable(tokenizer, tmp_path):
     cmd = [sys.executable, standin_script(tmp_path, "vllm")]
-    eng = build_server_engine(launch_config(tmp_path, "vllm_ascend", cmd, weight_sync="tensor"), tokenizer)
+    eng = build_server_engine(launch_config(tmp_path, "vllm_ascend", cmd, weight_sync="tensor"))
     try:
         spec = eng.launcher.spec
         assert EXTENSION in spec.command and spec.env["VLLM_SERVER_DEV_MODE"] == "1"

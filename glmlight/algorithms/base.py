@@ -26,7 +26,7 @@ import torch
 
 from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients
-from glmlight.models import glm_forward
+from glmlight.models.glm5 import forward as glm_forward
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
@@ -49,7 +49,7 @@ class RLModule(pl.LightningModule):
                  max_new_tokens: int = 64, pad_token_id: int = 0, use_glm_forward: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.use_glm_forward = use_glm_forward  # logits through glmlight.models.glm_forward (model.forward)
+        self.use_glm_forward = use_glm_forward  # logits through glmlight.models.glm5.forward (model.forward)
         self.policy = policy.train()
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens

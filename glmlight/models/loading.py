@@ -12,11 +12,11 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GlmMoeDsaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from glmlight.dtypes import resolve_dtype
 from glmlight.errors import ConfigError
-from glmlight.models.fast_indexer import install_fast_indexer
+from glmlight.models.glm5.indexer import install_fast_indexer
 from glmlight.models.tiny import tiny_glm5_config
 from glmlight.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
-from glmlight.rollout.local import resolve_dtype
 
 
 def load_tokenizer(path: str | None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

@@ -59,7 +59,7 @@ class SequenceClassifierReward:
                  template: str = "{prompt}\n{completion}", policy_tokenizer: str | None = None):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from glmlight.rollout.local import resolve_dtype
+        from glmlight.dtypes import resolve_dtype
 
         if not os.path.isdir(path):
             raise ValueError(f"reward model path {path!r} is not a local directory (checkpoints are never downloaded)")

@@ -20,7 +20,7 @@ model's own weights, with a layout made for continuous batching:
   (gathered), instead of to every key under a mask.
 - few tensor ops per step: fused projections (rows permuted once so that rotary
   halves are contiguous), one rotary table, cache writes by flat `index_copy_`,
-  an inline router and, for few tokens, a dense all-experts MoE (`glm_moe.py`).
+  an inline router and, for few tokens, a dense all-experts MoE (`glmlight/models/glm5/moe.py`).
 
 - `compile=True`: a decode step, with the sampler `step` is given, runs as one
   `torch.compile`d graph (elementwise ops fused, Python and dispatch overhead gone; on CPU with
@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from glmlight.ops.dsa import topk_mask, topk_recent
-from glmlight.rollout.glm_moe import Stacked, moe_forward, stacked_experts
+from glmlight.models.glm5.arch import is_glm5
+from glmlight.models.glm5.moe import Stacked, moe_forward, stacked_experts
 
 
 ABSORB_MAX_GROWTH = 1.5
@@ -57,11 +58,7 @@ DECODE_WINDOW = 64  # compiled decode steps attend over cache positions [0, T), 
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether `model` is a GlmMoeDsaForCausalLM this runner reproduces exactly."""
-    cfg = getattr(model, "config", None)
-    if type(model).__name__ != "GlmMoeDsaForCausalLM" or cfg is None:
-        return False
-    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-    return "dynamic" not in rope and cfg.hidden_act == "silu"
+    return is_glm5(model)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -120,7 +117,7 @@ class _Layer:
     mlp: torch.nn.Module
     gate_up: torch.Tensor | None  # dense MLP: [2m, h]
     moe: bool
-    experts: Stacked | None  # glm_moe.stacked_experts
+    experts: Stacked | None  # moe.stacked_experts
 
 
 class GlmDsaRunner:

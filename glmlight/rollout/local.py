@@ -31,9 +31,9 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
-from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
+from glmlight.dtypes import resolve_dtype
 from glmlight.errors import EngineError
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.rollout import glm_runner
@@ -41,21 +41,11 @@ from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, norm
 from glmlight.rollout.batch import Request, RunningBatch
 from glmlight.rollout.hf_runner import HFRunner
 from glmlight.rollout.sampling import request_uniforms
+from glmlight.rollout.transport import read_checkpoint
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 IDLE_EXIT_S = 2.0  # an idle decode thread exits after this long; the next submit starts another
-
-
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
 class LocalEngine:
@@ -376,14 +366,9 @@ def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True).state_dict()
-    if os.path.isdir(path):
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise EngineError(f"no .safetensors files in {path}")
-        out: dict[str, torch.Tensor] = {}
-        for f in files:
-            out.update(load_file(os.path.join(path, f)))
-        return out
     if not os.path.exists(path):
         raise EngineError(f"weight file {path} does not exist")
-    return load_file(path)
+    try:
+        return dict(read_checkpoint(path))
+    except FileNotFoundError as e:
+        raise EngineError(str(e)) from None

@@ -1,12 +1,7 @@
-"""Server-backed rollout engines: `build_server_engine` plus what SGLang and vLLM share.
-
-- `build_server_engine(cfg, tokenizer)`: validate `cfg.rollout.server` and build the
-  engine for `cfg.rollout.backend` (sglang | vllm | vllm_ascend).
-- `ServerEngineBase`: URLs and routing, readiness wait, request ids and the
-  rid-keyed gather (every prompt's answer comes back exactly once, in order), the
-  weight-sync skeleton (pause → push → flush → resume → confirm version), close().
-- `LaunchSpec` / `ManagedServer`: an optional server started as a child process,
-  its log captured to a file, its exit detected, terminated on close().
+"""What the SGLang and vLLM engines share: `ServerEngineBase` (URLs and routing, readiness
+wait, request ids and the rid-keyed gather — every prompt's answer comes back exactly once, in
+order —, the weight-sync skeleton pause → push → flush → resume → confirm version, close()),
+the sampling fields both spell alike, and the constructor settings read from the config.
 
 This module imports nothing heavy at import time; the engines import aiohttp.
 """
@@ -14,157 +9,13 @@ This module imports nothing heavy at import time; the engines import aiohttp.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
-from glmlight.errors import ConfigError, EngineError
+from glmlight.errors import EngineError
 from glmlight.rollout.base import NamedTensors, SamplingParams, normalize_requests
-
-BACKENDS = ("sglang", "vllm", "vllm_ascend")
-WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
-
-
-def build_server_engine(cfg: Any, tokenizer: Any = None):
-    """The RolloutEngine for `cfg.rollout.backend`; `cfg` is the whole validated config.
-
-    `tokenizer` is accepted for symmetry with the embedded engine; server engines work
-    on token ids only and never re-tokenize.
-    """
-    r, s = cfg.rollout, cfg.rollout.server
-    if r.backend not in BACKENDS:
-        raise ConfigError(f"config error: rollout.backend={r.backend!r} is not a server backend; choose one of {list(BACKENDS)}")
-    in_process = bool(s.in_process)
-    if not s.urls and not s.launch and not in_process:
-        raise ConfigError(f"config error: rollout.backend={r.backend} needs rollout.server.urls (running servers) "
-                          "or rollout.server.launch=true (start one)")
-    if s.weight_sync not in WEIGHT_SYNC_MODES:
-        raise ConfigError(f"config error: rollout.server.weight_sync={s.weight_sync!r} is not one of {list(WEIGHT_SYNC_MODES)}")
-    if (s.launch or in_process) and not (s.model_path or cfg.model.path):
-        raise ConfigError("config error: rollout.server.launch needs rollout.server.model_path or model.path "
-                          "(the checkpoint directory the server loads)")
-    if s.router and s.launch:
-        raise ConfigError("config error: rollout.server.router and rollout.server.launch cannot both be set")
-    try:
-        import aiohttp  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"config error: rollout.backend={r.backend} needs aiohttp; "
-                          f"pip install 'glmlight[{r.backend.split('_')[0]}]'") from None
-    if r.backend == "sglang":
-        from glmlight.rollout.sglang import SGLangEngine
-
-        return SGLangEngine.from_config(cfg)
-    if in_process:
-        from glmlight.rollout.vllm import VLLMInProcessEngine
-
-        return VLLMInProcessEngine.from_config(cfg)
-    from glmlight.rollout.vllm import VLLMEngine
-
-    return VLLMEngine.from_config(cfg)
-
-
-# ---------------------------------------------------------------------- managed launch
-@dataclass
-class LaunchSpec:
-    """How to start one server as a child process."""
-
-    name: str
-    command: list[str]
-    host: str
-    port: int
-    log_path: str
-    env: dict[str, str] = field(default_factory=dict)
-    secrets: tuple[str, ...] = ()  # redacted from anything we print
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self) -> ManagedServer:
-        return ManagedServer(self)
-
-
-class ManagedServer:
-    """A server child process (own process group), stdout+stderr captured to `log_path`."""
-
-    def __init__(self, spec: LaunchSpec):
-        self.spec = spec
-        os.makedirs(os.path.dirname(os.path.abspath(spec.log_path)), exist_ok=True)
-        self._log = open(spec.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(spec.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **spec.env}, start_new_session=True)
-        except OSError as e:
-            self._log.close()
-            raise EngineError(f"cannot start the {spec.name} server ({self._redact(' '.join(spec.command[:3]))}...): {e}") from None
-
-    def check(self) -> None:
-        """Raise a one-line EngineError with the log tail if the process has exited."""
-        rc = self.proc.poll()
-        if rc is not None:
-            raise EngineError(f"managed {self.spec.name} server exited with code {rc}; last log lines: "
-                              f"{self.log_tail()} (full log: {self.spec.log_path})")
-
-    def log_tail(self, n: int = 6) -> str:
-        try:
-            with open(self.spec.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self.spec.log_path) - 8192))
-                lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
-        except OSError:
-            return "(no log)"
-        return self._redact(" | ".join(lines[-n:])) or "(empty log)"
-
-    def _redact(self, text: str) -> str:
-        for secret in self.spec.secrets:
-            if secret:
-                text = text.replace(secret, "***")
-        return text
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    break
-                try:
-                    self.proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        self._log.close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def local_ip_towards(url: str) -> str:
-    """This host's address on the route to `url` (where a server can reach our rendezvous)."""
-    host = urlparse(url).hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-def launch_target(urls: Sequence[str]) -> tuple[str, int]:
-    """Host and port for a managed server: those of urls[0], or 127.0.0.1 and a free port."""
-    if urls:
-        u = urlparse(urls[0])
-        return u.hostname or "127.0.0.1", u.port or free_port()
-    return "127.0.0.1", free_port()
-
+from glmlight.rollout.launch import LaunchSpec, ManagedServer
 
 # ---------------------------------------------------------------------- shared engine
 class ServerEngineBase:
@@ -393,8 +244,3 @@ def server_settings(cfg: Any) -> dict[str, Any]:
     return dict(urls=list(s.urls), router=bool(s.router), http=HttpSettings.from_config(s),
                 ready_timeout_s=float(s.launch_timeout_s), weight_sync=s.weight_sync,
                 weight_sync_dir=s.weight_sync_dir, model_path=s.model_path or cfg.model.path)
-
-
-def log_path_for(cfg: Any, name: str, port: int) -> str:
-    root = cfg.rollout.server.launch_log_dir or cfg.trainer.default_root_dir
-    return os.path.join(root, f"{name}-server-{port}.log")

@@ -41,20 +41,13 @@ from typing import Any
 
 import torch
 
+from glmlight.dtypes import dtype_name
 from glmlight.errors import EngineError
-from glmlight.rollout import vllm_worker as wt
+from glmlight.rollout import transport as wt
 from glmlight.rollout.base import SERVER_FINISH_REASONS, Generation, SamplingParams
 from glmlight.rollout.http import Rejected, get_field
-from glmlight.rollout.servers import (
-    LaunchSpec,
-    ServerEngineBase,
-    free_port,
-    launch_target,
-    local_ip_towards,
-    log_path_for,
-    sampling_fields,
-    server_settings,
-)
+from glmlight.rollout.launch import LaunchSpec, free_port, launch_target, local_ip_towards, log_path_for
+from glmlight.rollout.servers import ServerEngineBase, sampling_fields, server_settings
 
 
 
@@ -242,7 +235,7 @@ class SGLangEngine(ServerEngineBase):
 
     def _broadcast_bucket(self, urls: Sequence[str], bucket: list, version: int | None) -> None:
         self._ensure_group(urls)
-        meta = {"names": [n for n, _ in bucket], "dtypes": [wt.dtype_name(t.dtype) for _, t in bucket],
+        meta = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": self._group_name,
                 "flush_cache": False}
         if version is not None:

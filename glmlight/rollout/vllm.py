@@ -34,20 +34,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from glmlight.dtypes import dtype_name
 from glmlight.errors import EngineError
-from glmlight.rollout import vllm_worker as wt
+from glmlight.rollout import transport as wt
 from glmlight.rollout.base import SERVER_FINISH_REASONS, Generation, NamedTensors, SamplingParams
 from glmlight.rollout.http import AuthError, get_field
-from glmlight.rollout.servers import (
-    LaunchSpec,
-    ServerEngineBase,
-    free_port,
-    launch_target,
-    local_ip_towards,
-    log_path_for,
-    sampling_fields,
-    server_settings,
-)
+from glmlight.rollout.launch import LaunchSpec, free_port, launch_target, local_ip_towards, log_path_for
+from glmlight.rollout.servers import ServerEngineBase, sampling_fields, server_settings
 
 log = logging.getLogger(__name__)
 EXTENSION = "glmlight.rollout.vllm_worker.WeightLoaderExtension"
@@ -254,7 +247,7 @@ class VLLMEngine(ServerEngineBase):
                                                            self._group_name, timeout_s=self.confirm_timeout_s)
             finally:
                 fut.result(self.confirm_timeout_s)
-        spec = {"names": [n for n, _ in bucket], "dtypes": [wt.dtype_name(t.dtype) for _, t in bucket],
+        spec = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": self._group_name,
                 "backend": self.sync_backend, "version": version}
         fut = self.http.submit(self._rpc_all(urls, "glmlight_update_distributed", {u: spec for u in urls}, attempts=1))

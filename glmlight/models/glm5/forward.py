@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from glmlight.ops.dsa import topk_mask
-from glmlight.rollout import glm_runner
-from glmlight.rollout.glm_moe import route
+from glmlight.models.glm5.arch import is_glm5
+from glmlight.models.glm5.moe import route
 
 # The DSA indexer scores the queries in this many chunks, each against the keys up to its last query.
 INDEX_QUERY_CHUNKS = 4
@@ -57,7 +57,7 @@ INDEX_QUERY_CHUNKS = 4
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether `model` is a GlmMoeDsaForCausalLM whose forward this module reproduces."""
-    if not glm_runner.supports(model):
+    if not is_glm5(model):
         return False
     cfg = model.config
     # complex views of the rotary pairs need even offsets; grouped matmuls need 16-byte rows
@@ -295,7 +295,7 @@ def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _moe(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """GlmMoeDsaMoE: the routed experts (sigmoid router, top-k, `glm_moe.route`) over the tokens sorted
+    """GlmMoeDsaMoE: the routed experts (sigmoid router, top-k, `moe.route`) over the tokens sorted
     by expert with one grouped matmul per projection, plus the shared expert as a dense MLP."""
     ex = mlp.experts
     w, idx = route(mlp.gate, x)
