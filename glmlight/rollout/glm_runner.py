@@ -40,7 +40,6 @@ weight update.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -49,7 +48,8 @@ import torch.nn.functional as F
 
 from glmlight.ops.dsa import topk_mask, topk_recent
 from glmlight.models.glm5.arch import is_glm5
-from glmlight.models.glm5.moe import Stacked, moe_forward, stacked_experts
+from glmlight.models.glm5.moe import moe_forward
+from glmlight.rollout.glm_weights import Layer, deinterleave, read_layers
 
 
 ABSORB_MAX_GROWTH = 1.5
@@ -89,37 +89,6 @@ def _map_tensors(fn: partial, f: Callable[[torch.Tensor], torch.Tensor]) -> part
     return partial(fn.func, *fn.args, **{k: f(v) if isinstance(v, torch.Tensor) else v for k, v in fn.keywords.items()})
 
 
-def _deinterleave(r: int) -> torch.Tensor:
-    return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
-
-
-@dataclass
-class _Layer:
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
-    w_in: torch.Tensor  # [q_a | kv_a latent | kv_a rope (de-interleaved) | indexer wk (rope half
-    #                      de-interleaved) | indexer weights_proj]
-    b_in: torch.Tensor | None
-    split_in: list[int]
-    q_norm: torch.Tensor
-    q_eps: float
-    kv_norm: torch.Tensor
-    kv_eps: float
-    w_qb: torch.Tensor  # [q nope (H) | indexer q pass (Hi) | q rope (H) | indexer q rope (Hi)], rope de-interleaved
-    split_qb: list[int]
-    w_uk: torch.Tensor | None  # [H, nope, L]: key half of kv_b_proj (None: absorbed into w_qb)
-    w_uv: torch.Tensor | None  # [H, L, dv]: value half of kv_b_proj (None: absorbed into o_proj)
-    o_proj: torch.Tensor  # [hidden, H * dv], or [hidden, H * L] with w_uv absorbed
-    o_bias: torch.Tensor | None
-    scaling: float
-    indexer: Any  # the layer's GlmMoeDsaIndexer module, or None for "shared" layers
-    k_ln: tuple[torch.Tensor | None, torch.Tensor | None, float] | None  # indexer k_norm, de-interleaved
-    mlp: torch.nn.Module
-    gate_up: torch.Tensor | None  # dense MLP: [2m, h]
-    moe: bool
-    experts: Stacked | None  # moe.stacked_experts
-
-
 class GlmDsaRunner:
     """Per-row cached decoding of a GlmMoeDsaForCausalLM (see the module docstring)."""
 
@@ -157,60 +126,12 @@ class GlmDsaRunner:
     @torch.inference_mode()
     def refresh(self) -> None:
         """(Re)read the weights from the model; call after every weight update."""
-        m, cfg = self.model.model, self.cfg
-        H, L, nope, r, dv = self.H, self.L, self.nope, self.rope, self.dv
-        perm = _deinterleave(r).to(self.device)
+        m = self.model.model
         self.embed = m.embed_tokens.weight
         self.final_norm, self.final_eps = m.norm.weight, m.norm.variance_epsilon
         self.lm_head = self.model.lm_head.weight
-        self.eps = cfg.rms_norm_eps
-        self.layers: list[_Layer] = []
-        for layer in m.layers:
-            a, ix = layer.self_attn, layer.self_attn.indexer
-            kv_a = a.kv_a_proj_with_mqa.weight
-            ws = [a.q_a_proj.weight, kv_a[:L], kv_a[L:][perm]]
-            bs = [a.q_a_proj.bias, *(a.kv_a_proj_with_mqa.bias.split([L, r]) if a.kv_a_proj_with_mqa.bias is not None
-                                     else (None, None))]
-            qb = a.q_b_proj.weight.view(H, nope + r, -1)
-            kv_b = a.kv_b_proj.weight.view(H, nope + dv, L)
-            w_uk, w_uv, o_proj = kv_b[:, :nope], kv_b[:, nope:].transpose(1, 2), a.o_proj.weight
-            q_nope, q_rot = qb[:, :nope].reshape(H * nope, -1), qb[:, nope:][:, perm].reshape(H * r, -1)
-            if self.absorb_q:  # q_lat = q_resid W_qb,nope W_uk: one [H * L, q_lora] matrix
-                q_nope = torch.einsum("hnl,hnq->hlq", w_uk.float(), qb[:, :nope].float()).reshape(H * L, -1)
-                q_nope, w_uk = q_nope.to(qb.dtype), None
-            if self.absorb_o:  # o_proj(o_lat W_uv): one [hidden, H * L] matrix
-                o_proj = torch.einsum("ehd,hld->ehl", o_proj.view(-1, H, dv).float(), w_uv.float())
-                o_proj, w_uv = o_proj.reshape(o_proj.shape[0], H * L).to(qb.dtype), None
-            qbs, k_ln = [q_nope], None
-            if ix is not None:
-                ipm = torch.cat([perm, torch.arange(r, ix.head_dim, device=self.device)])
-                ws += [ix.wk.weight[ipm], ix.weights_proj.weight]  # both read the normalised input too
-                bs += [None, None]
-                iq = ix.wq_b.weight.view(ix.n_heads, ix.head_dim, -1)
-                qbs = [q_nope, iq[:, r:].reshape(-1, iq.shape[-1]), q_rot, iq[:, :r][:, perm].reshape(-1, iq.shape[-1])]
-                ln = ix.k_norm
-                k_ln = (ln.weight[ipm] if ln.weight is not None else None,
-                        ln.bias[ipm] if ln.bias is not None else None, ln.eps)
-            else:
-                qbs.append(q_rot)
-            b_in = None
-            if any(b is not None for b in bs):
-                b_in = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(bs, ws)])
-            moe = hasattr(layer.mlp, "experts")
-            gate_up = stacked = None
-            if moe:
-                stacked = stacked_experts(layer.mlp)
-            else:
-                gate_up = torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
-            self.layers.append(_Layer(
-                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                w_in=torch.cat(ws), b_in=b_in, split_in=[w.shape[0] for w in ws],
-                q_norm=a.q_a_layernorm.weight, q_eps=a.q_a_layernorm.variance_epsilon,
-                kv_norm=a.kv_a_layernorm.weight, kv_eps=a.kv_a_layernorm.variance_epsilon,
-                w_qb=torch.cat(qbs), split_qb=[w.shape[0] for w in qbs],
-                w_uk=None if w_uk is None else w_uk.contiguous(), w_uv=None if w_uv is None else w_uv.contiguous(),
-                o_proj=o_proj, o_bias=a.o_proj.bias, scaling=a.scaling, indexer=ix, k_ln=k_ln,
-                mlp=layer.mlp, gate_up=gate_up, moe=moe, experts=stacked))
+        self.eps = self.cfg.rms_norm_eps
+        self.layers = read_layers(self.model, absorb_q=self.absorb_q, absorb_o=self.absorb_o)
         self._rope_table(max(self._rope_len, 256))
 
     def _rope_table(self, length: int) -> None:
@@ -379,7 +300,7 @@ class GlmDsaRunner:
         h = h[:, 0] if last is None else h[torch.arange(B, device=self.device), last]
         return F.linear(_rms(h, self.final_norm, self.final_eps), self.lm_head)
 
-    def _select(self, l: int, Ly: _Layer, head_w: torch.Tensor, q_rot: torch.Tensor, q_pass: torch.Tensor,
+    def _select(self, l: int, Ly: Layer, head_w: torch.Tensor, q_rot: torch.Tensor, q_pass: torch.Tensor,
                 mask: torch.Tensor, rows: slice, positions: torch.Tensor) -> torch.Tensor | None:
         """The DSA indexer's top-k selection: key positions [B, 1, k] (long) when a decode step
         attends sparsely, else a mask [B, S, T] (None: T <= k, every key is selected).
@@ -399,7 +320,7 @@ class GlmDsaRunner:
             return topk_recent(index, self.topk, positions)
         return topk_mask(index, self.topk)
 
-    def _mlp(self, Ly: _Layer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, Ly: Layer, x: torch.Tensor) -> torch.Tensor:
         if not Ly.moe:
             g, u = F.linear(x, Ly.gate_up).chunk(2, dim=-1)
             return F.linear(F.silu(g) * u, Ly.mlp.down_proj.weight)
