@@ -1,27 +1,20 @@
 """RolloutDataModule: the one DataModule every algorithm shares.
 
-Each training step it draws prompts, asks the engine for `n_samples_per_prompt`
-answers per prompt (token ids and log-probs; whole multi-turn episodes for agent
-tasks), scores them, applies the sample filters (failed samples, DAPO dynamic
-sampling, callback filters such as the policy-version gate) and yields one
-`Experience`. Every sample that is produced is either trained on or counted
-under a drop reason.
+Each training step it draws prompts (`PromptStream`), asks the engine for `n_samples_per_prompt`
+answers per prompt (token ids and log-probs; whole multi-turn episodes for agent tasks), scores
+them, applies the sample filters (failed samples, DAPO dynamic sampling, callback filters such
+as the policy-version gate) and yields one `Experience`. Every sample that is produced is
+either trained on or counted under a drop reason.
 
-mode="sync" generates each batch when the training step asks for it, with the
-newest weights. mode="async" runs a producer thread that keeps the engine busy
-while training runs and hands finished groups over through a bounded queue;
-staleness is bounded by the queue size and by the policy-version gate.
+mode="sync" generates each batch when the training step asks for it, with the newest weights.
+mode="async" hands generation to an `AsyncProducer` thread that keeps the engine busy while
+training runs; staleness is bounded by the queue size and by the policy-version gate.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import math
-import queue
-import random
-import threading
 import time
 from collections import Counter
 from typing import Any, Callable, Iterator
@@ -34,7 +27,9 @@ from glmlight.agents.compaction import CompactingAgentLoop
 from glmlight.agents.loop import AgentLoop, episode_to_samples
 from glmlight.config import RolloutConfig
 from glmlight.data.groups import pad_or_drop_group
+from glmlight.data.producer import AsyncProducer
 from glmlight.data.sources import Prompt, PromptSource
+from glmlight.data.stream import PromptStream
 from glmlight.models.tokenizer import encode_chat, stop_token_ids
 from glmlight.ops.advantages import soft_overlong_penalty
 from glmlight.rewards.base import RewardFn, score_samples
@@ -59,31 +54,18 @@ class RolloutDataModule(pl.LightningDataModule):
         self.compaction = compaction  # CompactingAgentLoop options, or None
         self.vocab_size = vocab_size  # engine answers with ids outside [0, vocab_size) are FAILED
         self.eval_source, self.num_eval_prompts = eval_source, num_eval_prompts
-        self.rank, self.world_size = rank, world_size
+        self.stream = PromptStream(source, cfg.seed, rank, world_size)
         self.stop_ids = stop_token_ids(tokenizer)
         self.filters: list[SampleFilter] = []
         self.totals: Counter = Counter()  # lifetime accounting: produced, trained, dropped/<reason>
-        self._cursor = 0  # prompts consumed from the source (per rank)
-        self._next_rollout_id = 0
-        self._next_group_id = 0
-        self._lock = threading.RLock()  # prompt cursor, ids and totals (the async producer shares them)
-        self._producer: threading.Thread | None = None
-        self._queue: queue.Queue | None = None
-        # async: groups the producer may have generated or be generating ahead of training; a batch
-        # starts only when the trainer has taken enough of the earlier ones (see _produce)
-        self._slots: threading.Semaphore | None = None
-        self._stop = threading.Event()
-        self._producer_error: BaseException | None = None
-        self._producer_counts: Counter = Counter()
-        self._inflight_cursor: int | None = None  # async: where the prompts being generated were drawn
+        self._producer: AsyncProducer | None = None
         self._pending: list[list[Sample]] = []  # async: queued groups restored from a checkpoint
-        self._requeued: list[int] = []  # source indexes of prompts whose generation a weight update aborted
 
     # ----------------------------------------------------------------- Lightning
     def setup(self, stage: str) -> None:
         """Shard the prompt stream across data-parallel ranks (each rank has its own engine)."""
         if self.trainer is not None:
-            self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
+            self.stream.shard(self.trainer.global_rank, self.trainer.world_size)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_ExperienceStream(self), batch_size=None, collate_fn=lambda x: x, num_workers=0)
@@ -91,11 +73,11 @@ class RolloutDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the prompt stream and the accounting exactly. In async mode
         the queued groups are saved too, and prompts still being generated will be drawn again."""
-        with self._lock:
-            state = {"cursor": self._cursor if self._inflight_cursor is None else self._inflight_cursor,
-                     "next_rollout_id": self._next_rollout_id, "next_group_id": self._next_group_id,
-                     "totals": dict(self.totals), "requeued": list(self._requeued)}
-            queued = list(self._pending) + (list(self._queue.queue) if self._queue is not None else [])
+        with self.stream.lock:
+            producer = self._producer
+            state = self.stream.state_dict(cursor=producer.inflight_cursor if producer is not None else None)
+            state["totals"] = dict(self.totals)
+            queued = list(self._pending) + (producer.queued() if producer is not None else [])
             if queued:
                 state["queued"] = [[smp.to_dict() for smp in g] for g in queued]
         engine_state = getattr(self.engine, "state_dict", None)
@@ -104,37 +86,16 @@ class RolloutDataModule(pl.LightningDataModule):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._cursor = state["cursor"]
-        self._next_rollout_id = state["next_rollout_id"]
-        self._next_group_id = state["next_group_id"]
+        self.stream.load_state_dict(state)
         self.totals = Counter(state["totals"])
         self._pending = [[Sample.from_dict(d) for d in g] for g in state.get("queued", [])]
-        self._requeued = list(state.get("requeued", []))
         if "engine" in state and callable(getattr(self.engine, "load_state_dict", None)):
             self.engine.load_state_dict(state["engine"])
 
     # ----------------------------------------------------------------- prompts
-    def _prompt_index(self, k: int) -> int:
-        """The k-th prompt of this rank's stream: a seeded permutation per epoch, sharded by rank."""
-        k = k * self.world_size + self.rank
-        n = len(self.source)
-        epoch, pos = divmod(k, n)
-        if n > 1_000_000:  # synthetic sources are already random per index
-            return pos
-        return _epoch_order(self.cfg.seed, epoch, n)[pos]
-
     def draw_prompts(self, n: int) -> list[Prompt]:
         """The next n prompts: aborted ones first (generated again), then the stream."""
-        with self._lock:
-            indexes, self._requeued = self._requeued[:n], self._requeued[n:]
-            fresh = n - len(indexes)
-            indexes += [self._prompt_index(self._cursor + i) for i in range(fresh)]
-            self._cursor += fresh
-        out = []
-        for i in indexes:
-            p = self.source[i]
-            out.append(dataclasses.replace(p, metadata={**p.metadata, "prompt_index": i}))
-        return out
+        return self.stream.draw(n)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_chat(self.tokenizer, prompt.messages, add_generation_prompt=True)
@@ -162,17 +123,6 @@ class RolloutDataModule(pl.LightningDataModule):
         self._apply_overlong(samples, counts)
         return samples
 
-    def _new_group_id(self) -> int:
-        with self._lock:
-            self._next_group_id += 1
-            return self._next_group_id - 1
-
-    def _take_rollout_ids(self, k: int) -> int:
-        with self._lock:
-            start = self._next_rollout_id
-            self._next_rollout_id += k
-            return start
-
     def _single_turn(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool) -> list[Sample]:
         todo: list[tuple[Prompt, list[int]]] = []
         for p in prompts:
@@ -188,8 +138,8 @@ class RolloutDataModule(pl.LightningDataModule):
                                      counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s, self.vocab_size)
         samples = []
         for k, (prompt, ids) in enumerate(todo):
-            group_id = self._new_group_id()
-            first = self._take_rollout_ids(n)
+            group_id = self.stream.new_group_id()
+            first = self.stream.take_rollout_ids(n)
             for j in range(n):
                 g = gens[k * n + j]
                 meta = {"label": prompt.label, "domain": prompt.domain, **prompt.metadata}
@@ -213,8 +163,8 @@ class RolloutDataModule(pl.LightningDataModule):
         episodes = loop.run(prompts, n)
         samples = []
         for k in range(len(prompts)):
-            group_id = self._new_group_id()
-            first = self._take_rollout_ids(n)
+            group_id = self.stream.new_group_id()
+            first = self.stream.take_rollout_ids(n)
             for j in range(n):
                 ep = episodes[k * n + j]
                 samples.extend(episode_to_samples(ep, group_id, first + j))
@@ -246,8 +196,7 @@ class RolloutDataModule(pl.LightningDataModule):
             if any(s.status is Status.ABORTED for s in group):
                 # A weight update aborted this group's generation: its prompt is generated again.
                 counts["dropped/aborted"] += len(group)
-                with self._lock:
-                    self._requeued.append(group[0].metadata["prompt_index"])
+                self.stream.requeue(group[0].metadata["prompt_index"])
                 continue
             group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed")
             if group is None:
@@ -280,7 +229,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return exp
 
     def _account(self, counts: Counter) -> None:
-        with self._lock:
+        with self.stream.lock:
             self.totals.update({k: v for k, v in counts.items() if k.startswith(("produced", "trained", "dropped/"))})
 
     def _accept(self, samples: list[Sample], counts: Counter) -> list[list[Sample]]:
@@ -304,112 +253,32 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # ----------------------------------------------------------------- async
     def _collect_async(self, need: int, counts: Counter) -> list[list[Sample]]:
-        self._ensure_producer()
+        producer = self._ensure_producer()
         groups: list[list[Sample]] = []
         while len(groups) < need:
             if self._pending:
-                with self._lock:
+                with self.stream.lock:
                     group = self._pending.pop(0)
-                groups.extend(self._accept(group, counts))
-                continue
-            try:
-                group = self._queue.get(timeout=0.5)
-                self._slots.release()
-            except queue.Empty:
-                if self._producer_error is not None:
-                    raise RuntimeError("the rollout producer failed") from self._producer_error
-                if not self._producer.is_alive():
-                    raise RuntimeError("the rollout producer stopped")
-                continue
+            else:
+                group = producer.get(timeout=0.5)
+                if group is None:
+                    continue
             groups.extend(self._accept(group, counts))
-        with self._lock:
-            counts.update(self._producer_counts)
-            self._producer_counts.clear()
+        counts.update(producer.take_counts())
         return groups
 
-    def _ensure_producer(self) -> None:
-        if self._producer is not None and self._producer.is_alive():
-            return
-        self._stop.clear()
-        self._producer_error = None
-        ahead = self.cfg.queue_size * self.cfg.rollout_batch_size
-        self._queue = queue.Queue(maxsize=ahead)
-        self._slots = threading.Semaphore(ahead)
-        self._producer = threading.Thread(target=self._produce, name="glmlight-rollout-producer", daemon=True)
-        self._producer.start()
-
-    def _produce(self) -> None:
-        try:
-            while not self._stop.is_set():
-                # Start a batch only when at most queue_size - 1 others wait untrained: a batch then
-                # starts from the weights the trainer had when it took the batch before, and is one
-                # version old when trained (queue_size=1). Without this bound the producer ran a batch
-                # further ahead whenever training was slower, and the gate dropped it as too stale.
-                taken = self._take_slots(self.cfg.rollout_batch_size)
-                if taken < self.cfg.rollout_batch_size:
-                    break  # stopping
-                counts: Counter = Counter()
-                with self._lock:
-                    self._inflight_cursor = self._cursor
-                    prompts = self.draw_prompts(self.cfg.rollout_batch_size)
-                samples = self.rollout(prompts, self.cfg.n_samples_per_prompt, counts)
-                with self._lock:
-                    self._inflight_cursor = None
-                    self.totals.update({k: v for k, v in counts.items() if k.startswith(("produced", "dropped/"))})
-                    self._producer_counts.update({k: v for k, v in counts.items()
-                                                  if not k.startswith(("produced", "dropped/"))})
-                by_group: dict[int, list[Sample]] = {}
-                for smp in samples:
-                    by_group.setdefault(smp.group_id, []).append(smp)
-                pending = list(by_group.values())
-                for _ in range(max(0, taken - len(pending))):  # fewer groups than slots taken
-                    self._slots.release()
-                while pending and not self._stop.is_set():
-                    try:
-                        self._queue.put(pending[0], timeout=0.1)
-                        pending.pop(0)
-                    except queue.Full:
-                        continue
-                self._count_shutdown(pending)
-        except BaseException as e:  # noqa: BLE001 - handed to the training thread
-            self._producer_error = e
-            log.error("rollout producer failed: %s: %s", type(e).__name__, e)
-
-    def _take_slots(self, n: int) -> int:
-        """Acquire up to n group slots, giving up when the producer is stopped; returns how many."""
-        taken = 0
-        while taken < n and not self._stop.is_set():
-            if self._slots.acquire(timeout=0.1):
-                taken += 1
-        return taken
-
-    def _count_shutdown(self, groups: list[list[Sample]]) -> None:
-        n = sum(len(g) for g in groups)
-        if n:
-            with self._lock:
-                self.totals["dropped/shutdown"] += n
+    def _ensure_producer(self) -> AsyncProducer:
+        if self._producer is None or not self._producer.alive:
+            self._producer = AsyncProducer(
+                self.stream, lambda prompts, counts: self.rollout(prompts, self.cfg.n_samples_per_prompt, counts),
+                self.cfg.rollout_batch_size, self.cfg.queue_size, self.totals)
+        return self._producer
 
     def stop_producer(self) -> None:
         """Stop the producer; whatever it produced and nobody trained on is counted as dropped/shutdown."""
-        if self._producer is None:
-            return
-        self._stop.set()
-        leftovers = []
-        while self._producer.is_alive():
-            leftovers.extend(self._drain())
-            self._producer.join(timeout=0.1)
-        leftovers.extend(self._drain())
-        self._count_shutdown(leftovers)
-        self._producer = None
-
-    def _drain(self) -> list[list[Sample]]:
-        out = []
-        while self._queue is not None:
-            try:
-                out.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return out
+        if self._producer is not None:
+            self._producer.stop()
+            self._producer = None
 
     def teardown(self, stage: str) -> None:
         self.stop_producer()
@@ -438,14 +307,6 @@ class RolloutDataModule(pl.LightningDataModule):
                 "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
                 "eval/response_length": sum(s.response_length for s in samples) / max(len(samples), 1),
                 "eval/reward_failed": float(counts["reward_failed"])}
-
-
-@functools.lru_cache(maxsize=4)
-def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
-    """The prompt order of one epoch (computed once per epoch, not once per prompt)."""
-    order = list(range(n))
-    random.Random(seed * 7919 + epoch).shuffle(order)
-    return tuple(order)
 
 
 def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
