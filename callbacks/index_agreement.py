@@ -59,7 +59,16 @@ def indexer_agreement(model_a: torch.nn.Module, model_b: torch.nn.Module, input_
 
 
 class IndexAgreement(pl.Callback):
+    """Logs, every `every_n_steps`, the per-layer DSA top-k agreement of the engine's and the
+    trainer's model copies on a few of the step's sequences (`index_agreement/layer_<i>`, `.../mean`).
+
+    Args:
+        every_n_steps: the period in RL steps (0: off).
+        num_sequences: how many of the step's sequences are compared.
+    """
+
     reads_old_logprobs = False  # runs its own forwards
+
     def __init__(self, every_n_steps: int = 10, num_sequences: int = 4):
         self.every_n_steps, self.num_sequences = every_n_steps, num_sequences
         self._warned = False

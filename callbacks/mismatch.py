@@ -13,6 +13,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 import torchmetrics
+from typing_extensions import override
 
 from glmlight.ops.mismatch import mismatch_sums, reduce_mismatch_sums, token_agreement
 from glmlight.rollout.base import SamplingParams
@@ -44,6 +45,19 @@ class MismatchMetric(torchmetrics.Metric):
 
 
 class MismatchMonitor(pl.Callback):
+    """Logs the train/inference mismatch of every step (`mismatch/*`) and, every
+    `probe_every_n_steps`, the greedy token agreement between engine and trainer.
+
+    Args:
+        low, high: the band of the trusted-token ratio (k inside [low, high]).
+        max_mismatch_kl: stop the run when |mismatch KL| exceeds it (None: never).
+        probe_every_n_steps: the greedy probe's period in RL steps (0: off).
+        probe_prompts, probe_tokens: the probe's size.
+
+    Raises:
+        RuntimeError: during training, when the mismatch KL passes `max_mismatch_kl`.
+    """
+
     def __init__(self, low: float = 0.5, high: float = 2.0, max_mismatch_kl: float | None = None,
                  probe_every_n_steps: int = 10, probe_prompts: int = 4, probe_tokens: int = 16):
         self.low, self.high = low, high

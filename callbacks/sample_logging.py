@@ -9,15 +9,24 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
+from typing_extensions import override
 
 
 class SampleTable(pl.Callback):
+    """Every `every_n_steps` RL steps, `num_samples` of the step's samples as a table.
+
+    Args:
+        every_n_steps: the period in RL steps (0: off).
+        num_samples: rows per table.
+    """
+
     columns = ["rl_step", "prompt", "completion", "reward", "status"]
 
     def __init__(self, every_n_steps: int = 10, num_samples: int = 8):
         self.every_n_steps = every_n_steps
         self.num_samples = num_samples
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # Steps 1, 1 + N, 1 + 2N, ... (the first table shows the policy before much training).

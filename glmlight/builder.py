@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from glmlight.checkpoint import AtomicCheckpointIO, verified_resume_path
 from glmlight.config import validate
+from glmlight.progress import RLProgressBar
 from glmlight.registry import algorithm
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.distributed import without_ddp_wrapper
@@ -259,6 +260,8 @@ def build(cfg: DictConfig | dict) -> Run:
                                      every_n_train_steps=ckpt_every * steps if ckpt_every else None,
                                      save_last=True, save_top_k=-1 if ckpt_every else 0))
     t = cfg.trainer
+    if t.enable_progress_bar:
+        callbacks.append(RLProgressBar())
     trainer = _make_trainer(
         **hardware_kwargs(t), max_steps=t.max_steps * steps, max_epochs=-1,
         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,

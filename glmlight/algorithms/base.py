@@ -26,12 +26,14 @@ import torch
 
 from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients
+from glmlight.metrics import log_metrics
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from glmlight.ops.policy_loss import ppo_clip_loss
 from glmlight.ops.reduce import aggregate_loss, masked_mean
+from glmlight.ops.schedule import lr_lambda
 from glmlight.sample import Experience
 
 log = logging.getLogger(__name__)
@@ -90,11 +92,8 @@ class RLModule(pl.LightningModule):
             metrics["rollout/staleness_max"] = float(max(staleness))
             metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness)
         metrics["rl_step"] = float(self.rl_step)
-        self.log_dict(metrics, on_step=True, batch_size=batch.batch_size)
-        for key in ("rollout/reward_mean", "eval/reward"):
-            if key in metrics:
-                self.log(key.split("/")[-1], metrics[key], prog_bar=True, on_step=True, logger=False,
-                         batch_size=batch.batch_size)
+        if self._trainer is not None:
+            log_metrics(self.trainer, metrics)
 
     def compute_advantages(self, batch: Experience) -> None:
         raise NotImplementedError
@@ -288,16 +287,7 @@ class RLModule(pl.LightningModule):
         logits = self.forward_logits(self.policy, mb)
         logprobs = logprobs_from_logits(logits, mb.response_ids, self.temperature)
         mask = mb.loss_mask
-        if cfg.policy_loss == "dis":
-            pg, kept = dis_loss_per_token(logprobs, mb.rollout_logprobs, mb.advantages, cfg.dis_eps_low, cfg.dis_eps_high)
-            stats = {"train/dis_masked_frac": 1.0 - masked_mean(kept.float(), mask)}
-        else:
-            old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # θ_old = θ (see above)
-            out = ppo_clip_loss(logprobs, old, mb.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
-            pg = out.loss
-            stats = {"train/clip_frac": masked_mean(out.clipped, mask),
-                     "train/dual_clip_frac": masked_mean(out.dual_clipped, mask),
-                     "train/ratio_mean": masked_mean(out.ratio, mask)}
+        pg, stats = self.policy_loss(mb, logprobs)
         if mb.token_weights is not None:
             pg = pg * mb.token_weights
         per_token = pg
@@ -315,6 +305,26 @@ class RLModule(pl.LightningModule):
         stats.update(extra_stats)
         stats["train/pg_loss"] = loss.detach()
         return loss + extra, {k: torch.as_tensor(v).detach().float() for k, v in stats.items()}
+
+    def policy_loss(self, mb: Experience, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token policy-gradient loss [B, T] (before token weights and aggregation) and its
+        statistics: `ppo_loss` or `dis_loss` by `algo.policy_loss`. Override to use another loss."""
+        return getattr(self, f"{self.cfg.policy_loss}_loss")(mb, logprobs)
+
+    def ppo_loss(self, mb: Experience, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """PPO clip with clip-higher and optional dual clip, against θ_old (`glmlight.ops.policy_loss`)."""
+        cfg, mask = self.cfg, mb.loss_mask
+        old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # θ_old = θ (see above)
+        out = ppo_clip_loss(logprobs, old, mb.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+        return out.loss, {"train/clip_frac": masked_mean(out.clipped, mask),
+                          "train/dual_clip_frac": masked_mean(out.dual_clipped, mask),
+                          "train/ratio_mean": masked_mean(out.ratio, mask)}
+
+    def dis_loss(self, mb: Experience, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """GLM-5's DIS: a double-sided trust window on π_θ / π_rollout (`glmlight.ops.dis`)."""
+        cfg = self.cfg
+        pg, kept = dis_loss_per_token(logprobs, mb.rollout_logprobs, mb.advantages, cfg.dis_eps_low, cfg.dis_eps_high)
+        return pg, {"train/dis_masked_frac": 1.0 - masked_mean(kept.float(), mb.loss_mask)}
 
     # ----------------------------------------------------------------- optim
     def configure_optimizers(self) -> Any:
@@ -358,19 +368,3 @@ def _as_tuple(x: Any) -> Any:
 
 def _grads_finite(model: torch.nn.Module) -> bool:
     return all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-
-
-def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
-    """Linear warm-up, then constant, cosine or linear decay to min_ratio."""
-
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(total - warmup, 1))
-        if schedule == "cosine":
-            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        return min_ratio + (1 - min_ratio) * (1 - progress)
-
-    return f

@@ -21,7 +21,7 @@ from glmlight.algorithms.base import RLModule
 from glmlight.config import AlgoConfig
 from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_whiten, skip_observation_gae
 from glmlight.ops.reduce import masked_mean
-from glmlight.ops.value import terminal_rewards, value_loss
+from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
 from glmlight.registry import register_algorithm
 from glmlight.sample import Experience
 
@@ -92,12 +92,8 @@ class RunningMeanStd(nn.Module):
 
     def update(self, x: torch.Tensor) -> None:
         x = x.double()
-        n, m, v = x.numel(), x.mean(), x.var(unbiased=False)
-        total = self.count + n
-        delta = m - self.mean
-        self.mean += delta * n / total
-        self.var = (self.var * self.count + v * n + delta**2 * self.count * n / total) / total
-        self.count = total
+        self.mean, self.var, self.count = merge_moments(self.mean, self.var, self.count, x.mean(),
+                                                        x.var(unbiased=False), x.numel())
 
     @property
     def std(self) -> torch.Tensor:
@@ -173,10 +169,9 @@ class SAO(RLModule):
     def critic_loss(self, mb: Experience, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         values = self.critic_values(mb)
         mask = mb.action_mask
-        # The critic minibatch loss is a token mean over the whole minibatch (micro-batches add up).
-        share = mask.sum() / max(scale["critic_tokens"], 1.0)
-        vl = value_loss(values, mb.values, mb.returns, mask, self.cfg.value_clip)
-        return vl * share, {"critic/value_loss": vl.detach()}
+        # A token mean over the whole minibatch: the micro-batches' losses add up to it.
+        vl = value_loss(values, mb.values, mb.returns, mask, self.cfg.value_clip, total_tokens=scale["critic_tokens"])
+        return vl, {"critic/value_loss": vl.detach() * scale["critic_tokens"] / mask.sum().clamp(min=1.0)}
 
     def minibatch_update(self, batch: Experience, rows: torch.Tensor) -> dict[str, float]:
         warming_up = self.rl_step < self.cfg.critic_warmup_steps

@@ -39,8 +39,9 @@ from glmlight.sample import Experience, Sample, Status
 
 log = logging.getLogger(__name__)
 
-# A filter sees the samples of one round and returns those to keep; it counts what it drops.
-SampleFilter = Callable[[list[Sample], Counter], list[Sample]]
+# A filter sees the samples of one round and the policy version training is at, and returns those to
+# keep; it counts what it drops.
+SampleFilter = Callable[[list[Sample], Counter, int], list[Sample]]
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -91,6 +92,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self._pending = [[Sample.from_dict(d) for d in g] for g in state.get("queued", [])]
         if "engine" in state and callable(getattr(self.engine, "load_state_dict", None)):
             self.engine.load_state_dict(state["engine"])
+
+    def policy_version(self) -> int:
+        """The policy version training is at (the version of the weights the last sync pushed)."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return int(getattr(module, "policy_version", 0))
 
     # ----------------------------------------------------------------- prompts
     def draw_prompts(self, n: int) -> list[Prompt]:
@@ -233,8 +239,9 @@ class RolloutDataModule(pl.LightningDataModule):
             self.totals.update({k: v for k, v in counts.items() if k.startswith(("produced", "trained", "dropped/"))})
 
     def _accept(self, samples: list[Sample], counts: Counter) -> list[list[Sample]]:
+        version = self.policy_version()
         for f in self.filters:
-            samples = f(samples, counts)
+            samples = f(samples, counts, version)
         return self._filter_groups(samples, counts)
 
     def _collect_sync(self, need: int, counts: Counter) -> list[list[Sample]]:

@@ -42,15 +42,6 @@ class CorrectionResult(NamedTuple):
     stats: dict[str, float]
 
 
-def log_ratio(old_logprobs: Tensor, rollout_logprobs: Tensor, clamp: float = 20.0) -> Tensor:
-    """log k = old_logprobs − rollout_logprobs clamped to [−clamp, clamp]; shapes [B, T] -> [B, T].
-
-    The clamp keeps exp() finite (exp(20) ≈ 4.9e8).
-    """
-    # Safety bound before exp: slime mismatch helper / verl rollout_corr (impl), ALGORITHMS.md.
-    return (old_logprobs.detach().float() - rollout_logprobs.detach().float()).clamp(-clamp, clamp)
-
-
 def icepop(
     old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, low: float, high: float
 ) -> CorrectionResult:

@@ -49,32 +49,6 @@ def processed_logprobs(
     return torch.log_softmax(scaled, dim=-1)
 
 
-def sample_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    generators: list[torch.Generator] | torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row with torch generators; returns (tokens [B], logprobs [B]).
-    (The engine uses `sample_with_uniforms`; this form suits callers holding generators.)
-
-    Sampling uses the exponential race (argmax of log p − log E, E ~ Exp(1)), which
-    draws exactly from p. With a list of generators each row draws its noise from
-    its own generator, so a request's tokens do not depend on the rest of the batch.
-    """
-    logp = processed_logprobs(logits, temperature, top_k, top_p)
-    B, V = logp.shape
-    if isinstance(generators, list):
-        noise = torch.stack([torch.empty(V, device=logp.device).exponential_(generator=g) for g in generators])
-    else:
-        noise = torch.empty_like(logp).exponential_(generator=generators)
-    sampled = (logp - noise.log()).argmax(-1)
-    greedy = logp.argmax(-1)
-    tokens = torch.where(temperature > 0, sampled, greedy)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 def sample_with_uniforms(
     logits: torch.Tensor,
     temperature: torch.Tensor,
