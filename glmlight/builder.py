@@ -250,9 +250,10 @@ def build(cfg: DictConfig | dict) -> Run:
                                    env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns,
                                    compaction=compaction_options(cfg.task.agent),
                                    vocab_size=max(policy.config.vocab_size, len(tokenizer)))
-    module = algorithm(cfg.algo.name).module(cfg.algo, policy, temperature=cfg.rollout.temperature,
-                        max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                        use_glm_forward=use_glm_forward(cfg, policy))
+    module = algorithm(cfg.algo.name).module(
+        cfg.algo, policy, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+        use_glm_forward=use_glm_forward(cfg, policy))
     callbacks = build_callbacks(cfg)
     steps = module.optimizer_steps_per_rl_step
     ckpt_every = cfg.trainer.checkpoint_every_n_steps

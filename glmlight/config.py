@@ -163,6 +163,7 @@ class AlgoConfig:
     dis_eps_low: float = 0.3
     dis_eps_high: float = 5.0
     entropy_coef: float = 0.0
+    log_entropy: bool = True  # log train/entropy (computed without gradient when entropy_coef = 0)
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_estimator: str = "k3"  # k1 | k2 | k3
     max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite losses

@@ -172,3 +172,22 @@ def test_max_mismatch_kl_stops_the_run(tmp_path):
                  "~callbacks.sample_table", "callbacks.mismatch.max_mismatch_kl=1e-12")
     with pytest.raises(RuntimeError, match="exceeds max_mismatch_kl"):
         run.fit()
+
+
+def test_top_k_top_p_engine_and_trainer_log_probs_are_the_same_quantity(tmp_path):
+    # Identical fp32 weights on both sides: with top-k / top-p filtering the engine reports the
+    # log-prob of the filtered, renormalised distribution; the trainer must compute the same one,
+    # else log k = log π_train − log π_rollout ≤ 0 on every token and every correction is biased.
+    import csv
+
+    run = _build(tmp_path, "trainer.max_steps=2", "~callbacks.held_out_eval", "~callbacks.sample_table",
+                 "+callbacks.mismatch={_target_:callbacks.MismatchMonitor,probe_every_n_steps:0}",
+                 "rollout.top_p=0.9", "rollout.top_k=5", "rollout.temperature=0.7", "rollout.max_new_tokens=8")
+    run.fit()
+    path = glob.glob(os.path.join(str(tmp_path), "csv", "*", "metrics.csv"))[0]
+    rows = [r for r in csv.DictReader(open(path)) if r.get("mismatch/mismatch_kl")]
+    assert len(rows) == 2
+    for r in rows:
+        assert abs(float(r["mismatch/mismatch_kl"])) < 1e-6, r["mismatch/mismatch_kl"]
+        assert abs(float(r["mismatch/log_ppl_diff"])) < 1e-5
+        assert float(r["train/outside_kept_set_frac"]) == 0.0

@@ -39,6 +39,9 @@ from glmlight.sample import Experience
 log = logging.getLogger(__name__)
 
 
+LOGPROB_FLOOR = -1e4  # the trainer's log-prob of a token outside its top-k / top-p kept set
+
+
 class NonFiniteLossError(RuntimeError):
     pass
 
@@ -47,13 +50,16 @@ class RLModule(pl.LightningModule):
     # Whether compute_advantages reads batch.old_logprobs (then they are computed before the update).
     advantages_read_old_logprobs = False
 
-    def __init__(self, cfg: AlgoConfig, policy: torch.nn.Module, *, temperature: float = 1.0,
-                 max_new_tokens: int = 64, pad_token_id: int = 0, use_glm_forward: bool = False):
+    def __init__(self, cfg: AlgoConfig, policy: torch.nn.Module, *, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, max_new_tokens: int = 64, pad_token_id: int = 0, use_glm_forward: bool = False):
         super().__init__()
         self.cfg = cfg
         self.use_glm_forward = use_glm_forward  # logits through glmlight.models.glm5.forward (model.forward)
         self.policy = policy.train()
+        # The sampling distribution (glmlight.ops.logprobs): the trainer's log-probs are taken under the
+        # same temperature / top-k / top-p processing as the engine's, so both are the same quantity.
         self.temperature = temperature if temperature > 0 else 1.0
+        self.top_k, self.top_p = top_k, top_p
         self.max_new_tokens = max_new_tokens
         self.pad_token_id = pad_token_id
         self.automatic_optimization = False
@@ -119,8 +125,25 @@ class RLModule(pl.LightningModule):
         chunks = []
         for idx in self._micro_batches(torch.arange(exp.batch_size)):
             mb = exp.select(idx)
-            chunks.append(logprobs_from_logits(self.forward_logits(model, mb), mb.response_ids, self.temperature))
+            chunks.append(self.logprobs(self.forward_logits(model, mb), mb.response_ids))
         return torch.cat(chunks)
+
+    def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Log-probs [B, T] of `labels` under the sampling distribution the engine used. With top-k /
+        top-p a token outside the trainer's kept set (its logits differ from the engine's) has
+        probability 0: it gets LOGPROB_FLOOR instead of −inf, so ratios stay finite (IcePop pops
+        it, DIS masks it) and no gradient flows through it."""
+        lp = logprobs_from_logits(logits, labels, self.temperature, self.top_k, self.top_p)
+        return lp.clamp(min=LOGPROB_FLOOR) if self.top_k > 0 or self.top_p < 1 else lp
+
+    def entropy(self, logits: torch.Tensor, mask: torch.Tensor, with_grad: bool) -> torch.Tensor:
+        """Entropy [B, T] of the sampling distribution on mask positions (0 elsewhere), computed over
+        those positions only; without gradient unless `with_grad` (an entropy loss term)."""
+        out = logits.new_zeros(mask.shape, dtype=torch.float32)
+        keep = mask.bool()
+        with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+            values = entropy_from_logits(logits[keep], self.temperature, self.top_k, self.top_p)
+        return out.masked_scatter(keep, values) if with_grad else out.masked_scatter(keep, values.detach())
 
     def old_logprob_readers(self) -> list[str]:
         """What reads batch.old_logprobs before the update: the algorithm's advantages, and every
@@ -154,6 +177,9 @@ class RLModule(pl.LightningModule):
         self.policy.eval()
         from_update = self.old_logprobs_from_update()
         batch.old_logprobs = None if from_update else self.compute_logprobs(self.policy, batch)
+        if batch.old_logprobs is not None and (self.top_k > 0 or self.top_p < 1):
+            outside = (batch.old_logprobs <= LOGPROB_FLOOR).float()
+            batch.stats["train/outside_kept_set_frac"] = float(masked_mean(outside, batch.loss_mask))
         batch.stats["train/old_logprobs_from_update"] = float(from_update)
         if self._reference:
             ref = self._reference[0].to(self.device)
@@ -285,7 +311,7 @@ class RLModule(pl.LightningModule):
     def micro_batch_loss(self, mb: Experience, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         logits = self.forward_logits(self.policy, mb)
-        logprobs = logprobs_from_logits(logits, mb.response_ids, self.temperature)
+        logprobs = self.logprobs(logits, mb.response_ids)
         mask = mb.loss_mask
         pg, stats = self.policy_loss(mb, logprobs)
         if mb.token_weights is not None:
@@ -295,10 +321,11 @@ class RLModule(pl.LightningModule):
             kl = kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_estimator)
             per_token = per_token + cfg.kl_coef * kl
             stats["train/kl"] = masked_mean(kl.detach(), mask)
-        entropy = entropy_from_logits(logits if cfg.entropy_coef else logits.detach(), self.temperature)
-        if cfg.entropy_coef:
-            per_token = per_token - cfg.entropy_coef * entropy
-        stats["train/entropy"] = masked_mean(entropy.detach(), mask)
+        if cfg.entropy_coef or cfg.log_entropy:
+            entropy = self.entropy(logits, mask, with_grad=bool(cfg.entropy_coef))
+            if cfg.entropy_coef:
+                per_token = per_token - cfg.entropy_coef * entropy
+            stats["train/entropy"] = masked_mean(entropy.detach(), mask)
         loss = aggregate_loss(per_token, mask, cfg.loss_agg, constant=cfg.loss_agg_constant or self.max_new_tokens,
                               num_sequences=int(scale["num_sequences"]), total_tokens=scale["total_tokens"])
         extra, extra_stats = self.extra_loss(mb, logits, logprobs, mask, scale)
