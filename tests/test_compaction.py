@@ -136,6 +136,27 @@ def test_cross_trajectory_gae_by_hand(tokenizer, tiny_model):
     assert_close(exp.advantages, torch.tensor([[l1 * l1, l1, 1.0], [l0 * 8 / 27, 8 / 27, 0.0]]))
 
 
+def test_normalisation_keeps_the_cross_trajectory_discount(tiny_model):
+    # 4 trajectories x 2 segments x 100 action tokens, 3 succeed (R = 1), V = 0. The first segment of a
+    # success is discounted by (γλ)^100 ≈ 0.51; whitening that centres the batch made its early tokens
+    # negative (below the batch mean). Normalisation must keep them positive and keep the discount.
+    cfg = CompactionConfig(whiten_advantages=True, critic_freeze_attention=False)
+    module = CompactionRL(cfg, tiny_model)
+    segs = [_segment(100, r, s, reward=1.0 if r < 3 else 0.0) for r in range(4) for s in (0, 1)]
+    exp = Experience.collate(segs, pad_token_id=0)
+    exp.values = torch.zeros_like(exp.loss_mask)
+    module.compute_advantages(exp)
+    adv = exp.advantages
+    first_success = [i for i, s in enumerate(segs) if s.rollout_id == 0 and s.segment == 0][0]
+    last_success = [i for i, s in enumerate(segs) if s.rollout_id == 0 and s.segment == 1][0]
+    assert adv[first_success, 0] > 0  # the earliest token of a successful trajectory
+    assert (adv[[i for i, s in enumerate(segs) if s.rollout_id < 3]] > 0).all()
+    assert (adv[[i for i, s in enumerate(segs) if s.rollout_id == 3]] == 0).all()
+    lam = 1 - 1 / (1.5 * 100)
+    # the discount between the same position of the two segments is (γλ)^N_after, N_after = 100
+    assert_close(adv[first_success, 50] / adv[last_success, 50], torch.tensor(lam ** 100), rtol=1e-4, atol=0)
+
+
 def test_token_level_loss_differs_from_per_segment_mean():
     # segment A: 1 token with loss 4; segment B: 3 tokens with loss 0.
     loss = torch.tensor([[4.0, 0.0, 0.0], [0.0, 0.0, 0.0]])

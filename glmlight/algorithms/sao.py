@@ -19,7 +19,7 @@ from torch import nn
 
 from glmlight.algorithms.base import RLModule
 from glmlight.config import AlgoConfig
-from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_whiten, skip_observation_gae
+from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_scale, masked_whiten, skip_observation_gae
 from glmlight.ops.reduce import masked_mean
 from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
 from glmlight.registry import register_algorithm
@@ -148,14 +148,20 @@ class SAO(RLModule):
         batch.stats["train/lambda_policy_mean"] = float(lam.mean())
 
     def set_targets(self, batch: Experience, adv: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
-                    mask: torch.Tensor) -> None:
-        """Critic targets (normalised when value normalisation is on), advantages, and their statistics."""
+                    mask: torch.Tensor, center: bool = True) -> None:
+        """Critic targets (normalised when value normalisation is on), advantages, and their statistics.
+        With whiten_advantages the advantages are whitened over the batch's action tokens; `center=False`
+        only divides by their std (signs and ratios kept)."""
         if self.value_norm is not None:
             self.value_norm.update(returns[mask.bool()])
             batch.returns = (returns - self.value_norm.mean.float()) / self.value_norm.std.float()
         else:
             batch.returns = returns
-        batch.advantages = (masked_whiten(adv, mask) if self.cfg.whiten_advantages else adv) * mask
+        if self.cfg.whiten_advantages:
+            adv_out = masked_whiten(adv, mask) if center else masked_scale(adv, mask)
+        else:
+            adv_out = adv
+        batch.advantages = adv_out * mask
         adv_mean = masked_mean(adv, mask)
         batch.stats.update({
             "critic/explained_variance": float(explained_variance(values, returns, mask)),

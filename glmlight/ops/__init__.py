@@ -11,6 +11,7 @@ gae          gae                       generalised advantage estimation, (advant
              segment_lambda            λ_s = 1 − 1/(α·L_s) of one segment (CompactionRL)
              cross_trajectory_gae      (γλ_s)^N_after scaling of each segment's advantages
              masked_whiten             (x − mean) / std over mask tokens
+             masked_scale              x / std over mask tokens (no mean shift)
              explained_variance        1 − Var[R − V] / Var[R] over mask tokens
 value        terminal_rewards          a sequence's reward on its last action token, [B, T]
              value_loss                ½·(V − R)² with optional PPO value clipping
@@ -49,6 +50,7 @@ from glmlight.ops.gae import (
     cross_trajectory_gae,
     explained_variance,
     gae,
+    masked_scale,
     masked_whiten,
     segment_lambda,
     skip_observation_gae,
@@ -64,7 +66,7 @@ from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
 __all__ = [
     "CorrectionResult", "PolicyLossOutput", "adaptive_lambda", "aggregate_loss", "cross_trajectory_gae",
     "dis_loss_per_token", "dis_mask", "entropy_from_logits", "explained_variance", "gae", "group_advantages",
-    "icepop", "kl_penalty", "logprobs_from_logits", "lr_lambda", "masked_is", "masked_mean", "masked_whiten",
+    "icepop", "kl_penalty", "logprobs_from_logits", "lr_lambda", "masked_is", "masked_mean", "masked_scale", "masked_whiten",
     "merge_moments", "mismatch_metrics", "mismatch_sums", "mix_outcome_advantages", "opd_advantages",
     "ppo_clip_loss", "reduce_mismatch_sums", "rejection_sampling", "reverse_kl", "segment_lambda",
     "skip_observation_gae", "soft_overlong_penalty", "terminal_rewards", "token_agreement", "topk_agreement",

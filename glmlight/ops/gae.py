@@ -94,6 +94,19 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return whitened * mask
 
 
+def masked_scale(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """x / sqrt(var + eps) over mask tokens, without the mean shift; [B, T] -> [B, T], 0 where mask is 0.
+
+    Normalises the scale of advantages while keeping every sign and every ratio between them:
+    CompactionRL's cross-trajectory discount (γλ_s)^N_after must survive normalisation, which
+    centring would undo (an early segment of a successful trajectory would turn negative).
+    """
+    mask = mask.float()
+    x = torch.where(mask.bool(), x.float(), torch.zeros_like(x, dtype=torch.float32))
+    _, var = _masked_mean_var(x, mask)
+    return x * torch.rsqrt(var + eps) * mask
+
+
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """1 − Var[returns − values] / Var[returns] over mask tokens; [B, T] inputs -> float32 scalar.
 
