@@ -62,6 +62,7 @@ class Episode:
     steps: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (action ids, observation ids)
     awaiting_prompt: bool = False  # the context ends with an observation: open an assistant turn first
     segments: list["Segment"] = field(default_factory=list)  # closed segments (context compaction)
+    action_lengths: list[int] = field(default_factory=list)  # tokens of each action turn (max_new_tokens bounds each)
 
     @property
     def context(self) -> list[int]:
@@ -142,6 +143,7 @@ class AgentLoop:
             return
         ep.add_action(g)
         ep.turns += 1
+        ep.action_lengths.append(len(g.token_ids))
         if g.finish_reason == "abort":
             ep.finish(Status.ABORTED)
             return
@@ -172,7 +174,8 @@ def episode_to_samples(ep: Episode, group_id: int, rollout_id: int) -> list[Samp
     """One Sample per segment (one for an uncompacted episode); all share the rollout id,
     the terminal reward and the status of the episode."""
     meta = {"label": ep.prompt.label, "domain": ep.prompt.domain, "turns": ep.turns, **ep.prompt.metadata,
-            **{f"env/{k}": v for k, v in ep.info.items()}, "num_segments": len(ep.segments) + 1}
+            **{f"env/{k}": v for k, v in ep.info.items()}, "num_segments": len(ep.segments) + 1,
+            "action_lengths": list(ep.action_lengths)}
     if ep.error:
         meta["env_error"] = ep.error
     parts = ep.segments + [Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions)]

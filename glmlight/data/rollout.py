@@ -185,9 +185,12 @@ class RolloutDataModule(pl.LightningDataModule):
                     s.loss_mask = [0] * s.response_length
                     counts["overlong_masked"] += 1
         elif self.cfg.overlong == "soft_penalty":
+            # DAPO's penalty on the length that max_new_tokens bounds: the response of a single-turn
+            # sample; for an agent episode its longest action turn (observations and the other turns
+            # do not count against a turn's budget).
             scored = [s for s in samples if s.reward is not None]
             if scored:
-                lengths = torch.tensor([s.response_length for s in scored])
+                lengths = torch.tensor([max(s.metadata.get("action_lengths") or [s.response_length]) for s in scored])
                 pen = soft_overlong_penalty(lengths, self.cfg.max_new_tokens, self.cfg.overlong_cache)
                 for s, p in zip(scored, pen.tolist()):
                     s.reward += p
@@ -207,7 +210,9 @@ class RolloutDataModule(pl.LightningDataModule):
             group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed")
             if group is None:
                 continue
-            if self.cfg.dynamic_sampling and len(group) > 1 and len({s.reward for s in group}) == 1:
+            # DAPO dynamic sampling keeps a group only if its verifier outcomes differ (0 < #correct < G):
+            # judged on the outcome, before length shaping, so lengths alone never make a group "vary".
+            if self.cfg.dynamic_sampling and len(group) > 1 and len({outcome(s) for s in group}) == 1:
                 counts["dropped/zero_variance_group"] += len(group)
                 continue
             kept.append(group)
@@ -314,6 +319,13 @@ class RolloutDataModule(pl.LightningDataModule):
                 "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
                 "eval/response_length": sum(s.response_length for s in samples) / max(len(samples), 1),
                 "eval/reward_failed": float(counts["reward_failed"])}
+
+
+def outcome(sample: Sample) -> float | None:
+    """The reward before length shaping (the soft overlong penalty)."""
+    if sample.reward is None:
+        return None
+    return sample.reward - sample.metadata.get("overlong_penalty", 0.0)
 
 
 def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
