@@ -10,6 +10,7 @@ from torch.testing import assert_close
 import glmlight
 from glmlight.agents import StepResult, encode_observation, generation_prompt
 from glmlight.agents.compaction import CompactingAgentLoop
+from glmlight.agents.loop import episode_to_samples
 from glmlight.algorithms.compaction import CompactionConfig, CompactionRL
 from glmlight.data.sources import Prompt
 from glmlight.models.tokenizer import encode_chat, stop_token_ids
@@ -22,12 +23,14 @@ from glmlight import compose
 
 class ScriptedPolicy:
     """A RolloutEngine whose answers are scripted: actions 'a1', 'a2', ...; summaries 'S1', 'S2', ...
-    (it answers a summary request when the context ends with the request ids)."""
+    (it answers a summary request when the context ends with the request ids). `summary_finish`:
+    the finish reason of summary answers (e.g. "error": the engine failed after retries)."""
 
-    def __init__(self, tokenizer, request_ids):
+    def __init__(self, tokenizer, request_ids, summary_finish="stop"):
         self.tok, self.request_ids = tokenizer, request_ids
         self.actions = self.summaries = 0
         self.version = 0
+        self.summary_finish = summary_finish
 
     def generate(self, prompts, params):
         out = []
@@ -39,7 +42,10 @@ class ScriptedPolicy:
                 self.actions += 1
                 text = f"a{self.actions}"
             ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
-            out.append(Generation(ids, [-0.5] * len(ids), "stop", [0] * len(ids)))
+            finish = self.summary_finish if text.startswith("S") else "stop"
+            if finish == "error":
+                ids = []
+            out.append(Generation(ids, [-0.5] * len(ids), finish, [0] * len(ids)))
         return out
 
 
@@ -57,9 +63,9 @@ class Echo:
         return StepResult(None, reward=1.0, done=True) if self.t >= self.n else StepResult(f"o{self.t}")
 
 
-def _loop(tokenizer, max_context=60, threshold=26, k=2):
+def _loop(tokenizer, max_context=60, threshold=26, k=2, summary_finish="stop"):
     request = encode_observation(tokenizer, "Summarize.", role="user") + generation_prompt(tokenizer)
-    policy = ScriptedPolicy(tokenizer, request)
+    policy = ScriptedPolicy(tokenizer, request, summary_finish)
     stops = stop_token_ids(tokenizer)
     loop = CompactingAgentLoop(policy, tokenizer, lambda: Echo(6),
                                lambda ctx: SamplingParams(max_new_tokens=4, stop_token_ids=stops),
@@ -102,6 +108,17 @@ def test_segmentation_masks_and_resume_prompt(tokenizer):
         tail += gen + _ids(tokenizer, f"a{i}") + [eos] + encode_observation(tokenizer, f"o{i}")
     second_prompt = ep.segments[1].prompt_ids if len(ep.segments) > 1 else ep.prompt_ids
     assert second_prompt == head + _ids(tokenizer, "S1") + tail + gen
+
+
+@pytest.mark.parametrize("finish, status", [("error", Status.FAILED), ("abort", Status.ABORTED)])
+def test_a_failed_summary_ends_the_episode_and_is_never_resumed_from(tokenizer, finish, status):
+    loop, policy = _loop(tokenizer, summary_finish=finish)
+    ep = loop.run([Prompt(messages=[{"role": "user", "content": "go"}])])[0]
+    assert policy.summaries == 1 and ep.status is status and ep.done
+    assert ep.segments == []  # no segment was closed on a summary that does not exist
+    (sample,) = episode_to_samples(ep, group_id=0, rollout_id=0)
+    assert sample.status is status
+    assert sample.reward is None if status is Status.FAILED else True
 
 
 def test_tail_shrinks_until_the_prompt_fits(tokenizer):

@@ -59,7 +59,13 @@ class CompactingAgentLoop(AgentLoop):
             params.append(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                          max_new_tokens=max(budget, 1), stop_token_ids=p.stop_token_ids))
         for e, g in zip(room, self.engine.generate([e.context for e in room], params)):
+            if g.finish_reason == "error":  # no summary to resume from: the episode fails, as any failed turn does
+                e.finish(Status.FAILED, "summary: engine failed after retries")
+                continue
             e.add_action(g)  # the summary is the policy's own output: trained on
+            if g.finish_reason == "abort":  # a weight update cut the summary short: generated again, never resumed from
+                e.finish(Status.ABORTED)
+                continue
             self.resume(e, g.token_ids)
 
     def resume_prompt(self, ep: Episode, summary_ids: list[int], k: int) -> list[int]:
