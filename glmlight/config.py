@@ -290,6 +290,9 @@ def _check_choices(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "rollout.compile") and OmegaConf.select(cfg, "rollout.backend") != "local":
         raise ConfigError(f"config error: rollout.compile is for the embedded engine (rollout=local); "
                           f"{OmegaConf.select(cfg, 'rollout.backend')} servers capture their own graphs")
+    if OmegaConf.select(cfg, "algo.dual_clip_c") is not None and OmegaConf.select(cfg, "algo.policy_loss") == "dis":
+        raise ConfigError("config error: algo.dual_clip_c applies to algo.policy_loss=ppo; DIS bounds the ratio with "
+                          "its trust window instead (algo.dis_eps_low / algo.dis_eps_high)")
     if OmegaConf.select(cfg, "algo.old_logprobs") == "update" and (
             OmegaConf.select(cfg, "algo.ppo_epochs") > 1 or OmegaConf.select(cfg, "algo.num_minibatches") > 1):
         raise ConfigError("config error: algo.old_logprobs=update needs ppo_epochs=1 and num_minibatches=1 (every "

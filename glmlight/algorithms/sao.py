@@ -40,7 +40,7 @@ class SAOConfig(AlgoConfig):
     value_normalization: bool = False  # running mean/std of returns
     value_clip: Optional[float] = None
     gamma: float = 1.0
-    lambda_alpha: float = 1.5  # λ_policy = 1 − 1/(α·l)
+    lambda_alpha: float = 1.5  # λ_policy = 1 − 1/(α·l): SAO's α (VAPO's is 0.05; see ops.gae.adaptive_lambda)
     lambda_critic: float = 1.0
     whiten_advantages: bool = True
 
