@@ -76,6 +76,9 @@ class ServerConfig:
 @dataclass
 class RolloutConfig:
     backend: str = "local"  # local | sglang | vllm | vllm_ascend
+    # An engine of your own: {_target_: pkg.make_engine, ...}, called as make_engine(cfg=, policy=, tokenizer=,
+    # **kwargs) and returning a RolloutEngine (glmlight/rollout/base.py); replaces `backend`.
+    engine: Any = None
     mode: str = "sync"  # sync | async
     dtype: str = "float32"  # the engine's own weight copy (e.g. bfloat16 while training runs in fp32)
     device: Optional[str] = None  # embedded engine device; None = the trainer's device

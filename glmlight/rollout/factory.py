@@ -16,12 +16,36 @@ WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
 def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
     """The engine for `cfg.rollout.backend`; `cfg` is the whole validated config."""
     r = cfg.rollout
+    if r.get("engine"):
+        return build_custom_engine(cfg, policy, tokenizer)
     if r.backend == "local":
         from glmlight.rollout.local import LocalEngine
 
         return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
                            seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile)
     return build_server_engine(cfg)
+
+
+def build_custom_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
+    """`rollout.engine: {_target_: pkg.make_engine, **kwargs}` -> make_engine(cfg=, policy=, tokenizer=, **kwargs)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from glmlight.rollout.base import RolloutEngine
+
+    spec = OmegaConf.to_container(cfg.rollout.engine, resolve=True)
+    if "_target_" not in spec:
+        raise ConfigError("config error: rollout.engine needs a _target_ (a function returning a RolloutEngine)")
+    try:
+        engine = instantiate(spec, _partial_=True)(cfg=cfg, policy=policy, tokenizer=tokenizer)
+    except Exception as e:  # noqa: BLE001
+        while e.__cause__ is not None:
+            e = e.__cause__
+        raise ConfigError(f"config error: rollout.engine: cannot build {spec['_target_']} ({type(e).__name__}: {e})") from None
+    if not isinstance(engine, RolloutEngine):
+        raise ConfigError(f"config error: rollout.engine: {spec['_target_']} returned a {type(engine).__name__}, which "
+                          "lacks the RolloutEngine methods (version, generate, score, update_weights, close)")
+    return engine
 
 
 def engine_device(cfg: Any) -> torch.device:
