@@ -13,7 +13,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from typing_extensions import override
 
 from glmlight.ops.mismatch import mismatch_sums, reduce_mismatch_sums, token_agreement
 from glmlight.rollout.base import SamplingParams

@@ -167,7 +167,6 @@ class Experience:
             s.validate()
             if s.status is Status.FAILED:
                 raise SampleError(f"FAILED sample (rollout_id={s.rollout_id}) reached collate")
-        B = len(samples)
         P = max(len(s.prompt_ids) for s in samples)
         T = max(1, max(s.response_length for s in samples))
 

@@ -1,7 +1,6 @@
 """Scale-out on this machine: two-process data-parallel GRPO over gloo; DeepSpeed / FSDP selection."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 
 
 @dataclass

@@ -16,7 +16,7 @@ import random
 import re
 
 from glmlight.agents.env import StepResult
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 
 CALC_SYSTEM = "Tools: 'calc: <expr>' computes. Reply 'answer: <n>' to finish."
 

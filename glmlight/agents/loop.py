@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from glmlight.agents.env import Environment
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.models.tokenizer import encode_chat
 from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
 from glmlight.sample import Sample, Status

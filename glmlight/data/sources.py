@@ -9,24 +9,10 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 from glmlight.errors import DataError
-
-
-@dataclass
-class Prompt:
-    messages: list[dict[str, str]]  # chat messages rendered with the tokenizer's chat template
-    label: Any = None
-    domain: str = "default"
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-class PromptSource(Protocol):
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> Prompt: ...
+from glmlight.prompt import Prompt, PromptSource  # noqa: F401  (re-exported: the sources yield Prompts)
 
 
 def _as_messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict[str, str]]:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from glmlight.ops.dsa import topk_mask, topk_recent
 from glmlight.models.glm5.arch import is_glm5
 from glmlight.models.glm5.moe import moe_forward
-from glmlight.rollout.glm_weights import Layer, deinterleave, read_layers
+from glmlight.rollout.glm_weights import Layer, read_layers
 
 
 ABSORB_MAX_GROWTH = 1.5
