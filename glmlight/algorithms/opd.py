@@ -48,6 +48,7 @@ from glmlight.ops.advantages import group_advantages
 from glmlight.ops.distill import mix_outcome_advantages, opd_advantages, reverse_kl
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.ops.reduce import masked_mean
+from glmlight.ranges import ranges
 from glmlight.registry import register_algorithm
 from glmlight.sample import Experience, Sample
 
@@ -79,6 +80,9 @@ class OPDConfig(AlgoConfig):
     opd_coef: float = 1.0  # scale of the reverse-KL advantage
     orm_coef: float = 0.0  # α: add α·(group-normalised outcome advantage)
     orm_normalize_std: bool = True  # outcome advantage: GRPO (true) or Dr.GRPO (false)
+
+
+ranges(OPDConfig, opd_coef=">= 0", orm_coef=">= 0")
 
 
 # ---------------------------------------------------------------------------------------------- teachers
