@@ -32,7 +32,7 @@ from glmlight.data.sources import Prompt, PromptSource
 from glmlight.data.stream import PromptStream
 from glmlight.models.tokenizer import encode_chat, stop_token_ids
 from glmlight.ops.advantages import soft_overlong_penalty
-from glmlight.rewards.base import RewardFn, score_samples
+from glmlight.rewards.base import RewardFn, RewardRunner, score_samples
 from glmlight.rollout.base import RolloutEngine, SamplingParams
 from glmlight.rollout.retry import RetryingEngine, generate_with_retries
 from glmlight.sample import Experience, Sample, Status
@@ -122,7 +122,11 @@ class RolloutDataModule(pl.LightningDataModule):
         counts["rollout_tokens"] += sum(s.num_action_tokens for s in samples)
         if not self.env_factory:
             counts["engine_failed"] += sum(s.status is Status.FAILED for s in samples)
-            counts["reward_failed"] += score_samples(self.reward_fn, samples)["failed"]
+            t1 = time.perf_counter()
+            scored = score_samples(self.reward_fn, samples)
+            counts["reward_seconds"] += time.perf_counter() - t1
+            counts["reward_failed"] += scored["failed"]
+            counts["reward_timeout"] += scored["timeout"]
         else:
             counts["env_failed"] += sum(s.status is Status.FAILED for s in samples)
             counts["env_aborted"] += sum(s.status is Status.ABORTED for s in samples)
@@ -204,7 +208,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 counts["dropped/aborted"] += len(group)
                 self.stream.requeue(group[0].metadata["prompt_index"])
                 continue
-            group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed")
+            group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed",
+                                      lambda t: "reward_timeout" if t[0].metadata.get("reward_timeout") else "failed")
             if group is None:
                 continue
             if self.cfg.dynamic_sampling and len(group) > 1 and len({s.reward for s in group}) == 1:
@@ -289,11 +294,17 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def teardown(self, stage: str) -> None:
         self.stop_producer()
+        self._close_reward()
 
     def close(self) -> None:
-        """Stop the producer and release the engine."""
+        """Stop the producer and release the engine and the reward's workers."""
         self.stop_producer()
+        self._close_reward()
         self.engine.close()
+
+    def _close_reward(self) -> None:
+        if isinstance(self.reward_fn, RewardRunner):  # its worker threads / processes (started again when needed)
+            self.reward_fn.close()
 
     # ----------------------------------------------------------------- evaluation
     def eval_prompts(self) -> list[Prompt]:
@@ -332,8 +343,8 @@ def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),
         "rollout/trained": float(counts["trained"]),
     }
-    for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "engine_errors",
-              "invalid_tokens"):
+    for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "reward_timeout",
+              "reward_seconds", "engine_errors", "invalid_tokens"):
         if k in counts:
             stats[f"rollout/{k}"] = float(counts[k])
     for k, v in counts.items():

@@ -7,6 +7,10 @@ without a recognisable score, or with a score outside [0, scale], raises a
 ValueError naming what the judge said, which the reward machinery counts as a
 failed sample (never a silent zero).
 
+Samples are judged concurrently (task.reward_options.max_concurrency worker threads call
+`generate` at once): the embedded engine batches concurrent requests (continuous batching),
+server clients send them in parallel.
+
 The judge is any RolloutEngine: `engine` (an engine object, or a spec with
 `_target_`, e.g. the SGLang client) or `path` (a local checkpoint served by an
 embedded LocalEngine). `tokenizer_path` is the judge's tokenizer (default: `path`,
@@ -16,7 +20,6 @@ else the built-in character tokenizer).
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,7 +91,6 @@ class GenerativeJudge:
         self.engine, self.template, self.scale = engine, template, scale
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.policy_tokenizer = policy_tokenizer
-        self._lock = threading.Lock()
 
     def judge_prompt(self, sample: Sample) -> str:
         label = sample.metadata.get("label")
@@ -104,8 +106,7 @@ class GenerativeJudge:
         ids = encode_chat(self.tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
         params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
                                 stop_token_ids=stop_token_ids(self.tokenizer))
-        with self._lock:
-            (gen,) = self.engine.generate([ids], params)
+        (gen,) = self.engine.generate([ids], params)  # engines are thread-safe: concurrent calls batch
         return self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
 
     def __call__(self, sample: Sample) -> tuple[float, dict[str, Any]]:

@@ -122,6 +122,9 @@ class RemoteRewardModel:
         self.policy_tokenizer = policy_tokenizer
         self._semaphores: dict[int, asyncio.Semaphore] = {}
 
+    def __getstate__(self) -> dict[str, Any]:  # semaphores belong to one event loop; a copy starts without
+        return {**self.__dict__, "_semaphores": {}}
+
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self.api_key_env:
