@@ -30,7 +30,7 @@ from glmlight.data.groups import pad_or_drop_group
 from glmlight.data.producer import AsyncProducer
 from glmlight.data.sources import Prompt, PromptSource
 from glmlight.data.stream import PromptStream
-from glmlight.models.tokenizer import encode_chat, stop_token_ids
+from glmlight.models.tokenizer import PromptEncodingError, encode_prompt, stop_token_ids
 from glmlight.ops.advantages import soft_overlong_penalty
 from glmlight.rewards.base import RewardFn, RewardRunner, score_samples
 from glmlight.rollout.base import RolloutEngine, SamplingParams
@@ -104,7 +104,8 @@ class RolloutDataModule(pl.LightningDataModule):
         return self.stream.draw(n)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        return encode_chat(self.tokenizer, prompt.messages, add_generation_prompt=True)
+        """The prompt's ids; PromptEncodingError for one that cannot be used (counted, skipped)."""
+        return encode_prompt(self.tokenizer, prompt.messages)
 
     # ----------------------------------------------------------------- rollout
     def sampling_params(self, prompt_len: int, greedy: bool = False) -> SamplingParams:
@@ -136,7 +137,13 @@ class RolloutDataModule(pl.LightningDataModule):
     def _single_turn(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool) -> list[Sample]:
         todo: list[tuple[Prompt, list[int]]] = []
         for p in prompts:
-            ids = self.encode(p)
+            try:
+                ids = self.encode(p)
+            except PromptEncodingError as e:
+                counts[f"dropped/{e.reason}"] += n
+                counts["produced"] += n
+                log.warning("prompt %s skipped: %s", p.metadata.get("prompt_index"), e)
+                continue
             if len(ids) >= self.cfg.max_context:
                 counts["dropped/prompt_too_long"] += n
                 counts["produced"] += n

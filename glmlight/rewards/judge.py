@@ -79,12 +79,13 @@ class GenerativeJudge:
             from hydra.utils import instantiate
 
             engine = instantiate(dict(engine), _convert_="all")
-        self.tokenizer = cached_tokenizer(tokenizer_path or path)
+        self.tokenizer = cached_tokenizer(tokenizer_path or path,
+                                          "task.reward.tokenizer_path" if tokenizer_path else "task.reward.path")
         if path is not None:
             from glmlight.models.loading import load_causal_lm
             from glmlight.rollout.local import LocalEngine
 
-            engine = LocalEngine(load_causal_lm(path, self.tokenizer, dtype=dtype), dtype=dtype, device=device,
+            engine = LocalEngine(load_causal_lm(path, self.tokenizer, dtype=dtype, key="task.reward.path"), dtype=dtype, device=device,
                                  pad_token_id=self.tokenizer.pad_token_id)
         if not callable(getattr(engine, "generate", None)):
             raise TypeError(f"GenerativeJudge.engine {type(engine).__name__} has no generate() method")

@@ -28,12 +28,12 @@ from glmlight.sample import Sample
 _tokenizers: dict[str | None, Any] = {}
 
 
-def cached_tokenizer(path: str | None) -> Any:
+def cached_tokenizer(path: str | None, key: str = "task.reward.policy_tokenizer") -> Any:
     """A tokenizer (cached per path): a local directory, or the built-in character tokenizer."""
     if path not in _tokenizers:
         from glmlight.models.loading import load_tokenizer
 
-        _tokenizers[path] = load_tokenizer(path)
+        _tokenizers[path] = load_tokenizer(path, key=key)
     return _tokenizers[path]
 
 
