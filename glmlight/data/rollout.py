@@ -331,7 +331,8 @@ class RolloutDataModule(pl.LightningDataModule):
         return {"eval/reward": sum(rewards) / len(rewards),
                 "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
                 "eval/response_length": sum(s.response_length for s in samples) / max(len(samples), 1),
-                "eval/reward_failed": float(counts["reward_failed"])}
+                "eval/reward_failed": float(counts["reward_failed"]),
+                "eval/reward_timeout": float(counts["reward_timeout"])}
 
 
 def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
