@@ -27,6 +27,7 @@ from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.warm_start import supervised_warm_start
 from glmlight.rewards import build_reward
+from glmlight.rewards.base import RewardRunner
 from glmlight.rollout.factory import build_engine
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,8 @@ def build(cfg: DictConfig | dict) -> Run:
         identity["seed"] = cfg.seed
         supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
     engine = build_engine(cfg, policy, tokenizer)
-    datamodule = RolloutDataModule(engine, tokenizer, source, build_reward(cfg.task.reward), cfg.rollout,
+    reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
+    datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout,
                                    eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
                                    env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns,
                                    compaction=compaction_options(cfg.task.agent),

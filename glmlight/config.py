@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from glmlight.dtypes import DTYPES
 from glmlight.errors import ConfigError
+from glmlight.ranges import SEED, Range, check_ranges, field_range, ranges  # noqa: F401 - Range, field_range re-exported
 from glmlight.registry import algorithm
 
 # ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
@@ -33,6 +34,9 @@ class WarmStartConfig:
     cache_dir: str = ".cache/glmlight"
 
 
+ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1")
+
+
 @dataclass
 class ModelConfig:
     path: Optional[str] = None  # a local Hugging Face checkpoint; None = the tiny GLM-5 default
@@ -47,6 +51,9 @@ class ModelConfig:
     # no gradient checkpointing, no fsdp/deepspeed sharding), else the model's own.
     forward: str = "auto"
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+ranges(ModelConfig, index_topk=">= 1", seed=SEED)
 
 
 @dataclass
@@ -71,6 +78,10 @@ class ServerConfig:
     sync_backend: Optional[str] = None  # weight_sync=distributed: nccl | hccl | gloo (default by device)
     sync_master_address: Optional[str] = None
     in_process: bool = False  # vllm: run vllm.LLM in this process instead of talking to a server
+
+
+ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", max_retries=">= 0", retry_backoff_s=">= 0",
+       launch_timeout_s="> 0")
 
 
 @dataclass
@@ -103,6 +114,12 @@ class RolloutConfig:
     server: "ServerConfig" = field(default_factory=lambda: ServerConfig())
 
 
+ranges(RolloutConfig, temperature=">= 0", top_p="(0, 1]", top_k=">= 0", max_new_tokens=">= 1",
+       rollout_batch_size=">= 1", n_samples_per_prompt=">= 1", over_sample=">= 1", max_refill_rounds=">= 0",
+       overlong_cache=">= 0", max_context=">= 2", queue_size=">= 1", engine_retries=">= 0",
+       engine_retry_backoff_s=">= 0", seed=SEED)
+
+
 @dataclass
 class AgentConfig:
     """Multi-turn episodes: set env to an Environment class (_target_) to turn the task into an agent task."""
@@ -115,6 +132,26 @@ class AgentConfig:
     summary_max_tokens: int = 32
     summary_prompt: str = "Summarize."  # the user turn that asks the policy for its summary
     resume_header: str = "Summary: "  # opens the resume turn that carries the summary
+
+
+ranges(AgentConfig, max_turns=">= 1", compact_threshold=">= 1", keep_last_steps=">= 0", summary_max_tokens=">= 1")
+
+
+@dataclass
+class RewardOptions:
+    """How the reward runs (`task.reward_options`; the reward itself is `task.reward`). Every call on one
+    sample has `timeout_s` seconds, else the sample is FAILED and counted (`rollout/dropped/reward_timeout`);
+    at most `max_concurrency` samples are scored at once. Synchronous rewards run in worker threads
+    (`executor=thread`; a timed-out call is abandoned) or worker processes (`executor=process`: for
+    CPU-heavy rewards; a timed-out call's process is killed); async rewards run on an event loop, a timed-out
+    call is cancelled."""
+
+    timeout_s: float = 120.0
+    max_concurrency: int = 8
+    executor: str = "thread"  # thread | process
+
+
+ranges(RewardOptions, timeout_s="> 0", max_concurrency=">= 1")
 
 
 @dataclass
@@ -136,6 +173,10 @@ class TaskConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     # The reward: any callable sample -> float | (float, info), built with Hydra's _target_.
     reward: dict[str, Any] = field(default_factory=lambda: {"_target_": "glmlight.rewards.verifiers.ExactMatch"})
+    reward_options: RewardOptions = field(default_factory=RewardOptions)  # timeout, concurrency, executor
+
+
+ranges(TaskConfig, max_operand=">= 1", num_steps=">= 1", num_eval_prompts=">= 0")
 
 
 @dataclass
@@ -172,6 +213,12 @@ class AlgoConfig:
     max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite losses
 
 
+ranges(AlgoConfig, lr=">= 0", weight_decay=">= 0", betas="[0, 1)", warmup_steps=">= 0", min_lr_ratio="[0, 1]",
+       grad_clip=">= 0", ppo_epochs=">= 1", num_minibatches=">= 1", micro_batch_size=">= 1", loss_agg_constant="> 0",
+       eps_low="[0, 1]", eps_high=">= 0", dual_clip_c="> 1", dis_eps_low="[0, 1]", dis_eps_high=">= 0",
+       entropy_coef=">= 0", kl_coef=">= 0", max_nonfinite_steps=">= 1")
+
+
 @dataclass
 class TrainerConfig:
     """Lightning Trainer arguments. max_steps counts RL steps (rollout batches)."""
@@ -191,6 +238,10 @@ class TrainerConfig:
     resume: Optional[str] = None  # a checkpoint path, or "last"
 
 
+ranges(TrainerConfig, max_steps=">= 1", num_nodes=">= 1", zero_stage="[0, 3]", log_every_n_steps=">= 1",
+       checkpoint_every_n_steps=">= 0")
+
+
 @dataclass
 class LoggerConfig:
     name: str = "wandb"  # wandb | csv | none
@@ -198,6 +249,9 @@ class LoggerConfig:
     mode: str = "offline"  # wandb: offline | online | disabled
     save_dir: Optional[str] = None  # default: trainer.default_root_dir
     table_every_n_steps: int = 10
+
+
+ranges(LoggerConfig, table_every_n_steps=">= 0")
 
 
 @dataclass
@@ -213,6 +267,9 @@ class TrainConfig:
     seed: int = 0
     run_name: Optional[str] = None
     eval_every_n_steps: int = 10
+
+
+ranges(TrainConfig, seed=SEED, eval_every_n_steps=">= 0")
 
 
 # conf/train.yaml starts from this schema, so every typed key can be overridden from the
@@ -248,6 +305,7 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
         return _raise(f"config error: {e.full_key}: {_first_line(e.msg)}")
     except OmegaConfBaseException as e:
         return _raise(f"config error: {getattr(e, 'full_key', '')}: {_first_line(str(e))}")
+    check_ranges(merged)
     _check_choices(merged)
     OmegaConf.set_readonly(merged, False)
     return merged
@@ -278,6 +336,7 @@ CHOICES = {
     "model.dtype": tuple(DTYPES),
     "rollout.dtype": tuple(DTYPES),
     "logger.mode": ("offline", "online", "disabled"),
+    "task.reward_options.executor": ("thread", "process"),
 }
 
 
@@ -286,10 +345,6 @@ def _check_choices(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and value not in allowed:
             raise ConfigError(f"config error: {key}={value!r} is not one of {list(allowed)}")
-    for key in ("rollout.rollout_batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
-                "algo.ppo_epochs", "algo.num_minibatches", "algo.micro_batch_size"):
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"config error: {key} must be >= 1, got {OmegaConf.select(cfg, key)}")
     if OmegaConf.select(cfg, "rollout.compile") and OmegaConf.select(cfg, "rollout.backend") != "local":
         raise ConfigError(f"config error: rollout.compile is for the embedded engine (rollout=local); "
                           f"{OmegaConf.select(cfg, 'rollout.backend')} servers capture their own graphs")

@@ -14,7 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from glmlight.agents.env import Environment
+from glmlight.agents.env import Environment, step_result_problem
+from glmlight.errors import DataError
 from glmlight.prompt import Prompt
 from glmlight.models.tokenizer import encode_chat
 from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
@@ -109,6 +110,9 @@ class AgentLoop:
         ep = Episode(prompt=prompt, env=env, prompt_ids=[])
         try:
             ep.messages = env.reset(prompt)
+            if not isinstance(ep.messages, list):
+                raise TypeError(f"reset returned {type(ep.messages).__name__}, expected a list of "
+                                "{role, content} messages")
             ep.prompt_ids = encode_chat(self.tokenizer, ep.messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - an environment crash fails the sample, not the run
             ep.prompt_ids = [self.tokenizer.eos_token_id]
@@ -154,6 +158,11 @@ class AgentLoop:
             ep.finish(Status.FAILED, f"step: {type(e).__name__}: {e}")
             log.warning("environment crashed: %s: %s", type(e).__name__, e)
             return
+        problem = step_result_problem(result)
+        if problem is not None:  # a malformed answer fails this episode (counted), never the run
+            ep.finish(Status.FAILED, f"step: {problem}")
+            log.warning("environment %s: %s", type(ep.env).__name__, problem)
+            return
         ep.reward += float(result.reward)
         ep.info.update(result.info)
         if result.done:
@@ -161,7 +170,12 @@ class AgentLoop:
         elif ep.turns >= self.max_turns:
             ep.finish(Status.TRUNCATED)
         else:
-            obs = encode_observation(self.tokenizer, result.observation or "")
+            try:
+                obs = encode_observation(self.tokenizer, result.observation or "")
+            except DataError as e:  # e.g. characters the tokenizer has no token for
+                ep.finish(Status.FAILED, f"step: observation: {e}")
+                log.warning("environment %s: observation cannot be encoded: %s", type(ep.env).__name__, e)
+                return
             if len(ep.context) + len(obs) + len(self.gen_prompt) >= self.max_context:
                 ep.finish(Status.TRUNCATED)
             else:

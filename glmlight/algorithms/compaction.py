@@ -19,6 +19,7 @@ from glmlight.algorithms.sao import SAO, SAOConfig
 from glmlight.data.groups import trajectories
 from glmlight.ops.gae import cross_trajectory_gae, segment_lambda, skip_observation_gae
 from glmlight.ops.value import terminal_rewards
+from glmlight.ranges import ranges
 from glmlight.registry import register_algorithm
 from glmlight.sample import Experience
 
@@ -29,6 +30,9 @@ class CompactionConfig(SAOConfig):
     policy_loss: str = "ppo"
     loss_agg: str = "token_mean"
     segment_alpha: float = 1.5  # λ_s = 1 − 1/(α·L_s)
+
+
+ranges(CompactionConfig, segment_alpha="> 0")
 
 
 @register_algorithm("compaction", CompactionConfig)

@@ -49,6 +49,7 @@ from glmlight.ops.advantages import group_advantages
 from glmlight.ops.distill import mix_outcome_advantages, opd_advantages, reverse_kl
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.ops.reduce import masked_mean
+from glmlight.ranges import ranges
 from glmlight.registry import register_algorithm
 from glmlight.sample import Experience, Sample
 
@@ -83,6 +84,9 @@ class OPDConfig(AlgoConfig):
     teacher_temperature: Optional[float] = None
     orm_coef: float = 0.0  # α: add α·(group-normalised outcome advantage); a group of one keeps its raw R
     orm_normalize_std: bool = True  # outcome advantage: GRPO (true) or Dr.GRPO (false)
+
+
+ranges(OPDConfig, opd_coef=">= 0", orm_coef=">= 0", teacher_temperature="> 0")
 
 
 # ---------------------------------------------------------------------------------------------- teachers

@@ -22,6 +22,7 @@ from glmlight.config import AlgoConfig
 from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_scale, masked_whiten, skip_observation_gae
 from glmlight.ops.reduce import masked_mean
 from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
+from glmlight.ranges import ranges
 from glmlight.registry import register_algorithm
 from glmlight.sample import Experience
 
@@ -43,6 +44,10 @@ class SAOConfig(AlgoConfig):
     lambda_alpha: float = 1.5  # λ_policy = 1 − 1/(α·l): SAO's α (VAPO's is 0.05; see ops.gae.adaptive_lambda)
     lambda_critic: float = 1.0
     whiten_advantages: bool = True
+
+
+ranges(SAOConfig, critic_lr=">= 0", critic_updates=">= 1", critic_warmup_steps=">= 0", value_clip="> 0",
+       gamma="[0, 1]", lambda_alpha="> 0", lambda_critic="[0, 1]")
 
 
 class ValueModel(nn.Module):

@@ -23,16 +23,17 @@ def trajectories(group: list[Sample]) -> list[list[Sample]]:
 
 
 def pad_or_drop_group(group: list[Sample], is_valid: Callable[[list[Sample]], bool], counts: Counter,
-                      reason: str) -> list[Sample] | None:
+                      reason: str, reason_of: Callable[[list[Sample]], str] | None = None) -> list[Sample] | None:
     """Returns the repaired group (as samples), or None if it is dropped. Counts samples:
-    dropped/<reason> for invalid ones, dropped/group_<reason> for valid ones of a dropped group,
-    padded/<reason> for repeats added."""
+    dropped/<reason> for invalid ones (dropped/<reason_of(trajectory)> when given),
+    dropped/group_<reason> for valid ones of a dropped group, padded/<reason> for repeats added."""
     trajs = trajectories(group)
     valid = [t for t in trajs if is_valid(t)]
     invalid = [t for t in trajs if not is_valid(t)]
     if not invalid:
         return group
-    counts[f"dropped/{reason}"] += sum(len(t) for t in invalid)
+    for t in invalid:
+        counts[f"dropped/{reason_of(t) if reason_of else reason}"] += len(t)
     if len(valid) * 2 <= len(trajs):
         counts[f"dropped/group_{reason}"] += sum(len(t) for t in valid)
         return None

@@ -30,9 +30,9 @@ from glmlight.data.groups import pad_or_drop_group
 from glmlight.data.producer import AsyncProducer
 from glmlight.data.sources import Prompt, PromptSource
 from glmlight.data.stream import PromptStream
-from glmlight.models.tokenizer import encode_chat, stop_token_ids
+from glmlight.models.tokenizer import PromptEncodingError, encode_prompt, stop_token_ids
 from glmlight.ops.advantages import soft_overlong_penalty
-from glmlight.rewards.base import RewardFn, score_samples
+from glmlight.rewards.base import RewardFn, RewardRunner, score_samples
 from glmlight.rollout.base import RolloutEngine, SamplingParams
 from glmlight.rollout.retry import RetryingEngine, generate_with_retries
 from glmlight.sample import Experience, Sample, Status
@@ -104,7 +104,8 @@ class RolloutDataModule(pl.LightningDataModule):
         return self.stream.draw(n)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        return encode_chat(self.tokenizer, prompt.messages, add_generation_prompt=True)
+        """The prompt's ids; PromptEncodingError for one that cannot be used (counted, skipped)."""
+        return encode_prompt(self.tokenizer, prompt.messages)
 
     # ----------------------------------------------------------------- rollout
     def sampling_params(self, prompt_len: int, greedy: bool = False) -> SamplingParams:
@@ -122,7 +123,11 @@ class RolloutDataModule(pl.LightningDataModule):
         counts["rollout_tokens"] += sum(s.num_action_tokens for s in samples)
         if not self.env_factory:
             counts["engine_failed"] += sum(s.status is Status.FAILED for s in samples)
-            counts["reward_failed"] += score_samples(self.reward_fn, samples)["failed"]
+            t1 = time.perf_counter()
+            scored = score_samples(self.reward_fn, samples)
+            counts["reward_seconds"] += time.perf_counter() - t1
+            counts["reward_failed"] += scored["failed"]
+            counts["reward_timeout"] += scored["timeout"]
         else:
             counts["env_failed"] += sum(s.status is Status.FAILED for s in samples)
             counts["env_aborted"] += sum(s.status is Status.ABORTED for s in samples)
@@ -132,7 +137,13 @@ class RolloutDataModule(pl.LightningDataModule):
     def _single_turn(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool) -> list[Sample]:
         todo: list[tuple[Prompt, list[int]]] = []
         for p in prompts:
-            ids = self.encode(p)
+            try:
+                ids = self.encode(p)
+            except PromptEncodingError as e:
+                counts[f"dropped/{e.reason}"] += n
+                counts["produced"] += n
+                log.warning("prompt %s skipped: %s", p.metadata.get("prompt_index"), e)
+                continue
             if len(ids) >= self.cfg.max_context:
                 counts["dropped/prompt_too_long"] += n
                 counts["produced"] += n
@@ -207,7 +218,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 counts["dropped/aborted"] += len(group)
                 self.stream.requeue(group[0].metadata["prompt_index"])
                 continue
-            group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed")
+            group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed",
+                                      lambda t: "reward_timeout" if t[0].metadata.get("reward_timeout") else "failed")
             if group is None:
                 continue
             # DAPO dynamic sampling keeps a group only if its verifier outcomes differ (0 < #correct < G):
@@ -294,11 +306,17 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def teardown(self, stage: str) -> None:
         self.stop_producer()
+        self._close_reward()
 
     def close(self) -> None:
-        """Stop the producer and release the engine."""
+        """Stop the producer and release the engine and the reward's workers."""
         self.stop_producer()
+        self._close_reward()
         self.engine.close()
+
+    def _close_reward(self) -> None:
+        if isinstance(self.reward_fn, RewardRunner):  # its worker threads / processes (started again when needed)
+            self.reward_fn.close()
 
     # ----------------------------------------------------------------- evaluation
     def eval_prompts(self) -> list[Prompt]:
@@ -318,7 +336,8 @@ class RolloutDataModule(pl.LightningDataModule):
         return {"eval/reward": sum(rewards) / len(rewards),
                 "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
                 "eval/response_length": sum(s.response_length for s in samples) / max(len(samples), 1),
-                "eval/reward_failed": float(counts["reward_failed"])}
+                "eval/reward_failed": float(counts["reward_failed"]),
+                "eval/reward_timeout": float(counts["reward_timeout"])}
 
 
 def outcome(sample: Sample) -> float | None:
@@ -344,8 +363,8 @@ def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),
         "rollout/trained": float(counts["trained"]),
     }
-    for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "engine_errors",
-              "invalid_tokens"):
+    for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "reward_timeout",
+              "reward_seconds", "engine_errors", "invalid_tokens"):
         if k in counts:
             stats[f"rollout/{k}"] = float(counts[k])
     for k, v in counts.items():

@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from glmlight.data.sources import Prompt, PromptSource
+from glmlight.errors import DataError
 
 
 class PromptStream:
@@ -73,9 +74,21 @@ class PromptStream:
         """The position; `cursor` replaces it (prompts being generated now will be drawn again)."""
         with self.lock:
             return {"cursor": self.cursor if cursor is None else cursor, "next_rollout_id": self.next_rollout_id,
-                    "next_group_id": self.next_group_id, "requeued": list(self.requeued)}
+                    "next_group_id": self.next_group_id, "requeued": list(self.requeued),
+                    "source": self.source_identity()}
+
+    def source_identity(self) -> dict[str, Any]:
+        """What the saved position refers to: the source's length, and its fingerprint when it has one."""
+        return {"prompts": len(self.source), **(getattr(self.source, "fingerprint", None) or {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved, now = state.get("source"), self.source_identity()
+        if saved is not None and (saved.get("prompts") != now["prompts"] or saved.get("sha256") != now.get("sha256")):
+            what = saved.get("path") or "the prompt source"
+            raise DataError(f"{what} is not what this checkpoint was trained on ({saved.get('prompts')} prompts, "
+                            f"sha256 {str(saved.get('sha256'))[:12]} then; {now['prompts']} prompts, sha256 "
+                            f"{str(now.get('sha256'))[:12]} now): the saved position would point at other prompts. "
+                            "Restore the file, or start a new run")
         with self.lock:
             self.cursor = state["cursor"]
             self.next_rollout_id = state["next_rollout_id"]
