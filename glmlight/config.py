@@ -193,7 +193,31 @@ class LoggerConfig:
     project: str = "glmlight"
     mode: str = "offline"  # wandb: offline | online | disabled
     save_dir: Optional[str] = None  # default: trainer.default_root_dir
-    table_every_n_steps: int = 10
+    # At the end of fit: <trainer.default_root_dir>/report.png and summary.json from metrics.jsonl
+    # (glmlight/report.py; the PNG needs matplotlib: pip install matplotlib).
+    report: bool = True
+
+
+@dataclass
+class EvalSetConfig:
+    """A named held-out prompt set: JSONL like task.eval_path, read with the task's keys."""
+
+    path: str = "???"
+    num_prompts: Optional[int] = None  # the first this many prompts; None = all of them
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (callbacks.HeldOutEval -> RolloutDataModule.evaluate)."""
+
+    every_n_steps: int = 10  # at the start and every this many RL steps; 0 = off
+    k: int = 8  # sampled answers per prompt at the rollout temperature (pass@1, pass@k, maj@k); 0 = none
+    greedy: bool = True  # also one greedy answer per prompt (eval/<set>/greedy/*)
+    pass_threshold: float = 1.0  # an answer is correct when its reward reaches this
+    seed: int = 0  # evaluation's own seed stream: the same seeds at every evaluation, none of training's
+    # More held-out sets, each reported under eval/<name>/...; the task's own held-out set is "heldout".
+    # Each entry is an EvalSetConfig (checked by validate: +eval.sets.NAME.path=... works from the CLI).
+    sets: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -204,11 +228,11 @@ class TrainConfig:
     algo: Any = None  # the chosen algorithm's own dataclass (glmlight.registry)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # Lightning callbacks, each a dict with _target_ (instantiated in this order).
     callbacks: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     run_name: Optional[str] = None
-    eval_every_n_steps: int = 10
 
 
 # conf/train.yaml starts from this schema, so every typed key can be overridden from the
@@ -245,8 +269,27 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
     except OmegaConfBaseException as e:
         return _raise(f"config error: {getattr(e, 'full_key', '')}: {_first_line(str(e))}")
     _check_choices(merged)
+    _check_eval_sets(merged)
     OmegaConf.set_readonly(merged, False)
     return merged
+
+
+def _check_eval_sets(cfg: DictConfig) -> None:
+    """Type every eval.sets entry as an EvalSetConfig (one line naming the bad key)."""
+    for name in list(cfg.eval.sets):
+        where = f"eval.sets.{name}"
+        spec = cfg.eval.sets[name]
+        if not isinstance(spec, DictConfig):
+            raise ConfigError(f"config error: {where} must be a mapping with a path, got {spec!r}")
+        try:
+            typed = OmegaConf.merge(OmegaConf.structured(EvalSetConfig), spec)
+        except ConfigKeyError as e:
+            raise ConfigError(f"config error: unknown key '{where}.{e.key}'{_suggest(str(e.key), EvalSetConfig)}") from None
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"config error: {where}.{getattr(e, 'full_key', '')}: {_first_line(str(e))}") from None
+        if OmegaConf.is_missing(typed, "path"):
+            raise ConfigError(f"config error: {where}.path is required (a JSONL file like task.eval_path)")
+        cfg.eval.sets[name] = typed
 
 
 def _raise(msg: str):
@@ -282,6 +325,9 @@ def _check_choices(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and value not in allowed:
             raise ConfigError(f"config error: {key}={value!r} is not one of {list(allowed)}")
+    for key in ("eval.k", "eval.every_n_steps"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"config error: {key} must be >= 0, got {OmegaConf.select(cfg, key)}")
     for key in ("rollout.rollout_batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
                 "algo.ppo_epochs", "algo.num_minibatches", "algo.micro_batch_size"):
         if OmegaConf.select(cfg, key) < 1:
