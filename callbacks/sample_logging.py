@@ -67,6 +67,8 @@ class SampleTable(pl.Callback):
             index: int | None = None) -> dict[str, Any]:
         """One table row; `batch`/`index` (a trained sample's row) give the corrections' token counts."""
         acted = [v for v, m in zip(s.versions, s.loss_mask) if m]
+        # the reward's info, or an agent episode's environment outcome (env/* keys, env_error)
+        info = s.metadata.get("reward_info") or {k: v for k, v in s.metadata.items() if k.startswith("env")}
         masked = zero_weight = None
         if batch is not None and index is not None:
             action = batch.action_mask[index] > 0
@@ -78,8 +80,7 @@ class SampleTable(pl.Callback):
             "rl_step": module.rl_step, "policy_version": int(getattr(module, "policy_version", 0)),
             "group_id": s.group_id, "rollout_id": s.rollout_id,
             "prompt": tok.decode(s.prompt_ids), "completion": tok.decode(s.response_ids),
-            "reward": s.reward, "reward_info": _jsonable(s.metadata.get("reward_info", {})
-                                                         or {k: v for k, v in s.metadata.items() if k.startswith("env")}),
+            "reward": s.reward, "reward_info": _jsonable(info),
             "status": s.status.value, "versions": sorted(set(acted)), "action_tokens": len(acted),
             "masked_tokens": masked, "zero_weight_tokens": zero_weight,
             "drop_reason": s.metadata.get("drop_reason") if batch is None else None,

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
-# (title, [(key or regex, label)], y-label); a regex (starting with ^) matches every key it fits.
+# (title, [(key or regex, label)], y-label); a regex (starting with ^) matches every key it fits; a label
+# ending in " >" is drawn against a second y-axis on the right (another scale).
 PANELS: list[tuple[str, list[tuple[str, str]], str]] = [
     ("Reward (training rollouts)", [("rollout/reward_mean", "reward mean"), ("rollout/pass_rate", "pass rate")], ""),
     ("Held-out evaluation", [(r"^eval/([^/]+)/(pass@\d+|maj@\d+|greedy/pass_rate)$", "")], "fraction of prompts"),
@@ -43,8 +44,8 @@ PANELS: list[tuple[str, list[tuple[str, str]], str]] = [
     ("Time per RL step", [("rollout/seconds", "rollout (generation)"), ("rollout/wait_seconds", "waiting for batch"),
                           ("train/seconds", "train"), ("sync/seconds", "weight sync"), ("eval/seconds", "evaluation")],
      "seconds"),
-    ("Optimiser", [("train/grad_norm", "grad norm"), ("train/clip_frac", "clip fraction"),
-                   ("train/dis_masked_frac", "DIS masked fraction"), ("train/loss", "loss")], ""),
+    ("Optimiser", [("train/grad_norm", "grad norm"), ("train/clip_frac", "clip fraction >"),
+                   ("train/dis_masked_frac", "DIS masked fraction >"), ("train/loss", "loss >")], "grad norm"),
     ("Algorithm", [("critic/value_loss", "critic value loss"), ("critic/explained_variance", "explained variance"),
                    ("opd/advantage_abs_mean", "OPD |advantage|"), ("rollout/compactions", "compactions"),
                    ("train/segments", "segments"), ("train/advantage_abs_mean", "|advantage|")], ""),
@@ -144,14 +145,22 @@ def draw(rows: dict[int, dict[str, Any]], path: str, title: str) -> None:
     fig = Figure(figsize=(5.2 * ncols, 3.4 * nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False)
     for ax, (name, specs, ylabel) in zip(axes.flat, PANELS):
-        drawn = 0
+        drawn, right, handles = 0, None, []
         for pattern, label in specs:
             for key, legend in _matches(rows, pattern, label):
                 xs, ys = series(rows, key)
                 if not xs:
                     continue
-                ax.plot(xs, ys, marker="o" if len(xs) <= 25 else None, markersize=3, linewidth=1.2, label=legend)
+                target = ax
+                if legend.endswith(" >"):
+                    right = right or ax.twinx()
+                    target, legend = right, legend[:-2] + " (right)"
+                style = ("-", "--", "-.", ":")[drawn % 4]
+                handles += target.plot(xs, ys, style, color=f"C{drawn % 10}", marker="o" if len(xs) <= 25 else None,
+                                       markersize=3, linewidth=1.2, label=legend.replace("greedy/pass_rate", "greedy"))
                 drawn += 1
+        if right is not None:
+            right.tick_params(labelsize=7)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("RL step", fontsize=8)
         if ylabel:
@@ -160,7 +169,7 @@ def draw(rows: dict[int, dict[str, Any]], path: str, title: str) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if drawn:
-            ax.legend(fontsize=6.5, loc="best")
+            ax.legend(handles=handles, fontsize=6.5, loc="best")
         else:
             ax.text(0.5, 0.5, "nothing logged" + HINTS.get(name, ""), ha="center", va="center", fontsize=8,
                     transform=ax.transAxes, color="gray")

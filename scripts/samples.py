@@ -40,12 +40,19 @@ def select(rows: list[dict[str, Any]], worst: int | None = None, masked: int | N
         return [r for r in rows if r.get("drop_reason")][-dropped:]
     trained = [r for r in rows if not r.get("drop_reason")]
     if masked is not None:
-        key = lambda r: ((r.get("masked_tokens") or 0) + (r.get("zero_weight_tokens") or 0), -r.get("rl_step", 0))  # noqa: E731
-        return sorted(trained, key=key, reverse=True)[:masked]
+        return sorted(trained, key=_masked, reverse=True)[:masked]
     if worst is not None:
-        key = lambda r: (r["reward"] if r.get("reward") is not None else float("-inf"), r.get("rl_step", 0))  # noqa: E731
-        return sorted(trained, key=key)[:worst]
+        return sorted(trained, key=_reward)[:worst]
     return rows
+
+
+def _masked(r: dict[str, Any]) -> tuple[int, int]:
+    """Tokens corrections took out of the loss or weighted 0; the earlier step first among equals."""
+    return (r.get("masked_tokens") or 0) + (r.get("zero_weight_tokens") or 0), -r.get("rl_step", 0)
+
+
+def _reward(r: dict[str, Any]) -> tuple[float, int]:
+    return (r["reward"] if r.get("reward") is not None else float("-inf")), r.get("rl_step", 0)
 
 
 def show(r: dict[str, Any], width: int = 100) -> str:

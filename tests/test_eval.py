@@ -129,6 +129,10 @@ def test_eval_config_keys_and_errors(tmp_path):
 
     cfg = validate(compose(["eval.k=4", "eval.every_n_steps=5", "+eval.sets.gsm.path=/data/gsm.jsonl"]))
     assert cfg.eval.k == 4 and cfg.eval.every_n_steps == 5 and cfg.eval.sets.gsm.path == "/data/gsm.jsonl"
+    with pytest.raises(ConfigError, match="unknown key 'eval.sets.gsm.pth'; did you mean 'path'"):
+        validate(compose(["+eval.sets.gsm.pth=/data/gsm.jsonl"]))
+    with pytest.raises(ConfigError, match="eval.k must be >= 0"):
+        validate(compose(["eval.k=-1"]))
     with pytest.raises(ConfigError, match="eval.sets.heldout"):
         glmlight.build(compose(overrides_for_tests(tmp_path, "+eval.sets.heldout.path=x.jsonl")))
     with pytest.raises(ConfigError, match="does not exist"):

@@ -112,7 +112,8 @@ RESUME_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "calculator_agent" else c
+                                  for c in sorted(RESUME_CASES)])  # (the agent case is slow: -m slow)
 def test_resume_with_the_default_callbacks_logs_exactly_the_uninterrupted_metrics(tmp_path, case):
     def overrides(root, *extra):
         return overrides_for_tests(root, *RESUME_CASES[case], "trainer.max_steps=6",

@@ -4,6 +4,7 @@ inspection (the samples table, scripts/samples.py)."""
 import csv
 import glob
 import json
+import math
 import os
 
 import pytest
@@ -15,10 +16,11 @@ from tests.conftest import load_script, overrides_for_tests
 
 ALGOS = {
     "grpo": [],
-    "sao": ["algo=sao", "rollout.mode=sync"],
+    "sao": ["algo=sao", "rollout.mode=sync", "algo.critic_warmup_steps=0"],
     "opd": ["algo=opd", "rollout.n_samples_per_prompt=1", "algo.teachers.tiny150.preset=test",
             "algo.teachers.tiny150.warm_start.steps=2", "algo.teachers.tiny150.warm_start.batch_size=8"],
-    "compaction": ["algo=compaction", "rollout.mode=sync", "rollout.rollout_batch_size=2"],
+    "compaction": ["algo=compaction", "rollout.mode=sync", "rollout.rollout_batch_size=2", "algo.critic_warmup_steps=0",
+                   "task.num_eval_prompts=2"],  # (long episodes; slow)
 }
 
 
@@ -32,7 +34,8 @@ def _csv_last_values(root):
     return last
 
 
-@pytest.mark.parametrize("algo", sorted(ALGOS))
+@pytest.mark.parametrize("algo", [pytest.param(a, marks=pytest.mark.slow) if a in ("compaction", "sao") else a
+                                  for a in sorted(ALGOS)])
 def test_every_run_ends_with_its_report_and_the_summary_equals_the_logged_metrics(tmp_path, algo):
     extra = [f"algo.teachers.tiny150.warm_start.cache_dir={tmp_path}/cache"] if algo == "opd" else []
     run = glmlight.build(compose(overrides_for_tests(tmp_path, *ALGOS[algo], *extra, "trainer.max_steps=2",
@@ -47,7 +50,7 @@ def test_every_run_ends_with_its_report_and_the_summary_equals_the_logged_metric
                 "train/seconds", "eval/heldout/pass@1", "eval/heldout/pass@2", "eval/seconds"):
         assert key in summary["metrics"], key
     for key, value in logged.items():
-        if key == "rl_step":
+        if key == "rl_step" or math.isnan(value):  # non-finite values are null in metrics.jsonl, left out
             continue
         assert summary["metrics"][key]["last"] == value, key
     assert summary["metrics"]["eval/heldout/pass@1"]["first_rl_step"] == 0
@@ -77,6 +80,7 @@ def test_samples_table_and_the_samples_command(tmp_path, capsys):
         tmp_path, "trainer.max_steps=2", "~callbacks.held_out_eval", "callbacks.sample_table.every_n_steps=1",
         "rollout.dynamic_sampling=true", "task.reward._target_=tests.conftest.equal_on_even_prompts_reward",
         "+callbacks.icepop._target_=callbacks.IcePop", "+callbacks.icepop.keep_in_denominator=false",
+        "+callbacks.icepop.low=0.999", "+callbacks.icepop.high=1.001",  # a narrow band: tokens are removed
         "rollout.dtype=bfloat16")))
     run.fit()
     rows = [json.loads(line) for line in open(os.path.join(str(tmp_path), "samples.jsonl"))]

@@ -138,7 +138,8 @@ class RolloutDataModule(pl.LightningDataModule):
         `engine` (default: the data module's) generates; `ids` (default: the prompt stream) hands
         out the group and rollout ids (evaluation passes its own of both)."""
         t0 = time.perf_counter()
-        engine, ids = engine or self.engine, ids or self.stream
+        engine = self.engine if engine is None else engine
+        ids = self.stream if ids is None else ids
         samples = self._episodes(prompts, n, counts, greedy, engine, ids) if self.env_factory else \
             self._single_turn(prompts, n, counts, greedy, engine, ids)
         counts["rollout_seconds"] += time.perf_counter() - t0
@@ -168,17 +169,17 @@ class RolloutDataModule(pl.LightningDataModule):
         gens = generate_with_retries(engine, flat_ids, [self.sampling_params(len(ids), greedy) for ids in flat_ids],
                                      counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s, self.vocab_size)
         samples = []
-        for k, (prompt, prompt_ids) in enumerate(todo):
+        for k, (prompt, ids) in enumerate(todo):
             group_id = id_source.new_group_id()
             first = id_source.take_rollout_ids(n)
             for j in range(n):
                 g = gens[k * n + j]
                 meta = {"label": prompt.label, "domain": prompt.domain, **prompt.metadata}
                 if g is None:  # the engine failed (after retries) or answered garbage
-                    samples.append(Sample(prompt_ids=list(prompt_ids), status=Status.FAILED, group_id=group_id,
+                    samples.append(Sample(prompt_ids=list(ids), status=Status.FAILED, group_id=group_id,
                                           rollout_id=first + j, metadata={**meta, "engine_error": True}))
                     continue
-                s = Sample(prompt_ids=list(prompt_ids), response_ids=list(g.token_ids), loss_mask=[1] * len(g.token_ids),
+                s = Sample(prompt_ids=list(ids), response_ids=list(g.token_ids), loss_mask=[1] * len(g.token_ids),
                            rollout_logprobs=list(g.logprobs), versions=list(g.versions), status=g.status,
                            group_id=group_id, rollout_id=first + j, metadata=meta)
                 s.metadata["completion_text"] = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
@@ -354,7 +355,7 @@ class RolloutDataModule(pl.LightningDataModule):
         named `<prefix>/<set>/<metric>`. Draws from no training seed or id stream."""
         chosen = {n: s for n, s in self.eval_sets.items() if sets is None or n in sets}
         with self.generation_lock:
-            return evaluation.evaluate(self, engine or self.engine, chosen, self.eval_cfg, prefix)
+            return evaluation.evaluate(self, self.engine if engine is None else engine, chosen, self.eval_cfg, prefix)
 
 
 def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
