@@ -83,7 +83,8 @@ class MismatchMonitor(pl.Callback):
         """Fraction of positions where the trainer's argmax equals the engine's greedy token."""
         engine = trainer.datamodule.engine
         prompts = [s.prompt_ids for s in batch.samples[: self.probe_prompts]]
-        gens = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.probe_tokens))
+        # A seed of its own: the probe must not draw from the engine's seed stream (training's).
+        gens = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.probe_tokens, seed=0))
         matches, total = 0.0, 0.0
         was_training = module.policy.training
         module.policy.eval()

@@ -19,6 +19,7 @@ from glmlight.checkpoint import AtomicCheckpointIO, verified_resume_path
 from glmlight.config import validate
 from glmlight.progress import RLProgressBar
 from glmlight.registry import algorithm
+from glmlight.data.evaluation import build_eval_sets
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.distributed import without_ddp_wrapper
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
@@ -51,8 +52,25 @@ class Run:
     def fit(self) -> None:
         if self.trainer.is_global_zero:
             save_run_config(self.cfg, self.trainer.default_root_dir)
-        self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
-                         weights_only=True)
+        try:
+            self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
+                             weights_only=True)
+        finally:
+            if self.cfg.logger.report and self.trainer.is_global_zero:
+                write_run_report(self.trainer.default_root_dir)
+
+
+def write_run_report(root: str) -> None:
+    """report.png and summary.json of the run in `root` (glmlight.report); a failure is a warning."""
+    from glmlight.report import write_report
+
+    try:
+        paths = write_report(root)
+        log.info("run report: %s", ", ".join(paths.values()))
+    except FileNotFoundError:
+        pass  # nothing was logged
+    except Exception as e:  # noqa: BLE001 - the report must never hide the run's own outcome
+        log.warning("run report not written: %s: %s", type(e).__name__, e)
 
 
 def save_run_config(cfg: DictConfig, root: str) -> str:
@@ -241,6 +259,7 @@ def build(cfg: DictConfig | dict) -> Run:
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     source, eval_source = build_sources(cfg.task, cfg.seed)
+    eval_sets = build_eval_sets(cfg.eval, cfg.task)
     if cfg.model.warm_start.steps > 0:
         identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
         identity["seed"] = cfg.seed
@@ -251,7 +270,8 @@ def build(cfg: DictConfig | dict) -> Run:
                                    eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
                                    env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns,
                                    compaction=compaction_options(cfg.task.agent),
-                                   vocab_size=max(policy.config.vocab_size, len(tokenizer)))
+                                   vocab_size=max(policy.config.vocab_size, len(tokenizer)),
+                                   eval_sets=eval_sets, eval_cfg=cfg.eval)
     module = algorithm(cfg.algo.name).module(
         cfg.algo, policy, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,

@@ -248,10 +248,35 @@ class LoggerConfig:
     project: str = "glmlight"
     mode: str = "offline"  # wandb: offline | online | disabled
     save_dir: Optional[str] = None  # default: trainer.default_root_dir
-    table_every_n_steps: int = 10
+    # At the end of fit: <trainer.default_root_dir>/report.png and summary.json from metrics.jsonl
+    # (glmlight/report.py; the PNG needs matplotlib: pip install matplotlib).
+    report: bool = True
 
 
-ranges(LoggerConfig, table_every_n_steps=">= 0")
+@dataclass
+class EvalSetConfig:
+    """A named held-out prompt set: JSONL like task.eval_path, read with the task's keys."""
+
+    path: str = "???"
+    num_prompts: Optional[int] = None  # the first this many prompts; None = all of them
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (callbacks.HeldOutEval -> RolloutDataModule.evaluate)."""
+
+    every_n_steps: int = 10  # at the start and every this many RL steps; 0 = off
+    k: int = 8  # sampled answers per prompt at the rollout temperature (pass@1, pass@k, maj@k); 0 = none
+    greedy: bool = True  # also one greedy answer per prompt (eval/<set>/greedy/*)
+    pass_threshold: float = 1.0  # an answer is correct when its reward reaches this
+    seed: int = 0  # evaluation's own seed stream: the same seeds at every evaluation, none of training's
+    # More held-out sets, each reported under eval/<name>/...; the task's own held-out set is "heldout".
+    # Each entry is an EvalSetConfig (checked by validate: +eval.sets.NAME.path=... works from the CLI).
+    sets: dict[str, Any] = field(default_factory=dict)
+
+
+ranges(EvalConfig, every_n_steps=">= 0", k=">= 0", pass_threshold="(-inf, inf)", seed=SEED)
+ranges(EvalSetConfig, num_prompts=">= 1")
 
 
 @dataclass
@@ -262,14 +287,14 @@ class TrainConfig:
     algo: Any = None  # the chosen algorithm's own dataclass (glmlight.registry)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # Lightning callbacks, each a dict with _target_ (instantiated in this order).
     callbacks: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     run_name: Optional[str] = None
-    eval_every_n_steps: int = 10
 
 
-ranges(TrainConfig, seed=SEED, eval_every_n_steps=">= 0")
+ranges(TrainConfig, seed=SEED)
 
 
 # conf/train.yaml starts from this schema, so every typed key can be overridden from the
@@ -307,8 +332,27 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
         return _raise(f"config error: {getattr(e, 'full_key', '')}: {_first_line(str(e))}")
     check_ranges(merged)
     _check_choices(merged)
+    _check_eval_sets(merged)
     OmegaConf.set_readonly(merged, False)
     return merged
+
+
+def _check_eval_sets(cfg: DictConfig) -> None:
+    """Type every eval.sets entry as an EvalSetConfig (one line naming the bad key)."""
+    for name in list(cfg.eval.sets):
+        where = f"eval.sets.{name}"
+        spec = cfg.eval.sets[name]
+        if not isinstance(spec, DictConfig):
+            raise ConfigError(f"config error: {where} must be a mapping with a path, got {spec!r}")
+        try:
+            typed = OmegaConf.merge(OmegaConf.structured(EvalSetConfig), spec)
+        except ConfigKeyError as e:
+            raise ConfigError(f"config error: unknown key '{where}.{e.key}'{_suggest(str(e.key), EvalSetConfig)}") from None
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"config error: {where}.{getattr(e, 'full_key', '')}: {_first_line(str(e))}") from None
+        if OmegaConf.is_missing(typed, "path"):
+            raise ConfigError(f"config error: {where}.path is required (a JSONL file like task.eval_path)")
+        cfg.eval.sets[name] = typed
 
 
 def _raise(msg: str):

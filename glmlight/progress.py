@@ -1,4 +1,4 @@
-"""The progress bar of an RL run: `RL step 12/50` with the reward, the held-out pass rate and the
+"""The progress bar of an RL run: `RL step 12/50` with the reward, the held-out pass@1 and the
 throughput, read from the metrics route (`glmlight.metrics.latest_metrics`)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing_extensions import override
 from glmlight.metrics import latest_metrics
 
 # what the bar shows: metric -> short name
-SHOWN = {"rollout/reward_mean": "reward", "eval/pass_rate": "eval_pass", "rollout/tokens_per_s": "gen_tok/s",
+SHOWN = {"rollout/reward_mean": "reward", "eval/heldout/pass@1": "eval_pass@1", "rollout/tokens_per_s": "gen_tok/s",
          "train/tokens_per_s": "train_tok/s"}
 
 

@@ -47,7 +47,8 @@ def overrides_for_tests(tmp_path, *extra: str) -> list[str]:
         "model.preset=test", "model.warm_start.steps=0", "logger=csv", f"trainer.default_root_dir={tmp_path}",
         "trainer.max_steps=2", "trainer.enable_progress_bar=false", "rollout.rollout_batch_size=4",
         "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4", "task.num_eval_prompts=8",
-        "trainer.checkpoint_every_n_steps=0", "task.reward._target_=tests.conftest.digit_fraction_reward", *extra,
+        "trainer.checkpoint_every_n_steps=0", "task.reward._target_=tests.conftest.digit_fraction_reward",
+        "logger.report=false", *extra,
     ]
 
 

@@ -38,7 +38,7 @@ def test_grpo_steps_update_policy_and_engine(tmp_path):
     rows = _metrics(tmp_path)
     keys = set().union(*(r.keys() for r in rows))
     for k in ("rollout/reward_mean", "rollout/pass_rate", "rollout/response_length", "train/clip_frac",
-              "train/entropy", "train/grad_norm", "rollout/tokens_per_s", "policy_version", "eval/reward",
+              "train/entropy", "train/grad_norm", "rollout/tokens_per_s", "policy_version", "eval/heldout/pass@1",
               "sync/seconds"):
         assert k in keys, k
     totals = run.datamodule.totals

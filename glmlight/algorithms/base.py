@@ -82,7 +82,9 @@ class RLModule(pl.LightningModule):
         return self.global_step // self.optimizer_steps_per_rl_step
 
     def training_step(self, dataloader_iter: Iterator[Experience]) -> None:
+        t_wait = time.perf_counter()
         item = next(dataloader_iter)  # Lightning yields (batch, batch_idx, dataloader_idx)
+        t_batch = time.perf_counter()
         batch = (item[0] if isinstance(item, tuple) else item).to(self.device)
         self.prepare_experience(batch)
         self.run_experience_hooks(batch)
@@ -92,6 +94,8 @@ class RLModule(pl.LightningModule):
         trained_tokens = float(batch.loss_mask.sum()) * self.cfg.ppo_epochs
         metrics["train/tokens_per_s"] = trained_tokens / max(time.perf_counter() - t0, 1e-9)
         metrics.update(batch.stats)
+        metrics["rollout/wait_seconds"] = t_batch - t_wait  # the trainer waiting for this batch
+        metrics["train/seconds"] = time.perf_counter() - t_batch  # old log-probs, hooks, advantages, update
         metrics["policy_version"] = float(self.policy_version)
         staleness = [self.policy_version - s.first_version for s in batch.samples if s.first_version >= 0]
         if staleness:

@@ -66,6 +66,11 @@ class AsyncProducer:
             out, self._counts = self._counts, Counter()
         return out
 
+    def pending_counts(self) -> Counter:
+        """The per-batch counts not taken yet (for a checkpoint: they belong to the queued groups)."""
+        with self.stream.lock:
+            return Counter(self._counts)
+
     def queued(self) -> list[list[Sample]]:
         """The finished groups waiting in the queue (for a checkpoint)."""
         return list(self._queue.queue)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import Counter
 from typing import Any, Callable, Iterator
@@ -25,8 +26,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from glmlight.agents.compaction import CompactingAgentLoop
 from glmlight.agents.loop import AgentLoop, episode_to_samples
-from glmlight.config import RolloutConfig
-from glmlight.data.groups import pad_or_drop_group
+from glmlight.config import EvalConfig, RolloutConfig
+from glmlight.data import evaluation
+from glmlight.data.groups import pad_or_drop_group, tag_dropped
 from glmlight.data.producer import AsyncProducer
 from glmlight.data.sources import Prompt, PromptSource
 from glmlight.data.stream import PromptStream
@@ -48,19 +50,32 @@ class RolloutDataModule(pl.LightningDataModule):
     def __init__(self, engine: RolloutEngine, tokenizer: Any, source: PromptSource, reward_fn: RewardFn,
                  cfg: RolloutConfig, eval_source: PromptSource | None = None, num_eval_prompts: int = 64,
                  rank: int = 0, world_size: int = 1, env_factory: Callable[[], Any] | None = None,
-                 max_turns: int = 4, compaction: dict[str, Any] | None = None, vocab_size: int | None = None):
+                 max_turns: int = 4, compaction: dict[str, Any] | None = None, vocab_size: int | None = None,
+                 eval_sets: dict[str, PromptSource | evaluation.EvalSet] | None = None,
+                 eval_cfg: EvalConfig | None = None):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
         self.env_factory, self.max_turns = env_factory, max_turns
         self.compaction = compaction  # CompactingAgentLoop options, or None
         self.vocab_size = vocab_size  # engine answers with ids outside [0, vocab_size) are FAILED
-        self.eval_source, self.num_eval_prompts = eval_source, num_eval_prompts
+        # Held-out sets by name: the task's own ("heldout") first, then eval.sets.
+        self.eval_sets: dict[str, evaluation.EvalSet] = {}
+        if eval_source is not None:
+            self.eval_sets[evaluation.DEFAULT_SET] = evaluation.EvalSet(eval_source, num_eval_prompts)
+        for name, s in (eval_sets or {}).items():
+            self.eval_sets[name] = s if isinstance(s, evaluation.EvalSet) else evaluation.EvalSet(s)
+        self.eval_cfg = eval_cfg or EvalConfig()
         self.stream = PromptStream(source, cfg.seed, rank, world_size)
         self.stop_ids = stop_token_ids(tokenizer)
         self.filters: list[SampleFilter] = []
         self.totals: Counter = Counter()  # lifetime accounting: produced, trained, dropped/<reason>
         self._producer: AsyncProducer | None = None
         self._pending: list[list[Sample]] = []  # async: queued groups restored from a checkpoint
+        self._pending_counts: Counter = Counter()  # ... and the per-batch counts of their generation
+        # Held while the async producer generates a batch and while evaluation runs on the same engine,
+        # so the two never share a decode batch (evaluation must not change training's log-probs).
+        self.generation_lock = threading.Lock()
+        self.last_dropped: list[Sample] = []  # the latest batch's dropped samples (metadata["drop_reason"])
 
     # ----------------------------------------------------------------- Lightning
     def setup(self, stage: str) -> None:
@@ -81,6 +96,10 @@ class RolloutDataModule(pl.LightningDataModule):
             queued = list(self._pending) + (producer.queued() if producer is not None else [])
             if queued:
                 state["queued"] = [[smp.to_dict() for smp in g] for g in queued]
+                # what generating them counted (tokens, seconds, reward failures): the batch that trains them logs it
+                pending = Counter(self._pending_counts)
+                pending.update(producer.pending_counts() if producer is not None else {})  # (+ would drop zeros)
+                state["queued_counts"] = dict(pending)
         engine_state = getattr(self.engine, "state_dict", None)
         if callable(engine_state):
             state["engine"] = engine_state()
@@ -90,6 +109,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.stream.load_state_dict(state)
         self.totals = Counter(state["totals"])
         self._pending = [[Sample.from_dict(d) for d in g] for g in state.get("queued", [])]
+        self._pending_counts = Counter(state.get("queued_counts", {}))
         if "engine" in state and callable(getattr(self.engine, "load_state_dict", None)):
             self.engine.load_state_dict(state["engine"])
 
@@ -113,11 +133,16 @@ class RolloutDataModule(pl.LightningDataModule):
         return SamplingParams(temperature=0.0 if greedy else self.cfg.temperature, top_p=self.cfg.top_p,
                               top_k=self.cfg.top_k, max_new_tokens=max(budget, 1), stop_token_ids=self.stop_ids)
 
-    def rollout(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool = False) -> list[Sample]:
-        """Generate `n` answers (or agent episodes) per prompt and score them; grouped by prompt."""
+    def rollout(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool = False, *,
+                engine: RolloutEngine | None = None, ids: Any = None) -> list[Sample]:
+        """Generate `n` answers (or agent episodes) per prompt and score them; grouped by prompt.
+        `engine` (default: the data module's) generates; `ids` (default: the prompt stream) hands
+        out the group and rollout ids (evaluation passes its own of both)."""
         t0 = time.perf_counter()
-        samples = self._episodes(prompts, n, counts, greedy) if self.env_factory else \
-            self._single_turn(prompts, n, counts, greedy)
+        engine = self.engine if engine is None else engine
+        ids = self.stream if ids is None else ids
+        samples = self._episodes(prompts, n, counts, greedy, engine, ids) if self.env_factory else \
+            self._single_turn(prompts, n, counts, greedy, engine, ids)
         counts["rollout_seconds"] += time.perf_counter() - t0
         counts["produced"] += len(samples)
         counts["rollout_tokens"] += sum(s.num_action_tokens for s in samples)
@@ -134,7 +159,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self._apply_overlong(samples, counts)
         return samples
 
-    def _single_turn(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool) -> list[Sample]:
+    def _single_turn(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool, engine: RolloutEngine,
+                     id_source: Any) -> list[Sample]:
         todo: list[tuple[Prompt, list[int]]] = []
         for p in prompts:
             try:
@@ -151,12 +177,12 @@ class RolloutDataModule(pl.LightningDataModule):
                 continue
             todo.append((p, ids))
         flat_ids = [ids for _, ids in todo for _ in range(n)]
-        gens = generate_with_retries(self.engine, flat_ids, [self.sampling_params(len(ids), greedy) for ids in flat_ids],
+        gens = generate_with_retries(engine, flat_ids, [self.sampling_params(len(ids), greedy) for ids in flat_ids],
                                      counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s, self.vocab_size)
         samples = []
         for k, (prompt, ids) in enumerate(todo):
-            group_id = self.stream.new_group_id()
-            first = self.stream.take_rollout_ids(n)
+            group_id = id_source.new_group_id()
+            first = id_source.take_rollout_ids(n)
             for j in range(n):
                 g = gens[k * n + j]
                 meta = {"label": prompt.label, "domain": prompt.domain, **prompt.metadata}
@@ -171,8 +197,9 @@ class RolloutDataModule(pl.LightningDataModule):
                 samples.append(s)
         return samples
 
-    def _episodes(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool) -> list[Sample]:
-        engine = RetryingEngine(self.engine, counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s,
+    def _episodes(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool, engine: RolloutEngine,
+                  ids: Any) -> list[Sample]:
+        engine = RetryingEngine(engine, counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s,
                                 self.vocab_size)
         args = (engine, self.tokenizer, self.env_factory, lambda ctx: self.sampling_params(ctx, greedy),
                 self.max_turns, self.cfg.max_context)
@@ -180,8 +207,8 @@ class RolloutDataModule(pl.LightningDataModule):
         episodes = loop.run(prompts, n)
         samples = []
         for k in range(len(prompts)):
-            group_id = self.stream.new_group_id()
-            first = self.stream.take_rollout_ids(n)
+            group_id = ids.new_group_id()
+            first = ids.take_rollout_ids(n)
             for j in range(n):
                 ep = episodes[k * n + j]
                 samples.extend(episode_to_samples(ep, group_id, first + j))
@@ -216,6 +243,7 @@ class RolloutDataModule(pl.LightningDataModule):
             if any(s.status is Status.ABORTED for s in group):
                 # A weight update aborted this group's generation: its prompt is generated again.
                 counts["dropped/aborted"] += len(group)
+                tag_dropped(group, "aborted")
                 self.stream.requeue(group[0].metadata["prompt_index"])
                 continue
             group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed",
@@ -226,6 +254,7 @@ class RolloutDataModule(pl.LightningDataModule):
             # judged on the outcome, before length shaping, so lengths alone never make a group "vary".
             if self.cfg.dynamic_sampling and len(group) > 1 and len({outcome(s) for s in group}) == 1:
                 counts["dropped/zero_variance_group"] += len(group)
+                tag_dropped(group, "zero_variance_group")
                 continue
             kept.append(group)
         return kept
@@ -234,12 +263,14 @@ class RolloutDataModule(pl.LightningDataModule):
         """One training batch: exactly rollout_batch_size groups (fewer only if refills run out)."""
         counts: Counter = Counter()
         need = self.cfg.rollout_batch_size
+        self.last_dropped = []
         if self.cfg.mode == "async":
             groups = self._collect_async(need, counts)
         else:
             groups = self._collect_sync(need, counts)
         if len(groups) > need:
             counts["dropped/over_sampled"] += sum(len(set(map(id, g))) for g in groups[need:])
+            self._note_dropped([s for g in groups[need:] for s in tag_dropped(g, "over_sampled")])
             groups = groups[:need]
         batch = [s for g in groups for s in g]
         counts["trained"] += len({id(s) for s in batch})
@@ -257,9 +288,19 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def _accept(self, samples: list[Sample], counts: Counter) -> list[list[Sample]]:
         version = self.policy_version()
+        produced = samples
         for f in self.filters:
             samples = f(samples, counts, version)
-        return self._filter_groups(samples, counts)
+        groups = self._filter_groups(samples, counts)
+        kept = {id(s) for g in groups for s in g}
+        self._note_dropped([s for s in produced if id(s) not in kept])
+        return groups
+
+    def _note_dropped(self, samples: list[Sample], keep: int = 256) -> None:
+        """Remember (a bounded number of) this batch's dropped samples for the sample table."""
+        for s in samples:
+            s.metadata.setdefault("drop_reason", "filtered")
+        self.last_dropped.extend(samples[: max(keep - len(self.last_dropped), 0)])
 
     def _collect_sync(self, need: int, counts: Counter) -> list[list[Sample]]:
         groups: list[list[Sample]] = []
@@ -289,14 +330,20 @@ class RolloutDataModule(pl.LightningDataModule):
                     continue
             groups.extend(self._accept(group, counts))
         counts.update(producer.take_counts())
+        counts.update(self._pending_counts)
+        self._pending_counts = Counter()
         return groups
 
     def _ensure_producer(self) -> AsyncProducer:
         if self._producer is None or not self._producer.alive:
             self._producer = AsyncProducer(
-                self.stream, lambda prompts, counts: self.rollout(prompts, self.cfg.n_samples_per_prompt, counts),
+                self.stream, self._produce,
                 self.cfg.rollout_batch_size, self.cfg.queue_size, self.totals)
         return self._producer
+
+    def _produce(self, prompts: list[Prompt], counts: Counter) -> list[Sample]:
+        with self.generation_lock:
+            return self.rollout(prompts, self.cfg.n_samples_per_prompt, counts)
 
     def stop_producer(self) -> None:
         """Stop the producer; whatever it produced and nobody trained on is counted as dropped/shutdown."""
@@ -319,25 +366,19 @@ class RolloutDataModule(pl.LightningDataModule):
             self.reward_fn.close()
 
     # ----------------------------------------------------------------- evaluation
-    def eval_prompts(self) -> list[Prompt]:
-        if self.eval_source is None:
-            return []
-        return [self.eval_source[i] for i in range(min(self.num_eval_prompts, len(self.eval_source)))]
+    def eval_prompts(self, name: str = evaluation.DEFAULT_SET) -> list[Prompt]:
+        """The prompts of one held-out set (none when the set does not exist)."""
+        s = self.eval_sets.get(name)
+        return s.prompts() if s is not None else []
 
-    def evaluate(self) -> dict[str, float]:
-        """Greedy answers on the fixed held-out prompts: mean reward, pass rate, length."""
-        prompts = self.eval_prompts()
-        if not prompts:
-            return {}
-        counts: Counter = Counter()
-        samples = self.rollout(prompts, 1, counts, greedy=True)
-        scored = [s for s in samples if s.reward is not None]
-        rewards = [s.reward for s in scored] or [0.0]
-        return {"eval/reward": sum(rewards) / len(rewards),
-                "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
-                "eval/response_length": sum(s.response_length for s in samples) / max(len(samples), 1),
-                "eval/reward_failed": float(counts["reward_failed"]),
-                "eval/reward_timeout": float(counts["reward_timeout"])}
+    def evaluate(self, engine: RolloutEngine | None = None, sets: list[str] | None = None,
+                 prefix: str = "eval") -> dict[str, float]:
+        """Evaluate `engine` (default: the rollout engine) on the named held-out sets (default: all) with
+        `eval.k` samples per prompt and a greedy answer (`glmlight.data.evaluation`); the metrics are
+        named `<prefix>/<set>/<metric>`. Draws from no training seed or id stream."""
+        chosen = {n: s for n, s in self.eval_sets.items() if sets is None or n in sets}
+        with self.generation_lock:
+            return evaluation.evaluate(self, self.engine if engine is None else engine, chosen, self.eval_cfg, prefix)
 
 
 def outcome(sample: Sample) -> float | None:
@@ -358,6 +399,7 @@ def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         "rollout/response_length": lengths.mean().item(),
         "rollout/truncated_frac": sum(s.status is Status.TRUNCATED for s in batch) / len(batch),
         "rollout/tokens_per_s": counts["rollout_tokens"] / secs,
+        "rollout/seconds": float(counts["rollout_seconds"]),  # generating this batch (async: overlapped)
         "rollout/refill_rounds": float(counts["refill_rounds"]),
         "rollout/produced": float(counts["produced"]),
         "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),

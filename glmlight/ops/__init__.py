@@ -38,6 +38,9 @@ mismatch     mismatch_sums             rank-summable sums behind the mismatch me
              topk_agreement            |A ∩ B| / k of top-k selections (DSA index agreement)
 dsa          topk_mask, topk_recent    DSA top-k with the most-recent tie rule
 schedule     lr_lambda                 warm-up + constant / cosine / linear learning-rate multiplier
+eval_metrics pass_at_k                 unbiased pass@k of n answers, c correct (Chen et al. 2021)
+             mean_pass_at_k            pass@k averaged over prompts
+             majority_vote, maj_at_k   maj@k: the most frequent extracted answer, scored
 """
 
 from glmlight.ops.advantages import group_advantages, soft_overlong_penalty
@@ -45,6 +48,7 @@ from glmlight.ops.corrections import CorrectionResult, icepop, masked_is, reject
 from glmlight.ops.dis import dis_loss_per_token, dis_mask
 from glmlight.ops.distill import mix_outcome_advantages, opd_advantages, reverse_kl
 from glmlight.ops.dsa import topk_mask, topk_recent
+from glmlight.ops.eval_metrics import maj_at_k, majority_vote, mean_pass_at_k, pass_at_k
 from glmlight.ops.gae import (
     adaptive_lambda,
     cross_trajectory_gae,
@@ -66,9 +70,10 @@ from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
 __all__ = [
     "CorrectionResult", "PolicyLossOutput", "adaptive_lambda", "aggregate_loss", "cross_trajectory_gae",
     "dis_loss_per_token", "dis_mask", "entropy_from_logits", "explained_variance", "gae", "group_advantages",
-    "icepop", "kl_penalty", "logprobs_from_logits", "lr_lambda", "masked_is", "masked_mean", "masked_scale", "masked_whiten",
-    "merge_moments", "mismatch_metrics", "mismatch_sums", "mix_outcome_advantages", "opd_advantages",
-    "ppo_clip_loss", "reduce_mismatch_sums", "rejection_sampling", "reverse_kl", "segment_lambda",
+    "icepop", "kl_penalty", "logprobs_from_logits", "lr_lambda", "maj_at_k", "majority_vote", "masked_is",
+    "masked_mean", "masked_scale", "masked_whiten", "mean_pass_at_k", "merge_moments", "mismatch_metrics",
+    "mismatch_sums", "mix_outcome_advantages", "opd_advantages", "pass_at_k", "ppo_clip_loss",
+    "reduce_mismatch_sums", "rejection_sampling", "reverse_kl", "segment_lambda",
     "skip_observation_gae", "soft_overlong_penalty", "terminal_rewards", "token_agreement", "topk_agreement",
     "topk_mask", "topk_recent", "truncated_is", "value_loss",
 ]

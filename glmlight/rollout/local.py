@@ -163,7 +163,10 @@ class LocalEngine:
         params = normalize_requests(prompts, params)
         if threading.current_thread() is self._thread:
             raise EngineError("generate() called from the decode thread (e.g. in on_step); use submit()")
-        futures = [self.submit(p, sp) for p, sp in zip(prompts, params)]
+        # Queued in one go, so a running decode thread admits them together (when there is room): which
+        # requests share a decode step changes log-probs by float rounding, and must not depend on timing.
+        with self._cv:
+            futures = [self.submit(p, sp) for p, sp in zip(prompts, params)]
         return [f.result() for f in futures]
 
     def abort_all(self) -> int:
