@@ -155,7 +155,8 @@ class RolloutDataModule(pl.LightningDataModule):
                     continue
                 s = Sample(prompt_ids=list(ids), response_ids=list(g.token_ids), loss_mask=[1] * len(g.token_ids),
                            rollout_logprobs=list(g.logprobs), versions=list(g.versions), status=g.status,
-                           group_id=group_id, rollout_id=first + j, metadata=meta)
+                           group_id=group_id, rollout_id=first + j, metadata=meta,
+                           routed_experts=g.routed_experts, indexer_topk=g.indexer_topk)  # replay records, if any
                 s.metadata["completion_text"] = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
                 samples.append(s)
         return samples
