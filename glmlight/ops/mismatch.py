@@ -153,6 +153,20 @@ def topk_agreement(indices_a: Tensor, indices_b: Tensor) -> Tensor:
     return _div((overlap[scored] / valid[scored]).sum(), scored.float().sum())
 
 
+def set_agreement(choices_a: Tensor, choices_b: Tensor) -> Tensor:
+    """Fraction of positions whose two choices [..., k] are the same set (order ignored), e.g. the
+    experts a MoE router picked for a token in the engine and in the trainer. Each side is assumed
+    to hold distinct entries. Returns a float32 scalar (NaN for no positions)."""
+    # Model contract: routing agreement (docs/contracts.md).
+    if choices_a.shape != choices_b.shape:
+        raise ValueError(f"set_agreement: shapes differ, {tuple(choices_a.shape)} vs {tuple(choices_b.shape)}")
+    k = choices_a.shape[-1]
+    a = choices_a.reshape(-1, k).sort(dim=-1).values
+    b = choices_b.reshape(-1, k).sort(dim=-1).values
+    same = (a == b).all(-1).float()
+    return _div(same.sum(), torch.tensor(float(same.numel())))
+
+
 def _zero_off_mask(logprobs: Tensor, valid: Tensor) -> Tensor:
     """float32 log-probs, exactly 0 where valid is False (padding may hold NaN/inf)."""
     logprobs = logprobs.detach().float()
