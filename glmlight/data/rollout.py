@@ -333,6 +333,10 @@ def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),
         "rollout/trained": float(counts["trained"]),
     }
+    records = [t for s in batch for t in (s.routed_experts, s.indexer_topk) if t is not None]
+    if records:  # replay records (routed experts, DSA top-k): their memory per token of prompt + response
+        tokens = sum(len(s.prompt_ids) + s.response_length for s in batch)
+        stats["rollout/replay_bytes_per_token"] = sum(t.numel() * t.element_size() for t in records) / tokens
     for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "engine_errors",
               "invalid_tokens"):
         if k in counts:
