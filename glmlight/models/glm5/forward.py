@@ -118,11 +118,13 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
             k = a.indexer.index_topk
             layer_bias = bias if S <= k else None
             if replay is not None and S > k:
+                rows_k = real & (position_ids.expand(B, S) >= k)  # the queries that select (in this block)
+                rows_k[:, : queries.q0] = False
                 if i in replay.index:
-                    replayed = selection_from_columns(allowed, replay.index[i])
+                    cols = replay.index[i]
+                    # queries without a record (a sequence's last token) keep the indexer's own choice
+                    replayed = (cols, bool((rows_k & (cols[..., 0] < 0)).any()))
                 if replay.capture is not None:
-                    rows_k = real & (position_ids.expand(B, S) >= k)  # the queries that select (in this block)
-                    rows_k[:, : queries.q0] = False
                     on_select = lambda sel, i=i, k=k, rows_k=rows_k: replay.record(
                         "index", i, columns_from_selection(sel, rows_k, k))
         out, layer_bias = _attention(a, _norm(h, layer.input_layernorm), rot, rot_p, allowed, layer_bias, keys,
@@ -248,12 +250,12 @@ class _KeyValue(torch.autograd.Function):
 # ----------------------------------------------------------------- attention
 def _attention(a: torch.nn.Module, x: torch.Tensor, rot: torch.Tensor, rot_p: torch.Tensor, allowed: torch.Tensor,
                bias: torch.Tensor | None, keys: _Block, queries: _Block, training: bool,
-               replayed: torch.Tensor | None = None, on_select=None) -> tuple[torch.Tensor, torch.Tensor]:
+               replayed: tuple[torch.Tensor, bool] | None = None, on_select=None) -> tuple[torch.Tensor, torch.Tensor]:
     """GlmMoeDsaAttention for the packed tokens x [N, hidden]: the outputs of the `queries` block's tokens,
     and the additive mask [B, 1, S, S] used (rows before the block not meaningful). `bias` is the mask
-    to use, or None: this layer selects its keys, with its DSA indexer or as `replayed` (a selection
-    [B, S, S] from records), and hands the selection to `on_select`. rot/rot_p: RoPE [B, S, 1, r/2]
-    and packed [N, 1, r/2]."""
+    to use, or None: this layer selects its keys, with its DSA indexer or as `replayed` = (key columns
+    [B, S, k] from records, -1 rows: the indexer's; whether any selecting query has no record), and
+    hands the selection to `on_select`. rot/rot_p: RoPE [B, S, 1, r/2] and packed [N, 1, r/2]."""
     H, nope, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim
     qa, kva = a.q_a_proj, a.kv_a_proj_with_mqa
     b_in = None if qa.bias is None and kva.bias is None else torch.cat(
@@ -263,8 +265,10 @@ def _attention(a: torch.nn.Module, x: torch.Tensor, rot: torch.Tensor, rot_p: to
     q_resid = _norm(q_resid, a.q_a_layernorm)
     if bias is None:
         with torch.no_grad():
-            selected = replayed if replayed is not None else \
-                _select(a.indexer, x, q_resid, rot_p, allowed, keys, queries.q0)
+            own = None
+            if replayed is None or replayed[1]:
+                own = _select(a.indexer, x, q_resid, rot_p, allowed, keys, queries.q0)
+            selected = own if replayed is None else selection_from_columns(allowed, replayed[0], own)
             if on_select is not None:
                 on_select(selected)
             bias = _bias(selected, x.dtype)

@@ -15,7 +15,7 @@ correction repairs that. With replay, the trainer takes the engine's recorded ch
   router's own function of its scores: sigmoid, normalised and scaled for GLM-5 / DeepSeek-V3,
   softmax restricted to the chosen experts for Qwen-MoE and Mixtral), the experts' outputs, and
   attention over the replayed keys. The DSA indexer has no gradient in either case; under index
-  replay glmlight's forward does not run it at all;
+  replay glmlight's forward runs it only when a query that selects has no record;
 - not replayed: positions without a record (the last token of a sequence, which no trained token
   depends on, and padding) keep the trainer's own choice.
 
@@ -155,12 +155,13 @@ class Replay:
 
 
 # ----------------------------------------------------------------- the DSA selection as a mask
-def selection_from_columns(allowed: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """The boolean selection [B, S, S] of replayed key columns [B, S, k] (rows of -1: every allowed
-    key, as for a query with at most k keys), within `allowed`."""
+def selection_from_columns(allowed: torch.Tensor, columns: torch.Tensor,
+                           own: torch.Tensor | None = None) -> torch.Tensor:
+    """The boolean selection [B, S, S] of replayed key columns [B, S, k] within `allowed`; rows of -1
+    take `own` (the indexer's selection), or every allowed key (right for queries with at most k keys)."""
     has = columns[..., :1] >= 0
     chosen = torch.zeros_like(allowed).scatter_(-1, columns.clamp(min=0), True)
-    return torch.where(has, allowed & chosen, allowed)
+    return torch.where(has, allowed & chosen, allowed if own is None else own)
 
 
 def columns_from_selection(selected: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
