@@ -209,9 +209,24 @@ def test_start_up_errors(tmp_path, tokenizer):
         _module(tokenizer, dense, replay="index", forward="transformers")
     with pytest.raises(ConfigError, match=r"algo.replay='bogus' is not one of"):
         validate(compose(["algo.replay=bogus"]))
-    run = glmlight.build(compose(overrides_for_tests(tmp_path, "algo.replay=both", "task=calculator_agent")))
-    with pytest.raises(ConfigError, match="agent tasks"):
+    run = glmlight.build(compose(overrides_for_tests(tmp_path, "algo.replay=routing")))
+    run.datamodule.engine.close()
+    run.datamodule.engine = _ServerWithoutRecords()
+    with pytest.raises(ConfigError, match="cannot return replay records"):
         run.fit()
+
+
+class _ServerWithoutRecords:
+    """What a server client is to replay before it asks its server for records: an engine without
+    `capture_replay` (the generation protocol of glmlight/rollout/base.py only)."""
+
+    version = 0
+
+    def generate(self, prompts, params):
+        raise AssertionError("not reached: replay stops the run at start-up")
+
+    def close(self):
+        pass
 
 
 # ----------------------------------------------------------------- real runs
@@ -238,6 +253,48 @@ def test_async_run_replays_and_monitors_read_exactly_one(tmp_path):
         assert float(r["rollout/replay_bytes_per_token"]) > 0
         assert not r.get("rollout/dropped/no_replay_records")
     assert run.datamodule.totals["trained"] == 32
+
+
+def test_agent_episodes_carry_first_run_records(tmp_path, tokenizer):
+    """Multi-turn episodes: each position keeps the record of the turn that ran it first, the sample's
+    records cover every action, and a GRPO run on the calculator agent replays without drops."""
+    from glmlight.agents import AgentLoop, StepResult
+    from glmlight.agents.loop import episode_to_samples
+    from glmlight.data.sources import Prompt
+
+    class Env:
+        def __init__(self):
+            self.t = 0
+
+        def reset(self, prompt):
+            return list(prompt.messages)
+
+        def step(self, action):
+            self.t += 1
+            return StepResult(None, reward=1.0, done=True) if self.t >= 3 else StepResult(f"obs {self.t}")
+
+    model = _model(tokenizer)
+    with LocalEngine(model) as engine:
+        engine.capture_replay(routing=True, index=True)
+        loop = AgentLoop(engine, tokenizer, Env, lambda ctx: SamplingParams(temperature=0.0, max_new_tokens=5),
+                         max_turns=5)
+        ep = loop.run([Prompt(messages=[{"role": "user", "content": "2*3="}], label="6")])[0]
+        first = engine.generate([ep.prompt_ids], SamplingParams(temperature=0.0, max_new_tokens=5))[0]
+    (s,) = episode_to_samples(ep, 0, 0)
+    assert ep.turns == 3 and s.loss_mask.count(0) > 0
+    ran = len(s.prompt_ids) + len(s.response_ids) - 1
+    assert s.routed_experts.shape[0] == ran and s.indexer_topk.shape[0] == ran - 4  # ends with an action
+    assert torch.equal(s.routed_experts[: len(first.routed_experts)], first.routed_experts)  # turn 1's records
+    exp = Experience.collate([s], pad_token_id=tokenizer.pad_token_id)
+    used: dict = {}
+    with torch.no_grad():
+        _module(tokenizer, model, replay="none").forward_logits(model, exp, capture=used)
+    assert _agreements(exp, used) == ([1.0], [1.0, 1.0])
+    run = glmlight.build(compose(overrides_for_tests(
+        tmp_path, "algo.replay=both", "task=calculator_agent", "rollout.max_new_tokens=6", "task.agent.max_turns=2",
+        "model.index_topk=8", "~callbacks.held_out_eval", "~callbacks.sample_table")))
+    run.fit()
+    assert run.datamodule.totals["trained"] > 0 and not run.datamodule.totals["dropped/no_replay_records"]
 
 
 def test_datamodule_checkpoint_keeps_queued_records(tmp_path, tokenizer):

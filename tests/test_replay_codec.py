@@ -24,7 +24,9 @@ from glmlight.models.loading import load_causal_lm
 from glmlight.rollout.base import SamplingParams
 from glmlight.rollout.local import LocalEngine
 from glmlight.rollout.replay_codec import (RecordLayout, ReplayDecodeError, decode_sglang_indexer_topk,
-                                           decode_sglang_routed_experts, decode_vllm_routed_experts)
+                                           decode_sglang_routed_experts, decode_vllm_routed_experts,
+                                           routed_experts_from_vllm_array, sglang_indexer_topk_payload,
+                                           sglang_routed_experts_payload, vllm_routed_experts_payload)
 from tests.conftest import encode
 
 
@@ -84,8 +86,17 @@ def test_payloads_decode_to_the_engine_capture(captured):
         assert got.dtype == gen.routed_experts.dtype == torch.uint8 and torch.equal(got, gen.routed_experts)
         got = decode_vllm_routed_experts(vllm_b64(experts.astype(np.uint8)), num_tokens, layout)
         assert got.dtype == torch.uint8 and torch.equal(got, gen.routed_experts)
+        assert torch.equal(routed_experts_from_vllm_array(experts.astype(np.uint8), num_tokens, layout),
+                           gen.routed_experts)
         got = decode_sglang_indexer_topk(sglang_b64(index), num_tokens, layout)
         assert got.dtype == gen.indexer_topk.dtype == torch.int16 and torch.equal(got, gen.indexer_topk)
+        # the stand-ins' payloads (glmlight's encoders) are the servers' up to the router's order
+        for payload, decode in ((sglang_routed_experts_payload(gen.routed_experts, layout), decode_sglang_routed_experts),
+                                (vllm_routed_experts_payload(gen.routed_experts, layout), decode_vllm_routed_experts)):
+            assert torch.equal(decode(payload, num_tokens, layout), gen.routed_experts)
+        ours = np.frombuffer(base64.b64decode(sglang_indexer_topk_payload(gen.indexer_topk, num_tokens, layout)),
+                             np.int32).reshape(index.shape)
+        assert np.array_equal(np.sort(ours, axis=-1), np.sort(index, axis=-1))
     assert len(gens[1].indexer_topk) > 0  # the short prompt still has queries past k
 
 

@@ -58,9 +58,6 @@ def start(module: Any, mode: str) -> None:
     if dm is None:  # no rollout in this fit (e.g. a module trained on prepared batches)
         return
     engine = getattr(dm, "engine", None)
-    if getattr(dm, "env_factory", None) is not None:
-        raise ConfigError(f"config error: algo.replay={mode} is not available for agent tasks (task.agent.env) yet: "
-                          "multi-turn episodes do not carry replay records")
     capture = getattr(engine, "capture_replay", None)
     if not callable(capture):
         raise ConfigError(f"config error: algo.replay={mode}: the {type(engine).__name__} engine cannot return "

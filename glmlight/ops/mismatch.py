@@ -120,7 +120,7 @@ def token_agreement(train_argmax: Tensor, engine_tokens: Tensor, mask: Tensor) -
     train_argmax, engine_tokens: [B, T] integer; mask: [B, T] 0/1. Returns a
     float32 scalar (NaN without mask positions).
     """
-    # Token agreement, validation contract (DESIGN.md).
+    # Token agreement, validation contract (docs/contracts.md).
     mask = mask.float()
     return _div(((train_argmax == engine_tokens).float() * mask).sum(), mask.sum())
 
@@ -137,7 +137,7 @@ def topk_agreement(indices_a: Tensor, indices_b: Tensor) -> Tensor:
     (NaN when no position has a valid entry). Sort + searchsorted, O(k log k)
     per position.
     """
-    # Sparse contract: DSA indexer top-k agreement (DESIGN.md).
+    # Sparse contract: DSA indexer top-k agreement (docs/contracts.md).
     if indices_a.shape != indices_b.shape:
         raise ValueError(
             f"topk_agreement: shapes differ, {tuple(indices_a.shape)} vs {tuple(indices_b.shape)}"

@@ -32,6 +32,9 @@ vLLM `/v1/completions`, `choices[i].routed_experts` (server `--enable-return-rou
   [num_tokens - 1 - routed_experts_prompt_start, num_hidden_layers, num_experts_per_tok] (capturer 31-42).
 
 Replay needs records from position 0: ask with start_len / prompt_start 0 (the default).
+
+The `*_payload` functions go the other way: what those servers send for given records (for stand-ins
+of the servers that are backed by the embedded engine).
 """
 
 from __future__ import annotations
@@ -102,8 +105,19 @@ def decode_vllm_routed_experts(payload: str, num_tokens: int, layout: RecordLayo
     if arr.shape != want:
         raise ReplayDecodeError(f"vLLM routed_experts has shape {arr.shape}; expected {want} "
                                 f"(num_tokens - 1 - routed_experts_prompt_start, layers, experts per token)")
-    return _experts(arr.astype(np.int64).reshape(-1), num_tokens, layout, prompt_start, "vLLM routed_experts",
-                    "routed_experts_prompt_start")
+    return routed_experts_from_vllm_array(arr, num_tokens, layout, prompt_start)
+
+
+def routed_experts_from_vllm_array(arr: np.ndarray, num_tokens: int, layout: RecordLayout,
+                                   prompt_start: int = 0) -> torch.Tensor:
+    """vLLM's `RequestOutput` routed experts as the array itself (`vllm.LLM` in this process) ->
+    `Sample.routed_experts`."""
+    want = (num_tokens - 1 - prompt_start, layout.num_hidden_layers, layout.experts_per_tok)
+    if tuple(arr.shape) != want:
+        raise ReplayDecodeError(f"vLLM routed_experts has shape {tuple(arr.shape)}; expected {want} "
+                                f"(num_tokens - 1 - routed_experts_prompt_start, layers, experts per token)")
+    return _experts(np.asarray(arr).astype(np.int64).reshape(-1), num_tokens, layout, prompt_start,
+                    "vLLM routed_experts", "routed_experts_prompt_start")
 
 
 def decode_sglang_indexer_topk(payload: str, num_tokens: int, layout: RecordLayout) -> torch.Tensor:
@@ -129,6 +143,48 @@ def decode_sglang_indexer_topk(payload: str, num_tokens: int, layout: RecordLayo
         if bool((out[..., 1:] == out[..., :-1]).any()):
             raise ReplayDecodeError("SGLang indexer_topk: a query selects the same key twice")
     return out.to(position_dtype(max(n, 1)))
+
+
+def sglang_routed_experts_payload(record: torch.Tensor, layout: RecordLayout) -> str:
+    """What SGLang sends as `meta_info.routed_experts` for `Sample.routed_experts` record (every layer,
+    dense ones 0, int32 bytes, base64)."""
+    return _b64_encode(_all_layers(record, layout, layout.moe_layers, fill=0))
+
+
+def vllm_routed_experts_payload(record: torch.Tensor, layout: RecordLayout) -> str:
+    """What vLLM sends as `choices[i].routed_experts` for a record (every layer, uint8/uint16 .npy, base64)."""
+    arr = _all_layers(record, layout, layout.moe_layers, fill=0).astype(np.uint8 if layout.num_experts <= 256
+                                                                        else np.uint16)
+    with io.BytesIO() as buffer:
+        np.save(buffer, arr, allow_pickle=False)
+        return base64.b64encode(buffer.getbuffer()).decode("ascii")
+
+
+def sglang_indexer_topk_payload(record: torch.Tensor, num_tokens: int, layout: RecordLayout) -> str:
+    """What SGLang (unfused top-k) sends as `meta_info.indexer_topk` for a `Sample.indexer_topk` record:
+    [num_tokens - 1, every layer, k] int32, a query before position k selecting its keys 0..p then -1,
+    a layer without its own indexer the previous one's selection."""
+    n, k = num_tokens - 1, layout.index_topk
+    out = np.full((n, layout.num_hidden_layers, k), -1, dtype=np.int32)
+    for p in range(min(n, k)):
+        out[p, :, : p + 1] = np.arange(p + 1)
+    rec, last = record.numpy().astype(np.int32), None
+    for layer in range(layout.num_hidden_layers):
+        if layer in layout.indexer_layers:
+            last = layout.indexer_layers.index(layer)
+        if last is not None and n > k:
+            out[k:, layer] = rec[:, last]
+    return _b64_encode(out)
+
+
+def _all_layers(record: torch.Tensor, layout: RecordLayout, layers: tuple[int, ...], fill: int) -> np.ndarray:
+    out = np.full((record.shape[0], layout.num_hidden_layers, record.shape[2]), fill, dtype=np.int32)
+    out[:, list(layers)] = record.numpy().astype(np.int32)
+    return out
+
+
+def _b64_encode(arr: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(arr, dtype=np.int32).tobytes()).decode("utf-8")
 
 
 def _experts(flat: np.ndarray, num_tokens: int, layout: RecordLayout, start: int, what: str,
