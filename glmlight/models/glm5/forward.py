@@ -33,6 +33,10 @@ Why it is faster than the model's forward on CPU, for the batches of RL training
   model's parameters); the MoE's routed experts as one grouped matmul per projection over the
   tokens sorted by expert, the shared expert as a dense MLP.
 
+Replay (`replay=`, `glmlight/models/glm5/replay.py`): the engine's recorded experts replace the
+router's top-k (the router's weights of those experts are still computed, with gradients) and its
+recorded DSA keys replace the indexer's top-k; `replay.capture` receives the choices used.
+
 Deviations from the model's function: among DSA index scores that tie exactly at the top-k
 cut-off, the most recent positions are selected (`glmlight.ops.dsa`, the engine's rule)
 where `Tensor.topk` leaves the choice unspecified; in bf16, RoPE is computed in fp32 and rounded
