@@ -136,6 +136,22 @@ def test_both_runners_record_what_the_trainer_chooses(tokenizer):
         assert routing == [1.0] and index == [1.0, 1.0], forward
 
 
+@pytest.mark.slow
+def test_compiled_decode_records_the_same(tokenizer):
+    """rollout.compile=true: the records written inside the compiled decode step equal the eager ones."""
+    model = _model(tokenizer)
+    prompts = [encode(tokenizer, t) for t in PROMPTS[:4]]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=5 + i, seed=i) for i in range(4)]
+    out = []
+    for compile_ in (False, True):
+        with LocalEngine(model, compile=compile_) as engine:
+            engine.capture_replay(routing=True, index=True)
+            out.append(engine.generate(prompts, params))
+    for a, b in zip(*out):
+        assert a.token_ids == b.token_ids
+        assert torch.equal(a.routed_experts, b.routed_experts) and torch.equal(a.indexer_topk, b.indexer_topk)
+
+
 @pytest.mark.parametrize("forward", ["glmlight", "transformers"])
 def test_replay_makes_engine_and_trainer_logprobs_agree_on_near_ties(tokenizer, forward):
     """Same weights, both fp32: where the routers' and indexers' near-ties fall differently in the
