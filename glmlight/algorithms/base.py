@@ -24,10 +24,10 @@ from typing import Any, Callable, Iterator
 import lightning.pytorch as pl
 import torch
 
+from glmlight.algorithms import replay as replay_
 from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients
 from glmlight.metrics import log_metrics
-from glmlight.algorithms import replay as replay_
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.glm5.replay import transformers_replay
 from glmlight.ops.dis import dis_loss_per_token
