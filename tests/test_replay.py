@@ -194,6 +194,35 @@ def test_replay_only_replaces_choices_and_gradients_reach_the_router(tokenizer):
         torch.testing.assert_close(grads["none"][n], g, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_generic_moe_routing_replay_through_hooks(tokenizer, arch):
+    """Softmax routers (Qwen3-MoE, Mixtral) through the generic runner and the model's own forward:
+    the engine records what the trainer chooses, and replaying it recomputes the same weights."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config, cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if arch == "qwen3_moe" else (MixtralConfig, MixtralForCausalLM)
+    torch.manual_seed(0)
+    model = cls(config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_experts=8,
+                       num_local_experts=8, num_experts_per_tok=2, pad_token_id=0)).eval()
+    samples = _rollout(model, tokenizer, runner="auto", max_batch_size=3, routing=True)
+    assert samples[0].routed_experts.shape[1:] == (2, 2) and samples[0].indexer_topk is None
+    exp = Experience.collate(samples, pad_token_id=tokenizer.pad_token_id)
+    logits = {}
+    for mode in ("none", "routing"):
+        used: dict = {}
+        out = _module(tokenizer, model, replay=mode, forward="transformers").forward_logits(model, exp, capture=used)
+        logits[mode] = out.detach()
+        rec = exp.routed_experts
+        for j, layer in enumerate(sorted(used["experts"])):
+            t, e = used["experts"][layer].reshape(*rec.shape[:2], -1), rec[:, :, j].long()
+            rows = e[..., 0] >= 0
+            assert float(set_agreement(e[rows], t[rows])) == 1.0
+    lp = logprobs_from_logits(logits["routing"], exp.response_ids, 1.0)
+    assert float(((lp - exp.rollout_logprobs) * exp.loss_mask).abs().max()) < 2e-6
+    torch.testing.assert_close(logits["none"], logits["routing"], rtol=1e-6, atol=1e-6)
+
+
 # ----------------------------------------------------------------- missing records
 def test_samples_without_records_are_dropped_and_counted():
     def sample(rid, group, rec):
