@@ -19,9 +19,10 @@ from callbacks.corrections import IcePop, MaskedIS, RejectionSampling, Truncated
 from callbacks.evaluation import HeldOutEval
 from callbacks.index_agreement import IndexAgreement
 from callbacks.mismatch import MismatchMonitor
+from callbacks.routing_agreement import RoutingAgreement
 from callbacks.sample_logging import SampleTable
 from callbacks.version_gate import PolicyVersionGate
 from callbacks.weight_sync import WeightSync
 
 __all__ = ["Correction", "ExperienceHook", "HeldOutEval", "IcePop", "IndexAgreement", "MaskedIS", "MismatchMonitor", "PolicyVersionGate",
-           "RejectionSampling", "SampleTable", "TruncatedIS", "WeightSync"]
+           "RejectionSampling", "RoutingAgreement", "SampleTable", "TruncatedIS", "WeightSync"]

@@ -255,7 +255,8 @@ def build(cfg: DictConfig | dict) -> Run:
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
                             seed=cfg.model.seed, trust_remote_code=cfg.model.trust_remote_code,
-                            index_topk=cfg.model.index_topk)
+                            index_topk=cfg.model.index_topk, n_routed_experts=cfg.model.n_routed_experts,
+                            num_experts_per_tok=cfg.model.num_experts_per_tok)
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     source, eval_source = build_sources(cfg.task, cfg.seed)

@@ -42,6 +42,8 @@ class ModelConfig:
     path: Optional[str] = None  # a local Hugging Face checkpoint; None = the tiny GLM-5 default
     preset: str = "tiny"  # tiny GLM-5 size when path is None: test | tiny | small
     index_topk: Optional[int] = None  # tiny GLM-5: DSA indexer top-k (below the sequence length = sparse)
+    n_routed_experts: Optional[int] = None  # tiny GLM-5: routed experts per MoE layer (preset's if None)
+    num_experts_per_tok: Optional[int] = None  # tiny GLM-5: experts each token is routed to (preset's if None)
     dtype: str = "float32"  # training dtype
     seed: int = 0
     trust_remote_code: bool = False
@@ -53,7 +55,7 @@ class ModelConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
 
-ranges(ModelConfig, index_topk=">= 1", seed=SEED)
+ranges(ModelConfig, index_topk=">= 1", n_routed_experts=">= 1", num_experts_per_tok=">= 1", seed=SEED)
 
 
 @dataclass
@@ -211,6 +213,10 @@ class AlgoConfig:
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_estimator: str = "k3"  # k1 | k2 | k3
     max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite losses
+    # Replay the engine's discrete choices in every trainer forward over the rollout's tokens (old
+    # log-probs, update, reference, same-architecture teachers): "routing" = the experts each MoE layer
+    # chose, "index" = the keys each DSA indexer selected, "both", or "none" (docs/contracts.md).
+    replay: str = "none"
 
 
 ranges(AlgoConfig, lr=">= 0", weight_decay=">= 0", betas="[0, 1)", warmup_steps=">= 0", min_lr_ratio="[0, 1]",
@@ -374,6 +380,7 @@ CHOICES = {
     "algo.policy_loss": ("ppo", "dis"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.old_logprobs": ("auto", "forward", "update"),
+    "algo.replay": ("none", "routing", "index", "both"),
     "model.forward": ("auto", "glmlight", "transformers"),
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),

@@ -153,7 +153,8 @@ def test_consistency_demo_logs_real_mismatch(tmp_path):
 
     run = _build(tmp_path, "callbacks=consistency", "trainer.max_steps=2", "~callbacks.held_out_eval",
                  "~callbacks.sample_table", "callbacks.mismatch.probe_every_n_steps=1",
-                 "callbacks.index_agreement.every_n_steps=1", "rollout.max_new_tokens=12")
+                 "callbacks.index_agreement.every_n_steps=1", "callbacks.routing_agreement.every_n_steps=1",
+                 "rollout.max_new_tokens=12")
     run.fit()
     path = glob.glob(os.path.join(str(tmp_path), "csv", "*", "metrics.csv"))[0]
     rows = [r for r in csv.DictReader(open(path)) if r.get("mismatch/mismatch_kl")]
@@ -161,7 +162,7 @@ def test_consistency_demo_logs_real_mismatch(tmp_path):
     kl = [float(r["mismatch/mismatch_kl"]) for r in rows]
     assert all(math.isfinite(v) for v in kl) and any(abs(v) > 0 for v in kl)  # bf16 engine vs fp32 trainer
     for key in ("icepop/popped_frac", "mismatch/chi2_token", "mismatch/trusted_token_ratio",
-                "mismatch/token_agreement", "index_agreement/mean"):
+                "mismatch/token_agreement", "index_agreement/mean", "routing_agreement/mean"):
         assert any(r.get(key) not in (None, "") for r in rows), key
     agreement = [float(r["mismatch/token_agreement"]) for r in rows if r.get("mismatch/token_agreement")]
     assert all(0.0 <= a <= 1.0 for a in agreement)

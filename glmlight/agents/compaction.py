@@ -79,13 +79,16 @@ class CompactingAgentLoop(AgentLoop):
 
     def resume(self, ep: Episode, summary_ids: list[int]) -> None:
         """Close the current segment and continue from the resume prompt."""
-        ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions))
+        ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
+                                   ep.routed_experts, ep.indexer_topk))
         k = min(self.keep_last_steps, len(ep.steps))
         prompt = self.resume_prompt(ep, summary_ids, k)
         while k > 0 and len(prompt) + self.threshold > self.max_context:
             k -= 1
             prompt = self.resume_prompt(ep, summary_ids, k)
         ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions = prompt, [], [], [], []
+        ep.routed_experts = ep.indexer_topk = None  # the new segment's records start with its prompt
+        ep.records_lost, ep.record_turns = False, 0
         ep.steps = ep.steps[len(ep.steps) - k:] if k else []
         ep.info["compactions"] = ep.info.get("compactions", 0) + 1
         if len(prompt) + 1 >= self.max_context:

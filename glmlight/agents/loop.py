@@ -6,6 +6,10 @@ then only the environment's new observation is tokenized with the chat template
 and appended (loss_mask 0, log-prob 0, version -1). Nothing already in the
 context is ever re-tokenized. Episodes of a batch advance turn by turn together,
 so each turn is one batched engine call.
+
+Replay records (`Sample.routed_experts` / `.indexer_topk`), when the engine returns them: each turn's
+records cover the whole context it ran; a position keeps the record of the turn that ran it first
+(what a prefix-caching server reports too), so an action's record is the one it was produced with.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from glmlight.agents.env import Environment, step_result_problem
 from glmlight.errors import DataError
-from glmlight.prompt import Prompt
 from glmlight.models.tokenizer import encode_chat
+from glmlight.prompt import Prompt
 from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
 from glmlight.sample import Sample, Status
 
@@ -64,6 +70,10 @@ class Episode:
     awaiting_prompt: bool = False  # the context ends with an observation: open an assistant turn first
     segments: list["Segment"] = field(default_factory=list)  # closed segments (context compaction)
     action_lengths: list[int] = field(default_factory=list)  # tokens of each action turn (max_new_tokens bounds each)
+    routed_experts: Any = None  # replay records of the current segment (module docstring)
+    indexer_topk: Any = None
+    records_lost: bool = False  # a turn came without the records the others have: the segment has none
+    record_turns: int = 0  # turns of the current segment whose records were added
 
     @property
     def context(self) -> list[int]:
@@ -74,6 +84,19 @@ class Episode:
         self.loss_mask += [1] * len(g.token_ids)
         self.logprobs += g.logprobs
         self.versions += g.versions
+        self.add_records(g)
+
+    def add_records(self, g: Generation) -> None:
+        """Extend the segment's replay records by the positions `g`'s turn ran first."""
+        new, old = (g.routed_experts, g.indexer_topk), (self.routed_experts, self.indexer_topk)
+        self.record_turns += 1
+        if self.record_turns == 1:
+            self.routed_experts, self.indexer_topk = new
+        elif self.records_lost or [r is None for r in new] != [r is None for r in old]:
+            self.records_lost, self.routed_experts, self.indexer_topk = True, None, None
+        else:
+            self.routed_experts, self.indexer_topk = (
+                o if n is None or len(n) <= len(o) else torch.cat([o, n[len(o):]]) for o, n in zip(old, new))
 
     def add_observation(self, ids: list[int]) -> None:
         self.response_ids += ids
@@ -94,6 +117,8 @@ class Segment:
     loss_mask: list[int]
     logprobs: list[float]
     versions: list[int]
+    routed_experts: Any = None  # replay records (Episode)
+    indexer_topk: Any = None
 
 
 class AgentLoop:
@@ -192,9 +217,11 @@ def episode_to_samples(ep: Episode, group_id: int, rollout_id: int) -> list[Samp
             "action_lengths": list(ep.action_lengths)}
     if ep.error:
         meta["env_error"] = ep.error
-    parts = ep.segments + [Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions)]
+    parts = ep.segments + [Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
+                                   ep.routed_experts, ep.indexer_topk)]
     reward = None if ep.status is Status.FAILED else ep.reward
     return [Sample(prompt_ids=p.prompt_ids, response_ids=p.response_ids, loss_mask=p.loss_mask,
                    rollout_logprobs=p.logprobs, versions=p.versions, reward=reward, status=ep.status,
-                   group_id=group_id, rollout_id=rollout_id, segment=i, metadata=dict(meta))
+                   group_id=group_id, rollout_id=rollout_id, segment=i, metadata=dict(meta),
+                   routed_experts=p.routed_experts, indexer_topk=p.indexer_topk)
             for i, p in enumerate(parts)]

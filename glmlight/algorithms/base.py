@@ -24,10 +24,12 @@ from typing import Any, Callable, Iterator
 import lightning.pytorch as pl
 import torch
 
+from glmlight.algorithms import replay as replay_
 from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients
 from glmlight.metrics import log_metrics
 from glmlight.models.glm5 import forward as glm_forward
+from glmlight.models.glm5.replay import transformers_replay
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
@@ -65,6 +67,8 @@ class RLModule(pl.LightningModule):
         self.automatic_optimization = False
         self.policy_version = 0
         self._nonfinite_streak = 0
+        self.replay_mode = getattr(cfg, "replay", "none")  # algo.replay (glmlight/algorithms/replay.py)
+        replay_.check_model(policy, self.replay_mode)
         # The frozen reference lives outside the module's parameters: never trained, never checkpointed.
         self._reference: list[torch.nn.Module] = []
         if cfg.kl_coef > 0:
@@ -114,15 +118,21 @@ class RLModule(pl.LightningModule):
         return logprobs.new_zeros(()), {}
 
     # ----------------------------------------------------------------- log-probs
-    def forward_logits(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
-        """Logits predicting each response token: [B, T, V]."""
+    def forward_logits(self, model: torch.nn.Module, exp: Experience, capture: dict | None = None) -> torch.Tensor:
+        """Logits predicting each response token: [B, T, V]. With `algo.replay`, the engine's recorded
+        experts / DSA keys replace the model's own choices; `capture` receives the choices used."""
         P = exp.prompt_length
+        replay = replay_.replay_for(self.replay_mode, model, exp, capture)
         if self.use_glm_forward and glm_forward.supports(model):
             return glm_forward.forward_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids,
-                                              start=P - 1)[:, :-1]
-        out = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
-                    use_cache=False)
+                                              start=P - 1, replay=replay)[:, :-1]
+        with transformers_replay(model, replay):
+            out = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
+                        use_cache=False)
         return out.logits[:, P - 1 : -1]
+
+    def on_fit_start(self) -> None:
+        replay_.start(self, self.replay_mode)  # the engine records what is replayed
 
     @torch.no_grad()
     def compute_logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:

@@ -192,7 +192,8 @@ class RolloutDataModule(pl.LightningDataModule):
                     continue
                 s = Sample(prompt_ids=list(ids), response_ids=list(g.token_ids), loss_mask=[1] * len(g.token_ids),
                            rollout_logprobs=list(g.logprobs), versions=list(g.versions), status=g.status,
-                           group_id=group_id, rollout_id=first + j, metadata=meta)
+                           group_id=group_id, rollout_id=first + j, metadata=meta,
+                           routed_experts=g.routed_experts, indexer_topk=g.indexer_topk)  # replay records, if any
                 s.metadata["completion_text"] = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
                 samples.append(s)
         return samples
@@ -405,6 +406,10 @@ def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),
         "rollout/trained": float(counts["trained"]),
     }
+    records = [t for s in batch for t in (s.routed_experts, s.indexer_topk) if t is not None]
+    if records:  # replay records (routed experts, DSA top-k): their memory per token of prompt + response
+        tokens = sum(len(s.prompt_ids) + s.response_length for s in batch)
+        stats["rollout/replay_bytes_per_token"] = sum(t.numel() * t.element_size() for t in records) / tokens
     for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "reward_timeout",
               "reward_seconds", "engine_errors", "invalid_tokens"):
         if k in counts:

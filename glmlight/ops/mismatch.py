@@ -121,7 +121,7 @@ def token_agreement(train_argmax: Tensor, engine_tokens: Tensor, mask: Tensor) -
     train_argmax, engine_tokens: [B, T] integer; mask: [B, T] 0/1. Returns a
     float32 scalar (NaN without mask positions).
     """
-    # Token agreement, validation contract (DESIGN.md).
+    # Token agreement, validation contract (docs/contracts.md).
     mask = mask.float()
     return _div(((train_argmax == engine_tokens).float() * mask).sum(), mask.sum())
 
@@ -138,7 +138,7 @@ def topk_agreement(indices_a: Tensor, indices_b: Tensor) -> Tensor:
     (NaN when no position has a valid entry). Sort + searchsorted, O(k log k)
     per position.
     """
-    # Sparse contract: DSA indexer top-k agreement (DESIGN.md).
+    # Sparse contract: DSA indexer top-k agreement (docs/contracts.md).
     if indices_a.shape != indices_b.shape:
         raise ValueError(
             f"topk_agreement: shapes differ, {tuple(indices_a.shape)} vs {tuple(indices_b.shape)}"
@@ -152,6 +152,20 @@ def topk_agreement(indices_a: Tensor, indices_b: Tensor) -> Tensor:
     valid = torch.maximum((a >= 0).sum(-1), (indices_b.reshape(-1, k) >= 0).sum(-1)).float()
     scored = valid > 0
     return _div((overlap[scored] / valid[scored]).sum(), scored.float().sum())
+
+
+def set_agreement(choices_a: Tensor, choices_b: Tensor) -> Tensor:
+    """Fraction of positions whose two choices [..., k] are the same set (order ignored), e.g. the
+    experts a MoE router picked for a token in the engine and in the trainer. Each side is assumed
+    to hold distinct entries. Returns a float32 scalar (NaN for no positions)."""
+    # Model contract: routing agreement (docs/contracts.md).
+    if choices_a.shape != choices_b.shape:
+        raise ValueError(f"set_agreement: shapes differ, {tuple(choices_a.shape)} vs {tuple(choices_b.shape)}")
+    k = choices_a.shape[-1]
+    a = choices_a.reshape(-1, k).sort(dim=-1).values
+    b = choices_b.reshape(-1, k).sort(dim=-1).values
+    same = (a == b).all(-1).float()
+    return _div(same.sum(), torch.tensor(float(same.numel())))
 
 
 def _zero_off_mask(logprobs: Tensor, valid: Tensor) -> Tensor:

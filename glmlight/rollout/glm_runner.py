@@ -36,6 +36,10 @@ Numerics: the same fp32 function as the model's forward up to reassociation
 
 Weights are read from the model on `refresh()`; the engine calls it after every
 weight update.
+
+Replay capture (`set_capture`, `records`): the expert ids of every MoE layer and the DSA selection of
+every layer with its own indexer, per row and position beside the cache (`glmlight/rollout/records.py`),
+also inside a compiled decode step.
 """
 
 from __future__ import annotations
@@ -46,11 +50,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from glmlight.ops.dsa import topk_mask, topk_recent
 from glmlight.models.glm5.arch import is_glm5
-from glmlight.models.glm5.moe import moe_forward
+from glmlight.models.glm5.moe import moe_forward, moe_forward_routed
+from glmlight.ops.dsa import topk_mask, topk_recent
 from glmlight.rollout.glm_weights import Layer, read_layers
-
+from glmlight.rollout.records import Capture
 
 ABSORB_MAX_GROWTH = 1.5
 DECODE_WINDOW = 64  # compiled decode steps attend over cache positions [0, T), T a multiple of this
@@ -109,6 +113,7 @@ class GlmDsaRunner:
         self.absorb_q = self.H * self.L * q_lora <= ABSORB_MAX_GROWTH * self.H * self.nope * (q_lora + self.L)
         self.absorb_o = hidden * self.H * self.L <= ABSORB_MAX_GROWTH * self.H * self.dv * (self.L + hidden)
         self._rope_len = 0
+        self.capture: Capture | None = None  # replay records (set_capture)
         self.refresh()
         self.n = 0  # rows in the running batch
         self.lens = torch.zeros(0, dtype=torch.long, device=self.device)  # tokens cached per row
@@ -161,6 +166,7 @@ class GlmDsaRunner:
         self.rows_cap, self.capacity = rows, capacity
         if capacity > self._rope_len:
             self._rope_table(capacity)
+        self._alloc_capture(rows, capacity, n, T)
 
     def _ensure(self, rows: int, length: int) -> None:
         if rows > self.rows_cap or length > self.capacity:  # grow what is short (at least 2x), keep the rest
@@ -187,6 +193,8 @@ class GlmDsaRunner:
                 self.C[l][dst, :T] = self.C[l][src, :T]
                 if self.IK[l] is not None:
                     self.IK[l][dst, :T] = self.IK[l][src, :T]
+            if self.capture is not None:
+                self.capture.move(dst, src, T)
         self.lens = self.lens[torch.tensor(rows, device=self.device)]
         self.n = k
         self._max_len = int(self.lens.max())
@@ -278,6 +286,8 @@ class GlmDsaRunner:
             Cl.view(-1, L + r).index_copy_(0, flat, torch.cat([latent, k_rot], dim=-1).view(-1, L + r))
             if Ly.indexer is not None:
                 selected = self._select(l, Ly, parts[4], rot[:, :, H:], iq_pass, mask, rows, keys)
+                if self.capture is not None:
+                    self._record_index(l, flat, selected)
             # attention in the latent space: q·k = (W_uk^T q_nope)·latent + q_rot·k_rot
             q_lat = q_nope.view(B * S, H, L) if Ly.w_uk is None else \
                 torch.matmul(q_nope.view(B * S, H, -1).transpose(0, 1), Ly.w_uk).transpose(0, 1)  # [BS, H, L]
@@ -296,7 +306,7 @@ class GlmDsaRunner:
             if Ly.w_uv is not None:
                 o = torch.matmul(o.view(B * S, H, L).transpose(0, 1), Ly.w_uv).transpose(0, 1)  # [BS, H, dv]
             h = h + F.linear(o.reshape(B, S, -1), Ly.o_proj, Ly.o_bias)
-            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps))
+            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps), l, flat)
         h = h[:, 0] if last is None else h[torch.arange(B, device=self.device), last]
         return F.linear(_rms(h, self.final_norm, self.final_eps), self.lm_head)
 
@@ -320,8 +330,48 @@ class GlmDsaRunner:
             return topk_recent(index, self.topk, positions)
         return topk_mask(index, self.topk)
 
-    def _mlp(self, Ly: Layer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, Ly: Layer, x: torch.Tensor, l: int = -1, flat: torch.Tensor | None = None) -> torch.Tensor:
         if not Ly.moe:
             g, u = F.linear(x, Ly.gate_up).chunk(2, dim=-1)
             return F.linear(F.silu(g) * u, Ly.mlp.down_proj.weight)
-        return moe_forward(Ly.mlp, Ly.experts, x)
+        if self.capture is None or self.capture.experts is None:
+            return moe_forward(Ly.mlp, Ly.experts, x)
+        y, idx = moe_forward_routed(Ly.mlp, Ly.experts, x)
+        self.capture.experts.write(self._moe_slot[l], flat, idx)
+        return y
+
+    # ----------------------------------------------------------------- replay capture
+    def set_capture(self, routing: bool, index: bool) -> None:
+        """Record (routing) the expert ids of every MoE layer and/or (index) the DSA selection of every
+        layer with its own indexer, for every token run from now on (rows already running have gaps)."""
+        moe = [l for l, Ly in enumerate(self.layers) if Ly.moe]
+        ix = [l for l, Ly in enumerate(self.layers) if Ly.indexer is not None]
+        self._moe_slot, self._ix_slot = {l: j for j, l in enumerate(moe)}, {l: j for j, l in enumerate(ix)}
+        cfg = self.cfg
+        self.capture = None if not (routing or index) else Capture(
+            self.device, moe_layers=len(moe), experts_per_tok=cfg.num_experts_per_tok,
+            num_experts=cfg.n_routed_experts, indexer_layers=len(ix), index_topk=self.topk, routing=routing,
+            index=index)
+        self._alloc_capture(self.rows_cap, self.capacity, 0, 0)
+
+    def records(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The replay records of `row`, for the positions it ran (`Capture.read`)."""
+        return (None, None) if self.capture is None else self.capture.read(row, int(self.lens[row]))
+
+    def _alloc_capture(self, rows: int, capacity: int, n: int, T: int) -> None:
+        if self.capture is not None:
+            self.capture.alloc(rows, capacity, n, T)
+            for r in self.capture.parts:
+                for t in r.buf:
+                    _dynamic(t, 0)
+
+    def _record_index(self, l: int, flat: torch.Tensor, selected: torch.Tensor | None) -> None:
+        """The DSA selection of layer l for the tokens at `flat`: key positions [B, 1, k] (decode), or
+        the first k keys of a mask [B, S, T] (prefill: exactly k for the queries at positions >= k,
+        the only ones read back). None: no query has more than k keys."""
+        rec = self.capture.index
+        if rec is None or selected is None:
+            return
+        keys = selected[:, 0] if selected.dtype == torch.long else \
+            (~selected).to(torch.uint8).argsort(dim=-1, stable=True)[..., : self.topk]
+        rec.write(self._ix_slot[l], flat, keys)

@@ -117,6 +117,8 @@ class LocalEngine:
         self._stats = dict(iterations=0, decode_steps=0, prefills=0, admitted=0, admitted_mid_decode=0,
                            max_batch=0, tokens=0, aborted=0)
         self.on_step: Callable[[int], None] | None = None  # called by the decode thread after each step
+        self._capture = (False, False)  # replay records: (routing, index), for requests admitted from
+        self._capture_since = 0  # this engine iteration on
 
     # ----------------------------------------------------------------- protocol
     @property
@@ -138,6 +140,27 @@ class LocalEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._cv:
             self._generator.set_state(state["generator"])
+
+    def capture_replay(self, routing: bool = False, index: bool = False) -> None:
+        """Record, for every request admitted from now on, the expert ids each MoE layer chose
+        (`routing`) and/or the DSA selection of each layer with its own indexer (`index`) for every
+        token it runs, prompt and response: `Generation.routed_experts` / `.indexer_topk`. Adds to
+        what is recorded already. Raises EngineError when the runner or the model cannot."""
+        with self._turn, self._lock:
+            want = (routing or self._capture[0], index or self._capture[1])
+            if want == self._capture:
+                return
+            set_capture = getattr(self._runner, "set_capture", None)
+            if set_capture is None:
+                raise EngineError(f"the {type(self._runner).__name__} runner cannot capture replay records")
+            set_capture(*want)
+            self._capture, self._capture_since = want, self._iteration
+
+    def _attach_records(self, done: list[tuple[Request, Generation]], rows: list[int]) -> None:
+        """Replay records of finished rows (requests admitted while capturing; aborts get none)."""
+        for (req, gen), row in zip(done, rows):
+            if req.first_iteration >= self._capture_since and gen.finish_reason != "abort":
+                gen.routed_experts, gen.indexer_topk = self._runner.records(row)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Future:
         """Queue one request; the future resolves to its Generation. Never blocks on decoding."""
@@ -312,6 +335,8 @@ class LocalEngine:
             n = len(batch)
             rows = finished.nonzero()[:, 0].tolist()
             done = batch.finish(rows)
+            if self._capture != (False, False):
+                self._attach_records(done, rows)
             if rows:
                 order = _fill_holes(n, rows)
                 batch.keep(order)
