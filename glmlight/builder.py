@@ -47,11 +47,28 @@ class Run:
     datamodule: RolloutDataModule
     cfg: DictConfig
 
-    def fit(self) -> None:
-        if self.trainer.is_global_zero:
-            save_run_config(self.cfg, self.trainer.default_root_dir)
-        self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
-                         weights_only=True)
+    def fit(self, close: bool = True) -> None:
+        """Train. However it ends (done, an error, Ctrl-C, SIGTERM), the run is closed afterwards —
+        the engine stopped, servers glmlight started terminated — unless `close=False` (then call
+        `close()` yourself, or use `with run:`)."""
+        try:
+            if self.trainer.is_global_zero:
+                save_run_config(self.cfg, self.trainer.default_root_dir)
+            self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
+                             weights_only=True)
+        finally:
+            if close:
+                self.close()
+
+    def close(self) -> None:
+        """Stop the rollout producer and close the engine (and the servers it launched); idempotent."""
+        self.datamodule.close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def save_run_config(cfg: DictConfig, root: str) -> str:
