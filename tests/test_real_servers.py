@@ -16,7 +16,6 @@ import types
 import urllib.request
 
 import pytest
-import torch
 
 from glmlight.errors import EngineError
 from glmlight.rollout.base import SamplingParams

@@ -348,3 +348,28 @@ def test_managed_launch_exit_is_reported_with_log_tail(tokenizer, tmp_path):
         build_server_engine(launch_config(tmp_path, "sglang", cmd))
     msg = str(err.value)
     assert "\n" not in msg and "exited with code 3" in msg and "no GPU found" in msg
+
+
+def test_a_server_that_comes_back_with_other_weights_is_resynced_first(model, tokenizer, tmp_path):
+    """One of two servers restarts (its initial weights, weight_version "default"): its answers are
+    never returned; it gets version 1 again before it answers; nothing is lost or doubled."""
+    a, b = SGLangServer(LocalEngine(model)).start(), SGLangServer(LocalEngine(model)).start()
+    ps, sp = prompts(tokenizer, 4), greedy(tokenizer)
+    new = perturbed(model)
+    want = answers_of(model, new, ps, sp)
+    try:
+        with make([a.url, b.url], tmp_path) as eng:
+            eng.update_weights(new, version=1)
+            b.reset_state()  # what a restart leaves behind, without a dropped connection to notice
+            assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert eng.num_resyncs == 1 and eng.num_stale_answers >= 1 and b.weight_version == "1"
+            b.restart(fresh=True)  # and a real restart: the pooled connections break
+            assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert eng.num_resyncs == 2 and b.weight_version == "1" and eng.version == 1
+            late = len(b.calls("/generate"))
+            eng.generate(ps * 2, sp)
+            assert len(b.calls("/generate")) > late  # back in rotation
+    finally:
+        a.close()
+        b.close()

@@ -15,7 +15,6 @@ import torch
 
 from glmlight.config import validate
 from glmlight.errors import EngineError
-from glmlight.rollout.base import SamplingParams
 from glmlight.rollout.factory import build_server_engine
 from glmlight.rollout.http import HttpSettings
 from glmlight.rollout.launch import PACKAGE_ROOT, free_port, server_processes
@@ -387,3 +386,27 @@ def test_worker_extension_imports_with_torch_and_safetensors_alone(tmp_path):
     assert out.returncode == 0, out.stderr[-1500:]
     assert out.stdout.strip() == str(['glmlight', 'glmlight.dtypes', 'glmlight.rollout', 'glmlight.rollout.transport',
                                       'glmlight.rollout.vllm_worker', 'glmlight.sample'])
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_a_server_that_comes_back_with_other_weights_is_resynced_first(model, tokenizer, tmp_path, version):
+    """vLLM 0.33 labels every answer with its weight version; 0.32 does not, so the client asks each
+    server for its version before every call. Either way a server that lost its weights is given
+    the current ones before it answers."""
+    a, b = VLLMServer(LocalEngine(model), version=version).start(), VLLMServer(LocalEngine(model), version=version).start()
+    ps, sp = prompts(tokenizer, 4), greedy(tokenizer)
+    new = perturbed(model)
+    want = answers_of(model, new, ps, sp)
+    try:
+        with make([a.url, b.url], tmp_path, weight_sync="tensor") as eng:
+            eng.update_weights(new, version=1)
+            b.reset_state()
+            assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert eng.num_resyncs == 1 and b.worker.glmlight_weight_version()["weight_version"] == "1"
+            b.restart(fresh=True)
+            for _ in range(2):
+                assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert eng.num_resyncs == 2 and eng.version == 1
+    finally:
+        a.close()
+        b.close()

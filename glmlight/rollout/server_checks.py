@@ -14,11 +14,17 @@ prompt tell a server that reports something else:
 
 A check whose raw log-probs are all ~0 (a model that is certain of every token) cannot tell and
 passes.
+
+`verify_update`: after an update, a probe (the first prompt the engine saw, split in two) is scored
+on every server; a server that acknowledged the new version but answers exactly as before, although
+the weights moved by more than any server dtype's rounding, did not load them: the run stops.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from glmlight.errors import EngineError
 from glmlight.rollout.base import SamplingParams
@@ -62,3 +68,41 @@ def _check_one(engine: Any, url: str, hint: str) -> None:
     if any(abs(r) > TOL for r in raw) and all(abs(a - b) <= 1e-5 for a, b in zip(lps, raw)):
         raise EngineError(f"{engine.name} server at {url} reports log-probs before temperature: at temperature 0.5 "
                           f"it reported {lps[0]:.6g}, the temperature-1 log-prob of the same token; {hint}")
+
+
+def verify_update(engine: Any, urls: Any, version: int, fingerprint: torch.Tensor | None) -> None:
+    """See the module docstring; raises FleetFailed (and marks the engine failed)."""
+    from glmlight.rollout.http import new_rid
+    from glmlight.rollout.server_types import FleetFailed
+
+    if engine._probe is None:
+        return
+    prompt, completion = engine._probe
+    changed = moved(fingerprint, engine._fingerprint)
+    scores = {u: engine.http.run(engine._score_one(new_rid(), prompt, completion, url=u)) for u in urls}
+    for u in urls:
+        if changed and scores[u] == engine._probe_scores.get(u):
+            engine._failed = (f"{engine.name} server at {u} acknowledged weight version {version} but answers exactly "
+                              "as before the update: it did not load the new weights")
+            raise FleetFailed(engine._failed)
+    engine._probe_scores.update(scores)
+    if fingerprint is not None:
+        engine._fingerprint = fingerprint
+
+
+def weights_fingerprint(named: list) -> torch.Tensor:
+    """Up to 64 evenly spaced values of every tensor, as float32 (cheap; enough to tell whether
+    training moved the weights by more than a server's rounding)."""
+    parts = []
+    for _, t in named:
+        flat = t.detach().reshape(-1)
+        parts.append(flat[:: max(1, flat.numel() // 64)][:64].to("cpu", torch.float32))
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def moved(new: torch.Tensor | None, old: torch.Tensor | None) -> bool:
+    """Whether the weights moved by more than 1% of their largest value (beyond any server dtype's
+    rounding, so the outputs must change)."""
+    if new is None or old is None or new.shape != old.shape or new.numel() == 0:
+        return False
+    return float((new - old).abs().max()) > 1e-2 * float(old.abs().max())

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,39 +39,11 @@ import torch
 from glmlight.errors import EngineError
 from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, normalize_requests
 from glmlight.rollout.launch import LaunchSpec, ManagedServer
+from glmlight.rollout.server_checks import verify_update, weights_fingerprint
+from glmlight.rollout.server_types import (Answer, FleetFailed, Source, UpdateFailed,  # noqa: F401 (re-exported)
+                                           sampling_fields, server_settings)
 
 log = logging.getLogger(__name__)
-
-
-class UpdateFailed(EngineError):
-    """A weight update failed and every server still serves the previous version (retried)."""
-
-
-class FleetFailed(EngineError):
-    """Servers were left on different or unknown weights: the engine cannot go on."""
-
-    fatal = True
-
-
-@dataclass
-class Answer:
-    """One server answer: the generation, the server, and the weight-version labels the server
-    reported for it (empty when it reports none)."""
-
-    gen: Generation
-    url: str
-    labels: list[str]
-
-
-@dataclass
-class Source:
-    """Where the weights of one version can be had again (re-syncs, reverts): tensors, or a
-    checkpoint path the servers can read; `label` is what the servers report for them."""
-
-    version: int
-    label: str | None
-    named: list | None = None
-    path: str | None = None
 
 
 class ServerEngineBase:
@@ -111,6 +83,8 @@ class ServerEngineBase:
             self._url_version: dict[str, int] = {u: version for u in self.urls}
             self._suspects: set[str] = set()
             self.pool.avoid = self._suspects
+            # One fleet change at a time: an update (the trainer) and a re-sync (a generating thread)
+            self._fleet_lock = threading.RLock()
             self._failed: str | None = None
             self._probe: tuple[list[int], list[int]] | None = None
             self._probe_scores: dict[str, list[float]] = {}
@@ -135,6 +109,7 @@ class ServerEngineBase:
             return []
         params = normalize_requests(prompts, params)
         self._remember_probe(prompts[0])
+        self._check_unlabelled()
         self._sync_suspects()
         from glmlight.rollout.http import new_rid
 
@@ -185,20 +160,21 @@ class ServerEngineBase:
         fingerprint = weights_fingerprint(named) if named is not None else None
         urls = self._sync_urls()
         error: Exception | None = None
-        for attempt in range(self.update_retries + 1):
-            try:
-                source = self._update_fleet(urls, named, path, version, fingerprint)
-                break
-            except UpdateFailed as e:
-                error = e
-                log.warning("%s: weight update to version %d failed (attempt %d of %d), every server still serves "
-                            "version %d: %s", self.name, version, attempt + 1, self.update_retries + 1,
-                            self._version, e)
-        else:
-            raise EngineError(f"{self.name}: weight update to version {version} failed {self.update_retries + 1} "
-                              f"times; every server still serves version {self._version} (last error: {error})")
-        self._current = source
-        self._version = version
+        with self._fleet_lock:
+            for attempt in range(self.update_retries + 1):
+                try:
+                    source = self._update_fleet(urls, named, path, version, fingerprint)
+                    break
+                except UpdateFailed as e:
+                    error = e
+                    log.warning("%s: weight update to version %d failed (attempt %d of %d), every server still "
+                                "serves version %d: %s", self.name, version, attempt + 1, self.update_retries + 1,
+                                self._version, e)
+            else:
+                raise EngineError(f"{self.name}: weight update to version {version} failed {self.update_retries + 1}"
+                                  f" times; every server still serves version {self._version} (last error: {error})")
+            self._current = source
+            self._version = version
 
     def __enter__(self) -> "ServerEngineBase":
         return self
@@ -220,42 +196,50 @@ class ServerEngineBase:
     # ------------------------------------------------------------------ the fleet update
     def _update_fleet(self, urls: Sequence[str], named: list | None, path: str | None, version: int,
                       fingerprint: torch.Tensor | None) -> Source:
-        self._run_all(self._pause, urls)
         try:
-            source = self._push(urls, named, path, version)
+            self._run_all(self._pause, urls)
+        except EngineError as e:
+            self._resume_all(urls)
+            raise UpdateFailed(f"could not pause every server: {e}") from None
+        try:
+            try:
+                source = self._push(urls, named, path, version)
+            except (UpdateFailed, FleetFailed):
+                raise
+            except EngineError as e:  # the fleet's state is not known any more
+                self._failed = f"{self.name}: a weight update to version {version} failed half-way: {e}"
+                raise FleetFailed(self._failed) from None
             for u in urls:
                 self._expect[u], self._url_version[u] = str(version), version
-            self._run_all(self._flush, urls)
-            self._confirm_version(urls, version)
-        finally:
             try:
-                self._run_all(self._resume, urls)
-            except Exception as e:  # noqa: BLE001 - keep the original error, if any
-                log.warning("%s: could not resume generation: %s", self.name, e)
+                self._run_all(self._flush, urls)
+                self._confirm_version(urls, version)
+            except FleetFailed:
+                raise
+            except EngineError as e:  # the new weights are in, but not flushed or not acknowledged
+                self._failed = f"{self.name}: servers loaded weight version {version} but then failed: {e}"
+                raise FleetFailed(self._failed) from None
+        finally:
+            self._resume_all(urls)
         if source.named is None and source.path is None and self.resync and named is not None:
             source.named = [(n, t.detach().to("cpu", copy=True)) for n, t in named]  # re-syncs and reverts
         self._verify(urls, version, fingerprint)
         self._suspects.difference_update(urls)
         return source
 
+    def _resume_all(self, urls: Sequence[str]) -> None:
+        try:
+            self._run_all(self._resume, urls)
+        except Exception as e:  # noqa: BLE001 - keep the original error, if any
+            log.warning("%s: could not resume generation: %s", self.name, e)
+
     def _previous(self) -> Source:
         """The weights every server serves now (what a failed update goes back to)."""
         return self._current
 
     def _verify(self, urls: Sequence[str], version: int, fingerprint: torch.Tensor | None) -> None:
-        if not self.verify_updates or self._probe is None:
-            return
-        prompt, completion = self._probe
-        changed = moved(fingerprint, self._fingerprint)
-        scores = {u: self.http.run(self._score_one(_probe_rid(), prompt, completion, url=u)) for u in urls}
-        for u in urls:
-            if changed and scores[u] == self._probe_scores.get(u):
-                self._failed = (f"{self.name} server at {u} acknowledged weight version {version} but answers exactly "
-                                "as before the update: it did not load the new weights")
-                raise FleetFailed(self._failed)
-        self._probe_scores.update(scores)
-        if fingerprint is not None:
-            self._fingerprint = fingerprint
+        if self.verify_updates:
+            verify_update(self, urls, version, fingerprint)
 
     # ------------------------------------------------------------------ versions, suspects, re-syncs
     def _is_stale(self, a: Answer) -> bool:
@@ -271,12 +255,35 @@ class ServerEngineBase:
         v = self._url_version.get(a.url, self._version)
         return [v] * len(a.gen.token_ids)
 
+    def _labels_answers(self, url: str) -> bool:
+        """Whether this server reports the weight version of each answer (else `_check_unlabelled`
+        asks it for its version before every call)."""
+        return True
+
+    def _check_unlabelled(self) -> None:
+        urls = [u for u, want in self._expect.items() if want is not None and not self._labels_answers(u)]
+        if not urls:
+            return
+
+        async def labels() -> list:
+            return await asyncio.gather(*(self._served_label(u) for u in urls), return_exceptions=True)
+
+        for url, served in zip(urls, self.http.run(labels())):
+            if isinstance(served, BaseException) or served != self._expect[url]:
+                self._suspects.add(url)
+
     def _on_server_error(self, url: str, connection_lost: bool) -> None:
         if connection_lost and url in self._expect:
             self._suspects.add(url)
 
     def _sync_suspects(self) -> None:
         """Probe every suspect; one that restarted (serves other weights) gets the current ones."""
+        if not self._suspects:
+            return
+        with self._fleet_lock:
+            self._sync_suspects_locked()
+
+    def _sync_suspects_locked(self) -> None:
         for url in sorted(self._suspects):
             try:
                 self.http.run(self.http.request(self.health_path, url=url, method="GET", expect_json=False,
@@ -428,44 +435,3 @@ class ServerEngineBase:
 
     async def _served_label(self, url: str) -> str | None:
         raise NotImplementedError
-
-
-def _probe_rid() -> str:
-    from glmlight.rollout.http import new_rid
-
-    return new_rid()
-
-
-def weights_fingerprint(named: list) -> torch.Tensor:
-    """Up to 64 evenly spaced values of every tensor, as float32 (cheap; enough to tell whether
-    training moved the weights by more than a server's rounding)."""
-    parts = []
-    for _, t in named:
-        flat = t.detach().reshape(-1)
-        parts.append(flat[:: max(1, flat.numel() // 64)][:64].to("cpu", torch.float32))
-    return torch.cat(parts) if parts else torch.zeros(0)
-
-
-def moved(new: torch.Tensor | None, old: torch.Tensor | None) -> bool:
-    """Whether the weights moved by more than 1% of their largest value (beyond any server dtype's
-    rounding, so the outputs must change)."""
-    if new is None or old is None or new.shape != old.shape or new.numel() == 0:
-        return False
-    return float((new - old).abs().max()) > 1e-2 * float(old.abs().max())
-
-
-def sampling_fields(p: SamplingParams) -> dict[str, Any]:
-    """The sampling fields SGLang and vLLM spell alike (top_k -1 = off for both)."""
-    return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
-            "stop_token_ids": list(p.stop_token_ids), "skip_special_tokens": False}
-
-
-def server_settings(cfg: Any) -> dict[str, Any]:
-    """Constructor arguments every server engine takes, from the whole config."""
-    from glmlight.rollout.http import HttpSettings
-
-    s = cfg.rollout.server
-    return dict(urls=list(s.urls), router=bool(s.router), http=HttpSettings.from_config(s),
-                ready_timeout_s=float(s.launch_timeout_s), weight_sync=s.weight_sync,
-                weight_sync_dir=s.weight_sync_dir, model_path=s.model_path or cfg.model.path,
-                update_retries=int(s.update_retries), resync=bool(s.resync), verify_updates=bool(s.verify_updates))

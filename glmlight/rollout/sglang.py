@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from glmlight.dtypes import dtype_name
-from glmlight.errors import ConfigError, EngineError
+from glmlight.errors import EngineError
 from glmlight.rollout import transport as wt
 from glmlight.rollout.base import Generation, SamplingParams
 from glmlight.rollout.http import Rejected, get_field
@@ -65,21 +65,9 @@ from glmlight.rollout.launch import LaunchSpec, free_port, launch_target, local_
 from glmlight.rollout.server_checks import check_logprob_definition
 from glmlight.rollout.servers import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
                                       server_settings)
-from glmlight.rollout.sglang_ipc import serialize_named_tensors
+from glmlight.rollout.sglang_wire import FINISH_REASONS, attempt_rid, check_sampling, pairs, serialize_named_tensors, single
 
 log = logging.getLogger(__name__)
-FINISH_REASONS = ("stop", "length", "abort")
-SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's default --sampling-mask-max-tokens
-
-
-def check_sampling(top_p: float, top_k: int) -> None:
-    """Refuse a sampling set-up SGLang cannot report log-probs for (see the module docstring)."""
-    if top_p < 1 and top_k <= 0:
-        raise ConfigError("config error: rollout=sglang with rollout.top_p < 1 needs a finite rollout.top_k: SGLang "
-                          "reports log-probs over the top-k/top-p support (return_sampling_mask) only with "
-                          f"1 <= top_k <= --sampling-mask-max-tokens (default {SAMPLING_MASK_MAX_TOKENS})")
-
-
 class SGLangEngine(ServerEngineBase):
     name = "SGLang"
     health_path = "/health_generate"
@@ -140,16 +128,16 @@ class SGLangEngine(ServerEngineBase):
                  "stream": False}
             return {**b, "return_sampling_mask": True} if filtered else b
 
-        url, reply = await self.http.request("/generate", None, pool=self.pool, with_url=True, rid_for=_attempt_rid(rid),
+        url, reply = await self.http.request("/generate", None, pool=self.pool, with_url=True, rid_for=attempt_rid(rid),
                                              payload_for=body, on_retry=self._aborter)
-        return self._parse_generation(_single(reply), url, rid, filtered)
+        return self._parse_generation(single(reply), url, rid, filtered)
 
     def _parse_generation(self, body: Any, url: str, rid: str, filtered: bool) -> Answer:
         path = "/generate"
         meta = get_field(body, "meta_info", url, path, self.name, dict)
         if not str(meta.get("id", rid)).startswith(rid):
             raise EngineError(f"SGLang server at {url} answered request {rid} with meta_info.id {meta['id']!r}")
-        ids, lps = _pairs(get_field(body, "meta_info.output_token_logprobs", url, path, self.name, list), url, path,
+        ids, lps = pairs(get_field(body, "meta_info.output_token_logprobs", url, path, self.name, list), url, path,
                           "meta_info.output_token_logprobs")
         out_ids = body.get("output_ids")
         if out_ids is not None and list(out_ids) != ids:
@@ -178,15 +166,15 @@ class SGLangEngine(ServerEngineBase):
                    "logprob_start_len": len(prompt) - 1, "stream": False,
                    "sampling_params": {"max_new_tokens": 0, "temperature": 1.0, "skip_special_tokens": False}}
         target = {"url": url} if url is not None else {"pool": self.pool}
-        url, body = await self.http.request("/generate", None, with_url=True, rid_for=_attempt_rid(rid),
+        url, body = await self.http.request("/generate", None, with_url=True, rid_for=attempt_rid(rid),
                                             payload_for=lambda u, r: {"rid": r, **payload}, on_retry=self._aborter,
                                             **target)
         field = "meta_info.input_token_logprobs"
-        entries = get_field(_single(body), field, url, "/generate", self.name, list)
+        entries = get_field(single(body), field, url, "/generate", self.name, list)
         if len(entries) != len(completion) + 1:
             raise EngineError(f"SGLang server at {url} answered /generate with {len(entries)} {field} entries, "
                               f"expected {len(completion) + 1} (logprob_start_len = len(prompt) - 1)")
-        ids, lps = _pairs(entries[1:], url, "/generate", field)
+        ids, lps = pairs(entries[1:], url, "/generate", field)
         if ids != completion:
             raise EngineError(f"SGLang server at {url} answered /generate with {field} for other tokens than sent")
         return lps
@@ -230,27 +218,33 @@ class SGLangEngine(ServerEngineBase):
         prev = self._previous()
         source = Source(version, str(version))
         if self.weight_sync == "disk":
-            if named is not None or not os.path.isdir(path or ""):
-                named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
-                config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None
-                path = wt.write_hf_checkpoint(named, self.weight_sync_dir, version, config_dir=config_dir,
-                                              keep=self.keep_checkpoints)
+            try:
+                if named is not None or not os.path.isdir(path or ""):
+                    named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
+                    config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None
+                    path = wt.write_hf_checkpoint(named, self.weight_sync_dir, version, config_dir=config_dir,
+                                                  keep=self.keep_checkpoints)
+            except OSError as e:
+                raise UpdateFailed(f"could not write the checkpoint: {e}") from None
             source.path = os.path.abspath(path)  # type: ignore[arg-type]
             errors = self._post_each(urls, "/update_weights_from_disk",
                                      lambda u: {"model_path": source.path, "weight_version": str(version)})
             if errors:  # SGLang put its own weights back where the load failed; the others go back too
                 self._revert([u for u in urls if u not in errors], prev, errors)
             return source
-        named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
         try:
-            self._push_tensors(urls, named, version)
-        except EngineError as e:
+            named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
+            tp = {u: self._tp_size(u) for u in urls}
+        except (OSError, EngineError) as e:
+            raise UpdateFailed(str(e)) from None
+        try:
+            self._push_tensors(urls, named, version, tp)
+        except (EngineError, RuntimeError) as e:  # RuntimeError: a failed broadcast
             self._revert(urls, prev, {u: e for u in urls})
         return source
 
-    def _push_tensors(self, urls: Sequence[str], named: list, version: int) -> None:
+    def _push_tensors(self, urls: Sequence[str], named: list, version: int, tp: dict[str, int]) -> None:
         parts = list(wt.buckets(named, self.bucket_bytes)) or [[]]
-        tp = {u: self._tp_size(u) for u in urls}
         self._begin(urls)
         try:
             for i, bucket in enumerate(parts):
@@ -280,7 +274,7 @@ class SGLangEngine(ServerEngineBase):
         if urls:
             try:
                 if prev.named is not None and self.weight_sync != "disk":
-                    self._push_tensors(urls, prev.named, prev.version)
+                    self._push_tensors(urls, prev.named, prev.version, {u: self._tp_size(u) for u in urls})
                 else:
                     model_path = prev.path or self.model_path
                     labels = {u: prev.label or self._initial_labels.get(u) or "default" for u in urls}
@@ -394,25 +388,3 @@ class SGLangEngine(ServerEngineBase):
 
     def _before_close(self) -> None:
         self._destroy_group()
-
-
-def _attempt_rid(rid: str):
-    """The request id of each attempt: fixed length, so none is a prefix of another (SGLang's
-    /abort_request matches by prefix)."""
-    return lambda attempt: f"{rid}-{attempt:02d}"
-
-
-def _single(body: Any) -> Any:
-    return body[0] if isinstance(body, list) and len(body) == 1 else body
-
-
-def _pairs(entries: list, url: str, path: str, field: str) -> tuple[list[int], list[float]]:
-    ids, lps = [], []
-    for e in entries:
-        if not (isinstance(e, (list, tuple)) and len(e) >= 2 and isinstance(e[1], int)
-                and isinstance(e[0], (int, float)) and not isinstance(e[0], bool)):
-            raise EngineError(f"SGLang server at {url} answered {path} with a malformed {field} entry {str(e)[:60]}")
-        ids.append(e[1])
-        lps.append(float(e[0]))
-    return ids, lps
-

@@ -54,33 +54,12 @@ from glmlight.rollout.http import AuthError, get_field
 from glmlight.rollout.launch import (LaunchSpec, free_port, launch_target, local_ip_towards, log_path_for,
                                      python_path_with_package)
 from glmlight.rollout.server_checks import check_logprob_definition
+from glmlight.rollout.vllm_wire import (ASCEND_OPTIONS, EXTENSION, FINISH_REASONS, rpc_failed, token_id,  # noqa: F401
+                                        version_tuple)
 from glmlight.rollout.servers import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
                                       server_settings)
 
 log = logging.getLogger(__name__)
-EXTENSION = "glmlight.rollout.vllm_worker.WeightLoaderExtension"
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "length", "error": "error"}
-
-# rollout=vllm_ascend: the same HTTP protocol; installing vllm-ascend registers the NPU platform
-# with vLLM, so no device flag is needed. What changes for us (mirrored in conf/rollout/vllm_ascend.yaml):
-ASCEND_OPTIONS: dict[str, Any] = {
-    "device": "npu",  # chosen by the vllm-ascend platform plugin; logged, never passed as a flag
-    "sync_backend": "hccl",  # the weight-update process group on NPUs
-    # set for a managed or in-process engine unless already set; torch_npu cannot be
-    # re-initialised in forked children, hence spawn
-    "env": {"VLLM_USE_V1": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
-    # inherited unchanged by a managed server: device visibility and HCCL networking
-    "passthrough_env": ("ASCEND_RT_VISIBLE_DEVICES", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_CONNECT_TIMEOUT"),
-    "llm_kwargs": {"distributed_executor_backend": "mp"},
-}
-
-
-def _rpc_failed(status: int, text: str) -> bool:
-    """A /collective_rpc 500 that retrying cannot fix: the worker raised (vllm/v1/engine/core.py
-    "Call to collective_rpc method failed: ...", wrapping NotImplementedError for an unknown method)."""
-    return "collective_rpc method failed" in text or "is not implemented" in text
-
-
 class VLLMEngine(ServerEngineBase):
     name = "vLLM"
     health_path = "/health"
@@ -140,7 +119,7 @@ class VLLMEngine(ServerEngineBase):
             self.served_model = str(get_field(body, "data.0.id", self.urls[0], "/v1/models", self.name))
         for url in self.urls[:1] if self.router else self.urls:
             body = self.http.run(self.http.request("/version", url=url, method="GET", allow_404=True))
-            self.server_versions[url] = _version_tuple((body or {}).get("version") if isinstance(body, dict) else None)
+            self.server_versions[url] = version_tuple((body or {}).get("version") if isinstance(body, dict) else None)
         for url in (self._sync_urls() if not self.router or len(self.urls) > 1 else []):
             self.http.run(self._probe_sync(url))
         if self.check_logprobs:
@@ -182,13 +161,16 @@ class VLLMEngine(ServerEngineBase):
         ids = choice.get("token_ids")
         if ids is None:
             tokens = get_field(body, "choices.0.logprobs.tokens", url, path, self.name, list)
-            ids = [_token_id(t, url) for t in tokens]
+            ids = [token_id(t, url) for t in tokens]
         if len(ids) != len(lps) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
             raise EngineError(f"{self.name} server at {url} answered {path} with choices.0.token_ids and "
                               "choices.0.logprobs.token_logprobs that do not match")
         labels = [str(span.get("version")) for span in choice.get("weight_versions") or [] if isinstance(span, dict)]
         return Answer(Generation(token_ids=[int(i) for i in ids], logprobs=[float(x) for x in lps],
                                  finish_reason=FINISH_REASONS[reason], versions=[]), url, labels)
+
+    def _labels_answers(self, url: str) -> bool:
+        return self.server_versions.get(url, ()) >= (0, 33)  # weight_versions: 0.33 and later
 
     def _with_versions(self, payload: dict) -> Any:
         """The body for one server: 0.33 reports per-span weight versions when asked (0.32 would
@@ -247,7 +229,7 @@ class VLLMEngine(ServerEngineBase):
                    allow_404: bool = False) -> list | None:
         body = await self.http.request("/collective_rpc", {"method": method, "args": [] if spec is None else
                                                            [json.dumps(spec)]}, url=url, attempts=attempts,
-                                       allow_404=allow_404, permanent=_rpc_failed)
+                                       allow_404=allow_404, permanent=rpc_failed)
         if body is None:
             return None
         results = get_field(body, "results", url, "/collective_rpc", self.name, list)
@@ -292,6 +274,7 @@ class VLLMEngine(ServerEngineBase):
                 self._expect[u] = self._current.label
             raise UpdateFailed(f"commit failed on {sorted(errors)}: {next(iter(errors.values()))}")
         self._each(urls, "glmlight_release", {"update_id": uid}, attempts=1)
+        # what 0.33 stamps on answers (weight_versions) and /weight_info reports
         self._run_all(lambda u: self.http.request("/update_weight_version", {"new_version": str(version)}, url=u,
                                                   allow_404=True, expect_json=False), urls)
         return source
@@ -385,20 +368,3 @@ class VLLMEngine(ServerEngineBase):
             except Exception:  # noqa: BLE001 - closing must not fail
                 pass
         self._destroy_group()
-
-
-def _version_tuple(text: Any) -> tuple[int, ...]:
-    out = []
-    for part in str(text or "").split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
-def _token_id(token: Any, url: str) -> int:
-    if isinstance(token, str) and token.startswith("token_id:"):
-        return int(token.split(":", 1)[1])
-    raise EngineError(f"vLLM server at {url} answered /v1/completions with a token {str(token)[:40]!r} "
-                      "that is not 'token_id:<id>' and no choices.0.token_ids")

@@ -13,7 +13,7 @@ from glmlight.errors import EngineError
 from glmlight.rollout import transport as wt
 from glmlight.rollout.base import Generation, NamedTensors, SamplingParams
 from glmlight.rollout.servers import sampling_fields
-from glmlight.rollout.vllm import ASCEND_OPTIONS, EXTENSION, FINISH_REASONS
+from glmlight.rollout.vllm_wire import ASCEND_OPTIONS, EXTENSION, FINISH_REASONS
 
 
 class VLLMInProcessEngine:

@@ -1,4 +1,5 @@
-"""Tensors for SGLang's /update_weights_from_tensor: base64(ForkingPickler(list of (name, tensor))),
+"""SGLang's wire formats: the request ids of attempts, output and input log-prob entries, the
+sampling set-ups whose log-probs SGLang can report, and tensors for /update_weights_from_tensor: base64(ForkingPickler(list of (name, tensor))),
 what SGLang's `MultiprocessingSerializer.serialize` writes and its `SafeUnpickler` reads
 (sglang 0.5.23 srt/utils/common.py); every global such a pickle names is on that allow-list.
 
@@ -21,6 +22,8 @@ import threading
 from typing import Any
 
 import torch
+
+from glmlight.errors import ConfigError, EngineError
 
 _DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, device, ...)
 _strategy_lock = threading.Lock()
@@ -54,3 +57,36 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> tuple[str,
         finally:
             tmp.set_sharing_strategy(before)
     return base64.b64encode(buf.getvalue()).decode("ascii"), staged
+
+
+FINISH_REASONS = ("stop", "length", "abort")
+SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's default --sampling-mask-max-tokens
+
+
+def check_sampling(top_p: float, top_k: int) -> None:
+    """Refuse a sampling set-up SGLang cannot report log-probs for (see the module docstring)."""
+    if top_p < 1 and top_k <= 0:
+        raise ConfigError("config error: rollout=sglang with rollout.top_p < 1 needs a finite rollout.top_k: SGLang "
+                          "reports log-probs over the top-k/top-p support (return_sampling_mask) only with "
+                          f"1 <= top_k <= --sampling-mask-max-tokens (default {SAMPLING_MASK_MAX_TOKENS})")
+
+
+def attempt_rid(rid: str):
+    """The request id of each attempt: fixed length, so none is a prefix of another (SGLang's
+    /abort_request matches by prefix)."""
+    return lambda attempt: f"{rid}-{attempt:02d}"
+
+
+def single(body: Any) -> Any:
+    return body[0] if isinstance(body, list) and len(body) == 1 else body
+
+
+def pairs(entries: list, url: str, path: str, field: str) -> tuple[list[int], list[float]]:
+    ids, lps = [], []
+    for e in entries:
+        if not (isinstance(e, (list, tuple)) and len(e) >= 2 and isinstance(e[1], int)
+                and isinstance(e[0], (int, float)) and not isinstance(e[0], bool)):
+            raise EngineError(f"SGLang server at {url} answered {path} with a malformed {field} entry {str(e)[:60]}")
+        ids.append(e[1])
+        lps.append(float(e[0]))
+    return ids, lps
