@@ -30,10 +30,13 @@ DEVICE = os.environ.get("GLMLIGHT_REAL_DEVICE", "cpu")
 # Server flags per backend and device: float32 (the trainer's dtype), no graph capture.
 FLAGS = {
     ("vllm", "cpu"): ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0"],
+    # float32 attention on CUDA: vLLM's Triton backend (FlashAttention and FlashInfer take 16-bit only),
+    # SGLang's triton backend; SGLang honours per-request seeds only in deterministic mode
     ("vllm", "cuda"): ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
-                       "--gpu-memory-utilization", "0.25"],
+                       "--gpu-memory-utilization", "0.25", "--attention-backend", "TRITON_ATTN"],
     ("sglang", "cuda"): ["--dtype", "float32", "--disable-cuda-graph", "--mem-fraction-static", "0.25",
-                         "--context-length", "1024", "--random-seed", "0", "--enable-deterministic-inference"],
+                         "--context-length", "1024", "--random-seed", "0", "--attention-backend", "triton",
+                         "--enable-deterministic-inference"],
 }
 ENV_VARS = {
     ("vllm", "cpu"): {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

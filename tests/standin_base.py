@@ -1,7 +1,7 @@
 """The base of the loopback server stand-ins (tests/standin_sglang.py, tests/standin_vllm.py): an
 aiohttp app in its own thread on 127.0.0.1, backed by the embedded `LocalEngine`, that records every
 request (path, JSON body, headers) and injects faults on chosen calls — HTTP errors, slow answers,
-dropped connections, malformed bodies, a restart (stop, then start again on the same port; with
+dropped connections (before the server did the work, or after: "drop_after"), malformed bodies, a restart (stop, then start again on the same port; with
 `fresh`, like a real restart: the initial weights and version), and, with `after`, only from the
 k-th matching call on."""
 
@@ -192,6 +192,9 @@ class ProtocolServer:
             return web.Response(status=500)
         request[FAULT] = fault
         response = await handler(request)
+        if fault is not None and fault.kind == "drop_after":  # the server did the work; the answer is lost
+            request.transport.close()  # type: ignore[union-attr]
+            return web.Response(status=500)
         if fault is not None and fault.kind == "malform" and fault.mutate is not None:
             return web.json_response(fault.mutate(_json_of(response)))
         return response

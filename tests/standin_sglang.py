@@ -28,7 +28,8 @@ What it does is read from sglang-0.5.23's source (paths inside the wheel's `sgla
   weight_version, "default" at start (http_server.py:802-848); /server_info and /get_server_info
   carry tp_size; /update_weight_version; /init_weights_update_group (gloo only here) and
   /destroy_weights_update_group.
-Faults beyond the base's: "lie" on an update path acknowledges the version without loading it.
+Faults beyond the base's: "lie" on an update path acknowledges the version without loading it;
+"slow" on /generate holds the request (its rid registered) before answering.
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ class SGLangServer(ProtocolServer):
             return web.json_response({"error": {"message": f"Duplicate request ID detected: {rid}"}}, status=400)
         self.held.add(rid)
         try:
+            fault = request.get(FAULT)
+            if fault is not None and fault.kind == "slow":  # a slow request that is registered meanwhile
+                await asyncio.sleep(fault.seconds)
             await self.run_engine(self.running.wait)  # held while paused, as SGLang holds new requests
             return await self._generate(body, rid)
         finally:

@@ -268,3 +268,71 @@ def test_grpo_run_against_the_real_server_trains_on_policy(real, tmp_path):
         assert stamped == [version] and abs(kl) <= 1e-6
     t = run.datamodule.totals
     assert t["produced"] == t["trained"] + sum(v for k, v in t.items() if k.startswith("dropped/"))
+
+
+@pytest.mark.slow
+def test_a_server_that_reports_raw_logprobs_is_refused_at_start(tmp_path):
+    """vLLM's default --logprobs-mode (raw_logprobs) reports log-probs before temperature and
+    top-k/top-p: glmlight refuses such a server with one line, and stops it."""
+    from tests.real_servers import DEVICE, FLAGS
+
+    python = interpreter("vllm")
+    ckpt = build_tiny_checkpoint(str(tmp_path / "tiny-llama"), "llama", seed=0)
+    cfg = server_config("vllm", python, ckpt, str(tmp_path),
+                        launch_args=FLAGS[("vllm", DEVICE)] + ["--logprobs-mode", "raw_logprobs"])
+    with pytest.raises(EngineError) as err:
+        build_server_engine(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "--logprobs-mode processed_logprobs" in msg and "top_k=1" in msg
+
+
+@pytest.mark.slow
+def test_train_py_with_a_real_server_stopped_by_sigterm_leaves_nothing(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from tests.conftest import REPO, overrides_for_tests
+    from tests.real_servers import DEVICE, ENV_VARS, FLAGS
+    from tests.test_server_hygiene import _gone, _tagged
+
+    python = interpreter("vllm")
+    ckpt = build_tiny_checkpoint(str(tmp_path / "tiny-llama"), "llama", seed=0)
+    tag = uuid.uuid4().hex
+    args = overrides_for_tests(
+        tmp_path, "rollout=vllm", "model=hf", f"model.path={ckpt}", "model.dtype=float32", "logger=none",
+        "trainer.max_steps=100000", "rollout.server.urls=[]", "rollout.server.launch=true",
+        f"rollout.server.launch_python={python}", f"rollout.server.launch_args=[{','.join(FLAGS[('vllm', DEVICE)])}]",
+        f"rollout.server.weight_sync_dir={tmp_path}/weights", "rollout.server.launch_timeout_s=600",
+        "~callbacks.held_out_eval", "~callbacks.sample_table")
+    args += [f"+rollout.server.launch_env.{k}={v}" for k, v in ENV_VARS.get(("vllm", DEVICE), {}).items()]
+    log = tmp_path / "train.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "train.py"), *args], stdout=out,
+                                stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "GLMLIGHT_TEST_TAG": tag, "PYTHONPATH": REPO})
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None and not (tmp_path / "weights" / "v2").exists():
+            time.sleep(0.5)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert len(_tagged(tag)) >= 4  # train.py, the guard, vLLM's API server, engine core, worker
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _gone(lambda: _tagged(tag), 60) == [], log.read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_bench_server_row(tmp_path):
+    interpreter("vllm")
+    from tests.conftest import load_script
+
+    bench = load_script("bench")
+    sizes = bench.Sizes(server_prompts=4, server_tokens=8, server_reps=1)
+    (r,) = bench.bench_server(sizes, "cpu")
+    assert r["glmlight"] > 0 and r["baseline"] > 0 and r["target"] == 0.9

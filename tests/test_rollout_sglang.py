@@ -121,7 +121,7 @@ def test_a_retry_while_the_first_attempt_is_still_held_gets_a_fresh_rid(server, 
     ps, sp = prompts(tokenizer, 1), greedy(tokenizer)
     with make(server.url, tmp_path, http=HttpSettings(timeout_s=1.0, max_retries=2, backoff_s=0.01)) as eng:
         start = len(server.calls("/generate"))
-        server.inject("/generate", "delay", seconds=2.5)
+        server.inject("/generate", "slow", seconds=2.5)
         assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
     rids = [c.body["rid"] for c in server.calls("/generate")[start:]]
     assert len(rids) == 2 and rids[0] != rids[1] and rids[0][:-3] == rids[1][:-3]
@@ -373,3 +373,29 @@ def test_a_server_that_comes_back_with_other_weights_is_resynced_first(model, to
     finally:
         a.close()
         b.close()
+
+
+def test_a_dropped_tensor_bucket_puts_the_server_back_and_tries_again(model, server, tokenizer, tmp_path):
+    """A tensor bucket whose answer is lost (the server loaded it; shared-memory handles are never
+    sent twice): the half-updated server goes back to the previous weights, then the update runs
+    again and completes."""
+    ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+    new = perturbed(model, seed=6)
+    with make(server.url, tmp_path, weight_sync="tensor", bucket_bytes=1 << 14, model_path=None) as eng:
+        eng.update_weights(list(model.state_dict().items()), version=1)
+        server.inject("/update_weights_from_tensor", "drop_after", after=2)
+        eng.update_weights(new, version=2)
+        assert eng.version == 2 and server.weight_version == "2"
+        assert_same(eng.generate(ps, sp), answers_of(model, new, ps, sp))
+
+
+def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model, server, tokenizer, tmp_path):
+    from glmlight.rollout.servers import FleetFailed
+
+    with make(server.url, tmp_path) as eng:
+        eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
+        eng.update_weights(perturbed(model, seed=1), version=1)
+        server.inject("/update_weights_from_disk", "lie")
+        with pytest.raises(FleetFailed) as err:
+            eng.update_weights(perturbed(model, scale=0.3, seed=2), version=2)
+    assert "\n" not in str(err.value) and "did not load the new weights" in str(err.value)

@@ -410,3 +410,17 @@ def test_a_server_that_comes_back_with_other_weights_is_resynced_first(model, to
     finally:
         a.close()
         b.close()
+
+
+def test_a_connection_dropped_after_a_bucket_was_staged_restarts_the_update(model, server, tokenizer, tmp_path):
+    """The answer to the third bucket is lost although the worker staged it: the resent bucket is out
+    of order, the worker drops the stage, and the update starts again from the first bucket."""
+    ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+    new = perturbed(model, seed=5)
+    with make(server.url, tmp_path, weight_sync="tensor", bucket_bytes=1) as eng:
+        server.inject("/collective_rpc", "drop_after", after=2, when=lambda b: b.get("method") == "glmlight_load_payload")
+        eng.update_weights(new, version=1)
+        assert eng.version == 1
+        assert_same(eng.generate(ps, sp), answers_of(model, new, ps, sp))
+    methods = [c.body["method"] for c in server.calls("/collective_rpc")]
+    assert methods.count("glmlight_abort_update") == 1 and methods.count("glmlight_commit") == 1

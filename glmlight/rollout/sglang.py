@@ -152,7 +152,7 @@ class SGLangEngine(ServerEngineBase):
             lps = get_field(body, field, url, path, self.name, list)
             if len(lps) != len(ids) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
                 raise EngineError(f"SGLang server at {url} answered {path} with {len(lps)} {field} for {len(ids)} "
-                                  "tokens (top-k/top-p log-probs need SGLang 0.5.23 or later)")
+                                  "tokens (top-k/top-p log-probs need SGLang 0.5.18 or later)")
             lps = [float(x) for x in lps]
         spans = meta.get("weight_versions")
         labels = ([str(s.get("version")) for s in spans if isinstance(s, dict)] if isinstance(spans, list) and spans

@@ -94,7 +94,8 @@ class WeightLoaderExtension:
         def receive() -> Named:
             if group is None:
                 raise RuntimeError(f"weight-update group {s['group_name']!r} was never initialised")
-            device = getattr(self, "device", None) or sync_device(s.get("backend", "nccl"))
+            backend = s.get("backend", "nccl")  # gloo: received on the host, then loaded onto the device
+            device = sync_device("gloo") if backend == "gloo" else (getattr(self, "device", None) or sync_device(backend))
             out = []
             for name, dtype, shape in zip(s["names"], s["dtypes"], s["shapes"]):
                 t = torch.empty(shape, dtype=parse_dtype(dtype), device=device)
