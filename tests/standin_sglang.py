@@ -28,7 +28,8 @@ What it does is read from sglang-0.5.23's source (paths inside the wheel's `sgla
   weight_version, "default" at start (http_server.py:802-848); /server_info and /get_server_info
   carry tp_size; /update_weight_version; /init_weights_update_group (gloo only here) and
   /destroy_weights_update_group.
-Faults beyond the base's: "lie" on an update path acknowledges the version without loading it;
+`original_logprob=True` behaves as a server started with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (log-probs
+before temperature, srt/layers/sampler.py:82, 231-237). Faults beyond the base's: "lie" on an update path acknowledges the version without loading it;
 "slow" on /generate holds the request (its rid registered) before answering.
 """
 
@@ -88,8 +89,10 @@ for line in sys.stdin:
 class SGLangServer(ProtocolServer):
     open_paths = ("/health", "/health_generate")  # SGLang's key middleware lets health checks through
 
-    def __init__(self, engine: LocalEngine, **kw: Any):
+    def __init__(self, engine: LocalEngine, *, sampling_mask: bool = True, original_logprob: bool = False, **kw: Any):
         super().__init__(engine, **kw)
+        self.original_logprob = original_logprob  # SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature
+        self.sampling_mask = sampling_mask  # False: a release before 0.5.18 (the field is ignored)
         self.weight_version = "default"
         self.version_lag_s = 0.0  # report a new weight_version only this long after an update
         self.running = threading.Event()
@@ -164,7 +167,8 @@ class SGLangServer(ProtocolServer):
         ids, sp = body["input_ids"], body.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens", 128))
         temperature, top_k = float(sp.get("temperature", 1.0)), int(sp.get("top_k", -1))
-        if body.get("return_sampling_mask") and top_k != 1 and not (1 < top_k <= 4096):
+        mask = self.sampling_mask and body.get("return_sampling_mask")
+        if mask and top_k != 1 and not (1 < top_k <= 4096):
             return web.json_response({"error": {"message": "return_sampling_mask requires top_k=1 for greedy sampling "
                                                            f"or finite 1 < top_k <= 4096; got top_k={top_k}."}}, status=400)
         meta: dict[str, Any] = {"id": rid, "prompt_tokens": len(ids), "cached_tokens": 0}
@@ -180,10 +184,11 @@ class SGLangServer(ProtocolServer):
             out_ids = gen.token_ids
             unfiltered = list(gen.logprobs)  # without top-k/top-p the sampling distribution is the unfiltered one
             filtered = temperature > 0 and (top_k > 0 or float(sp.get("top_p", 1.0)) < 1)
-            if filtered and out_ids:  # after temperature, before top-k/top-p
-                unfiltered = (await self.run_engine(self.engine.score, [ids], [out_ids], temperature))[0]
+            if (filtered or (self.original_logprob and temperature > 0)) and out_ids:
+                t = 1.0 if self.original_logprob else temperature  # after temperature, before top-k/top-p
+                unfiltered = (await self.run_engine(self.engine.score, [ids], [out_ids], t))[0]
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(unfiltered, out_ids)]
-            if body.get("return_sampling_mask"):
+            if mask:
                 meta["output_token_sampling_logprobs"] = list(gen.logprobs)
                 meta["output_token_sampling_mask"] = [[tok] for tok in out_ids]
             meta["finish_reason"] = {"stop": {"type": "stop", "matched": out_ids[-1] if out_ids else None},

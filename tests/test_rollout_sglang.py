@@ -399,3 +399,30 @@ def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model,
         with pytest.raises(FleetFailed) as err:
             eng.update_weights(perturbed(model, scale=0.3, seed=2), version=2)
     assert "\n" not in str(err.value) and "did not load the new weights" in str(err.value)
+
+
+def test_a_server_without_sampling_masks_serves_plain_sampling_and_refuses_top_k(model, ref, tokenizer, tmp_path):
+    """SGLang before 0.5.18 cannot report top-k/top-p log-probs: it passes the start-up check (the
+    temperature part), serves sampling without top-k/top-p, and a top-k request stops the run."""
+    from glmlight.rollout.sglang import FilteredLogprobsMissing
+
+    srv = SGLangServer(LocalEngine(model), sampling_mask=False).start()
+    try:
+        with make(srv.url, tmp_path) as eng:
+            ps, sp = prompts(tokenizer, 2), SamplingParams(temperature=0.8, max_new_tokens=5, seed=1)
+            assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
+            with pytest.raises(FilteredLogprobsMissing, match="0.5.18"):
+                eng.generate(ps, SamplingParams(temperature=0.8, top_k=5, max_new_tokens=5, seed=1))
+    finally:
+        srv.close()
+
+
+def test_a_server_reporting_log_probs_before_temperature_is_refused(model, tokenizer, tmp_path):
+    srv = SGLangServer(LocalEngine(model), original_logprob=True).start()
+    try:
+        with pytest.raises(EngineError) as err:
+            make(srv.url, tmp_path)
+    finally:
+        srv.close()
+    msg = str(err.value)
+    assert "\n" not in msg and "before temperature" in msg and "SGLANG_RETURN_ORIGINAL_LOGPROB" in msg

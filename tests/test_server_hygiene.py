@@ -76,7 +76,7 @@ def test_fit_closes_the_managed_server(tmp_path, ending):
     assert server_processes(server_id) == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGTERM])
 def test_train_py_killed_by_a_signal_leaves_no_server(tmp_path, sig):
     tag = uuid.uuid4().hex
     log = tmp_path / "train.log"
@@ -122,6 +122,7 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert _gone(lambda: server_processes(server_id)) == [] and _gone(lambda: _tagged(tag)) == []
 
 
+@pytest.mark.slow
 def test_killing_the_guard_still_stops_the_server(tmp_path):
     """PR_SET_PDEATHSIG: the server gets SIGTERM when its guard dies, and stops its own child."""
     from glmlight.rollout.factory import build_server_engine

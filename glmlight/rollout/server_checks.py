@@ -33,10 +33,12 @@ PROMPT = list(range(3, 11))  # any ids inside every vocabulary
 TOL = 1e-4
 
 
-def check_logprob_definition(engine: Any, hint: str) -> None:
-    """Raise a one-line EngineError if `engine`'s servers report other log-probs than glmlight's."""
+def check_logprob_definition(engine: Any, hint: str, filtered: Any = None) -> None:
+    """Raise a one-line EngineError if `engine`'s servers report other log-probs than glmlight's.
+    `filtered(error)`: whether a failed top_k=1 request may be passed over (the server then cannot
+    do top-k/top-p at all, and the engine refuses such sampling itself)."""
     for url in list(engine.pool.urls):
-        _check_one(engine, url, hint)
+        _check_one(engine, url, hint, filtered)
 
 
 def _answer(engine: Any, url: str, params: SamplingParams) -> tuple[list[int], list[float], list[float]]:
@@ -57,8 +59,13 @@ async def _pinned(engine: Any, url: str, coro: Any) -> Any:
         engine.pool.urls = saved
 
 
-def _check_one(engine: Any, url: str, hint: str) -> None:
-    ids, lps, raw = _answer(engine, url, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=3, seed=0))
+def _check_one(engine: Any, url: str, hint: str, filtered: Any = None) -> None:
+    try:
+        ids, lps, raw = _answer(engine, url, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=3, seed=0))
+    except EngineError as e:
+        if filtered is None or not filtered(e):
+            raise
+        ids, lps, raw = [], [], []
     informative = any(abs(r) > TOL for r in raw)
     if informative and any(abs(lp) > TOL for lp in lps):
         raise EngineError(f"{engine.name} server at {url} reports log-probs that are not those of the distribution the "

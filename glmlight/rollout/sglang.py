@@ -68,6 +68,12 @@ from glmlight.rollout.servers import (Answer, FleetFailed, ServerEngineBase, Sou
 from glmlight.rollout.sglang_wire import FINISH_REASONS, attempt_rid, check_sampling, pairs, serialize_named_tensors, single
 
 log = logging.getLogger(__name__)
+
+
+class FilteredLogprobsMissing(EngineError):
+    """Top-k/top-p sampling on a server that cannot report the log-probs of it: the run stops."""
+
+    fatal = True
 class SGLangEngine(ServerEngineBase):
     name = "SGLang"
     health_path = "/health_generate"
@@ -89,6 +95,7 @@ class SGLangEngine(ServerEngineBase):
         self._tp_sizes: dict[str, int] = {}
         self._initial_labels: dict[str, str | None] = {}
         self._sessions: dict[str, bool] = {}  # url -> has /begin_weight_update
+        self.filtered_logprobs = True  # the servers report top-k/top-p log-probs (return_sampling_mask)
         super().__init__(urls, **kwargs)
 
     @classmethod
@@ -112,7 +119,8 @@ class SGLangEngine(ServerEngineBase):
         for url in self._sync_urls() if (not self.router or len(self.urls) > 1) else self.urls[:1]:
             self._initial_labels[url] = self.http.run(self._served_label(url))
         if self.check_logprobs:
-            check_logprob_definition(self, "do not set SGLANG_RETURN_ORIGINAL_LOGPROB on the server")
+            check_logprob_definition(self, "do not set SGLANG_RETURN_ORIGINAL_LOGPROB on the server",
+                                     filtered=self._sampling_mask_ok)
 
     # ------------------------------------------------------------------ generation
     async def _generate_one(self, rid: str, prompt: list[int], p: SamplingParams) -> Answer:
@@ -122,6 +130,10 @@ class SGLangEngine(ServerEngineBase):
         filtered = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)
         if filtered and p.top_k <= 0:
             check_sampling(p.top_p, p.top_k)
+        if filtered and not self.filtered_logprobs:
+            raise FilteredLogprobsMissing("this SGLang server cannot report top-k/top-p log-probs "
+                                          "(return_sampling_mask needs SGLang 0.5.18 or later): sample with "
+                                          "rollout.top_k=0 and rollout.top_p=1, or upgrade the server")
 
         def body(url: str, attempt_rid: str | None) -> dict:
             b = {"rid": attempt_rid, "input_ids": prompt, "sampling_params": sp, "return_logprob": True,
@@ -131,6 +143,15 @@ class SGLangEngine(ServerEngineBase):
         url, reply = await self.http.request("/generate", None, pool=self.pool, with_url=True, rid_for=attempt_rid(rid),
                                              payload_for=body, on_retry=self._aborter)
         return self._parse_generation(single(reply), url, rid, filtered)
+
+    def _sampling_mask_ok(self, error: EngineError) -> bool:
+        """The start-up check's top_k=1 request failed: a server without return_sampling_mask (before
+        0.5.18) is still fine for sampling without top-k/top-p."""
+        if "output_token_sampling_logprobs" not in str(error):
+            return False
+        log.warning("%s; top-k/top-p sampling will be refused", error)
+        self.filtered_logprobs = False
+        return True
 
     def _parse_generation(self, body: Any, url: str, rid: str, filtered: bool) -> Answer:
         path = "/generate"

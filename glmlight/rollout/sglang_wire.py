@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import threading
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 
 from glmlight.errors import ConfigError, EngineError
 
+log = logging.getLogger(__name__)
 _DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, device, ...)
 _strategy_lock = threading.Lock()
 
@@ -69,6 +71,9 @@ def check_sampling(top_p: float, top_k: int) -> None:
         raise ConfigError("config error: rollout=sglang with rollout.top_p < 1 needs a finite rollout.top_k: SGLang "
                           "reports log-probs over the top-k/top-p support (return_sampling_mask) only with "
                           f"1 <= top_k <= --sampling-mask-max-tokens (default {SAMPLING_MASK_MAX_TOKENS})")
+    if top_k > SAMPLING_MASK_MAX_TOKENS:
+        log.warning("rollout.top_k=%d: SGLang refuses return_sampling_mask above --sampling-mask-max-tokens (%d by "
+                    "default); start the server with a larger value", top_k, SAMPLING_MASK_MAX_TOKENS)
 
 
 def attempt_rid(rid: str):
