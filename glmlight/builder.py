@@ -61,8 +61,12 @@ class Run:
                 self.close()
 
     def close(self) -> None:
-        """Stop the rollout producer and close the engine (and the servers it launched); idempotent."""
-        self.datamodule.close()
+        """Stop the rollout producer, close the engine (and the servers it launched) and the module's
+        own engines (OPD's teachers: Lightning skips the module's teardown when fit raises); idempotent."""
+        try:
+            self.datamodule.close()
+        finally:
+            self.module.teardown("fit")
 
     def __enter__(self) -> "Run":
         return self
