@@ -119,29 +119,40 @@ def test_scoring_equals_trainer_forward(real):
 
 def test_abort_on_pause_returns_partial_answer_with_right_logprobs(real):
     """A long generation in flight when a weight update pauses the server comes back early,
-    aborted, and its partial tokens carry the right log-probs."""
+    aborted, and its partial tokens carry the right log-probs. (Streamed, so that the update starts
+    once the generation is known to be under way.)"""
     if real.backend != "vllm":
         pytest.skip("drives vLLM's OpenAI API directly (ignore_eos)")
     _serving(real, 0)
     p = _prompts(real.tok, 1)[0]
-    box = {}
+    box = {"ids": [], "lps": [], "finish": None}
+    started = threading.Event()
 
     def long_request():
-        body = {"model": real.engine.served_model, "prompt": p, "max_tokens": 900, "ignore_eos": True,
+        body = {"model": real.engine.served_model, "prompt": p, "max_tokens": 900, "ignore_eos": True, "stream": True,
                 "temperature": 1.0, "seed": 3, "logprobs": 0, "return_token_ids": True}
         req = urllib.request.Request(real.url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
-            box["choice"] = json.loads(r.read())["choices"][0]
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[5:])["choices"][0]
+                box["ids"] += choice.get("token_ids") or []
+                box["lps"] += (choice.get("logprobs") or {}).get("token_logprobs") or []
+                box["finish"] = choice.get("finish_reason") or box["finish"]
+                if len(box["ids"]) >= 20:
+                    started.set()
+        started.set()
 
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(0.6)
+    assert started.wait(120)
     real.engine.update_weights(read_checkpoint(real.ckpts[0]), version=real.engine.version + 1)  # same weights
     t.join(120)
-    c = box["choice"]
-    ids, lps = c["token_ids"], c["logprobs"]["token_logprobs"]
-    assert c["finish_reason"] == "abort" and 0 < len(ids) < 900 and len(lps) == len(ids)
+    ids, lps = box["ids"], box["lps"]
+    assert box["finish"] == "abort" and 20 <= len(ids) < 900 and len(lps) == len(ids)
     assert max_diff(lps, trainer_logprobs(real.models[0], p, ids, 1.0)) <= TOL
 
 
