@@ -49,15 +49,36 @@ class Run:
     datamodule: RolloutDataModule
     cfg: DictConfig
 
-    def fit(self) -> None:
-        if self.trainer.is_global_zero:
-            save_run_config(self.cfg, self.trainer.default_root_dir)
+    def fit(self, close: bool = True) -> None:
+        """Train. However it ends (done, an error, Ctrl-C, SIGTERM), the run report is written and the run
+        is closed afterwards — the engine stopped, servers glmlight started terminated — unless
+        `close=False` (then call `close()` yourself, or use `with run:`)."""
         try:
+            if self.trainer.is_global_zero:
+                save_run_config(self.cfg, self.trainer.default_root_dir)
             self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
                              weights_only=True)
         finally:
-            if self.cfg.logger.report and self.trainer.is_global_zero:
-                write_run_report(self.trainer.default_root_dir)
+            try:
+                if self.cfg.logger.report and self.trainer.is_global_zero:
+                    write_run_report(self.trainer.default_root_dir)
+            finally:
+                if close:
+                    self.close()
+
+    def close(self) -> None:
+        """Stop the rollout producer, close the engine (and the servers it launched) and the module's
+        own engines (OPD's teachers: Lightning skips the module's teardown when fit raises); idempotent."""
+        try:
+            self.datamodule.close()
+        finally:
+            self.module.teardown("fit")
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def write_run_report(root: str) -> None:

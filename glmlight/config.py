@@ -74,16 +74,22 @@ class ServerConfig:
     launch: bool = False  # start the server as a managed child process
     launch_args: list[str] = field(default_factory=list)
     launch_command: Optional[list[str]] = None  # replaces `python -m sglang.launch_server` / the vLLM server
+    launch_python: Optional[str] = None  # the interpreter of a managed server (its own environment); default: ours
+    launch_env: dict[str, str] = field(default_factory=dict)  # extra environment of a managed server
     launch_timeout_s: float = 900.0
     launch_log_dir: Optional[str] = None
     model_path: Optional[str] = None  # the path the server loads (default: model.path)
     sync_backend: Optional[str] = None  # weight_sync=distributed: nccl | hccl | gloo (default by device)
     sync_master_address: Optional[str] = None
     in_process: bool = False  # vllm: run vllm.LLM in this process instead of talking to a server
+    update_retries: int = 2  # a failed weight update (every server back on the previous version) is retried
+    resync: bool = True  # keep the current weights (tensor/distributed: a CPU copy) to re-sync a restarted server
+    verify_updates: bool = True  # after an update, score a probe on every server (catches one that did not load)
+    check_logprobs: bool = True  # at start: refuse a server whose log-probs are not those of the sampled distribution
 
 
 ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", max_retries=">= 0", retry_backoff_s=">= 0",
-       launch_timeout_s="> 0")
+       launch_timeout_s="> 0", update_retries=">= 0")
 
 
 @dataclass

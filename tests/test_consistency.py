@@ -106,7 +106,7 @@ def _build(tmp_path, *extra):
 def test_sync_makes_engine_greedy_equal_trainer_greedy(tmp_path, tokenizer):
     run = _build(tmp_path, "trainer.max_steps=2", "~callbacks.held_out_eval", "~callbacks.sample_table",
                  "algo.lr=0.01")
-    run.fit()
+    run.fit(close=False)  # the engine answers below
     engine, policy = run.datamodule.engine, run.module.policy.eval()
     p = encode(tokenizer, "3+4=")
     synced = engine.generate([p], SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import random
-from collections import Counter
 from fractions import Fraction
 
 import pytest

@@ -27,7 +27,7 @@ def _metrics(tmp_path):
 def test_grpo_steps_update_policy_and_engine(tmp_path):
     run = _build(tmp_path, "trainer.max_steps=3")
     before = {k: v.clone() for k, v in run.module.policy.state_dict().items()}
-    run.fit()
+    run.fit(close=False)  # the engine is inspected below
     after = run.module.policy.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert run.trainer.global_step == 3 and run.module.rl_step == 3
@@ -78,7 +78,7 @@ def test_checkpoint_and_resume(tmp_path):
 def _params_after(tmp_path, *extra):
     run = _build(tmp_path, "trainer.max_steps=2", "~callbacks.held_out_eval", "~callbacks.sample_table",
                  "trainer.deterministic=true", *extra)
-    run.fit()
+    run.fit(close=False)  # callers inspect the engine
     return run, {k: v.clone() for k, v in run.module.policy.state_dict().items()}
 
 

@@ -89,7 +89,7 @@ def build_server_engine(cfg: Any):
 
         return SGLangEngine.from_config(cfg)
     if in_process:
-        from glmlight.rollout.vllm import VLLMInProcessEngine
+        from glmlight.rollout.vllm_inprocess import VLLMInProcessEngine
 
         return VLLMInProcessEngine.from_config(cfg)
     from glmlight.rollout.vllm import VLLMEngine

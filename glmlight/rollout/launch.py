@@ -1,19 +1,45 @@
-"""Servers glmlight starts itself (`rollout.server.launch=true`): a child process in its own
-process group, its log captured to a file, its exit detected, stopped on close(); and the
-addresses a launch or a weight-update rendezvous needs."""
+"""Servers glmlight starts itself (`rollout.server.launch=true`): a child process glmlight always
+reaps, its log captured to a file, its exit detected; and the addresses a launch or a
+weight-update rendezvous needs.
+
+A managed server runs under `server_guard.py` (standard library only), which leads its own
+process group and holds the read end of a pipe whose write end only this process holds. The
+server and everything it starts (vLLM's engine core and workers, SGLang's schedulers) are
+stopped when
+- `close()` / `stop()` is called (the engines call it from their own close(), `Run.fit()` closes
+  the engines when it ends, however it ends);
+- this interpreter exits without closing them (an atexit hook stops every live server);
+- this process dies in any other way, SIGKILL included: the pipe reads EOF in the guard;
+- the guard itself is killed: the server has PR_SET_PDEATHSIG = SIGTERM.
+Every process of a managed server carries `GLMLIGHT_SERVER_ID=<id>` in its environment, so a
+leftover could be found (tests scan /proc for it).
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
 from glmlight.errors import EngineError
+
+GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_guard.py")
+# The directory that holds the glmlight package: put on a server's PYTHONPATH so that a worker
+# extension (glmlight.rollout.vllm_worker) imports in the server's own environment.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SERVER_ID_ENV = "GLMLIGHT_SERVER_ID"
+
+_live: set["ManagedServer"] = set()
+_live_lock = threading.Lock()
 
 
 @dataclass
@@ -27,6 +53,7 @@ class LaunchSpec:
     log_path: str
     env: dict[str, str] = field(default_factory=dict)
     secrets: tuple[str, ...] = ()  # redacted from anything we print
+    grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
 
     @property
     def url(self) -> str:
@@ -36,25 +63,47 @@ class LaunchSpec:
         return ManagedServer(self)
 
 
+def python_path_with_package(env: dict[str, str] | None = None) -> str:
+    """PYTHONPATH for a server that must import glmlight's worker extension: this glmlight's
+    package root first, then whatever PYTHONPATH the server would have had."""
+    rest = (env or {}).get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    parts = [PACKAGE_ROOT] + [p for p in rest.split(os.pathsep) if p and p != PACKAGE_ROOT]
+    return os.pathsep.join(parts)
+
+
 class ManagedServer:
-    """A server child process (own process group), stdout+stderr captured to `log_path`."""
+    """A server under `server_guard.py` (own process group), stdout+stderr captured to `log_path`."""
 
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
+        self.server_id = uuid.uuid4().hex[:16]
         os.makedirs(os.path.dirname(os.path.abspath(spec.log_path)), exist_ok=True)
         self._log = open(spec.log_path, "ab")
+        read_end, self._watch = os.pipe()  # both non-inheritable: only the guard gets read_end
+        command = [sys.executable, GUARD, str(read_end), f"{spec.grace_s:g}", "--", *spec.command]
         try:
-            self.proc = subprocess.Popen(spec.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **spec.env}, start_new_session=True)
+            self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **spec.env, SERVER_ID_ENV: self.server_id},
+                                         start_new_session=True, pass_fds=(read_end,))
         except OSError as e:
             self._log.close()
+            os.close(self._watch)
             raise EngineError(f"cannot start the {spec.name} server ({self._redact(' '.join(spec.command[:3]))}...): {e}") from None
+        finally:
+            os.close(read_end)
+        with _live_lock:
+            _live.add(self)
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid
 
     def check(self) -> None:
-        """Raise a one-line EngineError with the log tail if the process has exited."""
+        """Raise a one-line EngineError with the log tail if the server has exited."""
         rc = self.proc.poll()
         if rc is not None:
-            raise EngineError(f"managed {self.spec.name} server exited with code {rc}; last log lines: "
+            code = f"signal {rc - 128}" if rc > 128 else (f"signal {-rc}" if rc < 0 else f"code {rc}")
+            raise EngineError(f"managed {self.spec.name} server exited with {code}; last log lines: "
                               f"{self.log_tail()} (full log: {self.spec.log_path})")
 
     def log_tail(self, n: int = 6) -> str:
@@ -72,19 +121,75 @@ class ManagedServer:
                 text = text.replace(secret, "***")
         return text
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    break
-                try:
-                    self.proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM to the server's process group (the guard stops the rest), SIGKILL to the group
+        if it is still there after the guard's grace period; idempotent."""
+        wait = (timeout_s if timeout_s is not None else self.spec.grace_s) + 5.0
+        for sig, seconds in ((signal.SIGTERM, wait), (signal.SIGKILL, 5.0)):
+            if not _group_exists(self.pgid):
+                break
+            try:
+                os.killpg(self.pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            try:
+                self.proc.wait(seconds)
+            except subprocess.TimeoutExpired:
+                continue
+            if not _group_exists(self.pgid):
+                break
+        try:
+            self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._watch is not None:
+            os.close(self._watch)
+            self._watch = None
         self._log.close()
+        with _live_lock:
+            _live.discard(self)
+
+
+def server_processes(server_id: str) -> list[int]:
+    """Live processes (zombies excluded) that carry GLMLIGHT_SERVER_ID=server_id: a managed server's
+    guard, the server and everything it started. Linux /proc; [] elsewhere."""
+    marker = f"{SERVER_ID_ENV}={server_id}".encode()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except OSError:
+            continue
+        found.append(int(entry))
+    return found
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+@atexit.register
+def _stop_all() -> None:
+    with _live_lock:
+        servers = list(_live)
+    for server in servers:
+        try:
+            server.stop()
+        except Exception:  # noqa: BLE001 - exiting
+            pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
