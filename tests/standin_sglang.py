@@ -28,6 +28,17 @@ What it does is read from sglang-0.5.23's source (paths inside the wheel's `sgla
   weight_version, "default" at start (http_server.py:802-848); /server_info and /get_server_info
   carry tp_size; /update_weight_version; /init_weights_update_group (gloo only here) and
   /destroy_weights_update_group.
+- Replay records (`routed_experts=True`: started with --enable-return-routed-experts; `indexer_topk=True`:
+  --enable-return-indexer-topk; srt/arg_groups/fields/exec_.py:158-164): a request with
+  return_routed_experts gets meta_info.routed_experts, base64 int32 [len(prompt) + len(output) - 1 -
+  routed_experts_start_len, num_hidden_layers, k], dense layers 0 (srt/managers/detokenizer_manager.py:431-447,
+  srt/managers/scheduler_components/batch_result_processor.py:136-179, srt/state_capturer/base.py:38-75,
+  173-188); a start_len outside [0, len(prompt)] answers 400 (srt/managers/scheduler.py:3300-3319). With
+  return_indexer_topk, meta_info.indexer_topk, int32 [n - 1, num_hidden_layers, index_topk] from position 0
+  (batch_result_processor.py:181-189): positions -1 padded with `fuse_topk=False` (SGLANG_DSA_FUSE_TOPK=0),
+  else KV-cache slot ids, here position + SLOT_BASE (srt/layers/attention/dsa/dsa_topk_backend.py:23-27,
+  109-110, 272-309; srt/environ.py:1978). A server started without the flag omits the field
+  (srt/state_capturer/routed_experts.py:50-51). Built with glmlight's `*_payload` encoders.
 `original_logprob=True` behaves as a server started with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (log-probs
 before temperature, srt/layers/sampler.py:82, 231-237). Faults beyond the base's: "lie" on an update path acknowledges the version without loading it;
 "slow" on /generate holds the request (its rid registered) before answering.
@@ -36,20 +47,23 @@ before temperature, srt/layers/sampler.py:82, 231-237). Faults beyond the base's
 from __future__ import annotations
 
 import asyncio
-
+import base64
 import subprocess
 import sys
 import threading
 import uuid
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from glmlight.rollout.local import LocalEngine
+from glmlight.rollout.replay_codec import RecordLayout, sglang_indexer_topk_payload, sglang_routed_experts_payload
 from glmlight.rollout.transport import decode_safetensors
 from tests.standin_base import FAULT, ProtocolServer, _params, join_gloo_group, receive
 
 SESSION_MESSAGE = "{} must run between begin_weight_update() and end_weight_update()"
+SLOT_BASE = 4096  # where the stand-in's KV-cache slots start (the fused DSA top-k reports slots)
 
 # SGLang 0.5.23 SafeUnpickler.ALLOWED_GLOBALS (srt/utils/common.py:3148-3359), the part a tensor
 # payload can use; everything else raises "Blocked unsafe global".
@@ -89,8 +103,13 @@ for line in sys.stdin:
 class SGLangServer(ProtocolServer):
     open_paths = ("/health", "/health_generate")  # SGLang's key middleware lets health checks through
 
-    def __init__(self, engine: LocalEngine, *, sampling_mask: bool = True, original_logprob: bool = False, **kw: Any):
+    def __init__(self, engine: LocalEngine, *, sampling_mask: bool = True, original_logprob: bool = False,
+                 routed_experts: bool = False, indexer_topk: bool = False, fuse_topk: bool = True, **kw: Any):
         super().__init__(engine, **kw)
+        self.routed_experts, self.indexer_topk, self.fuse_topk = routed_experts, indexer_topk, fuse_topk
+        self.layout = RecordLayout.from_model(engine.model)
+        if routed_experts or indexer_topk:
+            engine.capture_replay(routing=routed_experts, index=indexer_topk)
         self.original_logprob = original_logprob  # SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature
         self.sampling_mask = sampling_mask  # False: a release before 0.5.18 (the field is ignored)
         self.weight_version = "default"
@@ -171,6 +190,10 @@ class SGLangServer(ProtocolServer):
         if mask and top_k != 1 and not (1 < top_k <= 4096):
             return web.json_response({"error": {"message": "return_sampling_mask requires top_k=1 for greedy sampling "
                                                            f"or finite 1 < top_k <= 4096; got top_k={top_k}."}}, status=400)
+        start_len = int(body.get("routed_experts_start_len") or 0)
+        if body.get("return_routed_experts") and not 0 <= start_len <= len(ids):
+            return web.json_response({"error": {"message": f"routed_experts_start_len ({start_len}) must be between 0 "
+                                                           f"and the prompt length ({len(ids)})"}}, status=400)
         meta: dict[str, Any] = {"id": rid, "prompt_tokens": len(ids), "cached_tokens": 0}
         out_ids: list[int] = []
         meta["output_token_logprobs"], meta["finish_reason"] = [], {"type": "length", "length": 0}
@@ -191,6 +214,7 @@ class SGLangServer(ProtocolServer):
             if mask:
                 meta["output_token_sampling_logprobs"] = list(gen.logprobs)
                 meta["output_token_sampling_mask"] = [[tok] for tok in out_ids]
+            self._records(meta, body, gen, len(ids) + len(out_ids), start_len)
             meta["finish_reason"] = {"stop": {"type": "stop", "matched": out_ids[-1] if out_ids else None},
                                      "length": {"type": "length", "length": len(out_ids)},
                                      "abort": {"type": "abort", "message": "Aborted", "status_code": None,
@@ -205,6 +229,17 @@ class SGLangServer(ProtocolServer):
             meta["input_token_logprobs"] = [[None, ids[start], None]] + [[lp, t, None] for lp, t in zip(lps, ids[start + 1:])]
         meta["completion_tokens"] = len(out_ids)
         return web.json_response({"text": "", "output_ids": out_ids, "meta_info": meta})
+
+    def _records(self, meta: dict, body: dict, gen: Any, num_tokens: int, start_len: int) -> None:
+        """meta_info.routed_experts / .indexer_topk as SGLang sends them (module docstring)."""
+        if self.routed_experts and body.get("return_routed_experts") and gen.routed_experts is not None:
+            meta["routed_experts"] = sglang_routed_experts_payload(gen.routed_experts[start_len:], self.layout)
+        if self.indexer_topk and body.get("return_indexer_topk") and gen.indexer_topk is not None:
+            payload = sglang_indexer_topk_payload(gen.indexer_topk, num_tokens, self.layout)
+            if self.fuse_topk:  # KV-cache slot ids instead of positions
+                arr = np.frombuffer(base64.b64decode(payload), dtype=np.int32)
+                payload = base64.b64encode(np.where(arr >= 0, arr + SLOT_BASE, arr).astype(np.int32).tobytes()).decode()
+            meta["indexer_topk"] = payload
 
     async def pause(self, request: web.Request) -> web.Response:
         self.running.clear()

@@ -23,6 +23,14 @@ Behaviour read from vllm-0.33.0's source (paths inside the wheel), with `version
   method failed: Worker failed with error '<e>', please check the stack trace above for the root cause",
   "type": "InternalServerError", "param": null, "code": 500}} (vllm/v1/engine/core.py:1850,
   vllm/v1/executor/multiproc_executor.py:520-528; the exact text a real 0.32.0 CPU server sent).
+- Routed experts (`routed_experts=True`: started with --enable-return-routed-experts, which needs a MoE
+  model, vllm/config/vllm.py:1187-1210): every choice carries routed_experts, base64 of `.npy` bytes, uint8
+  for at most 256 experts else uint16, [len(prompt) + len(output) - 1 - routed_experts_prompt_start,
+  num_hidden_layers, k], dense layers 0 (vllm/entrypoints/openai/completion/serving.py:630-653,
+  vllm/utils/serial_utils.py:67-71, vllm/model_executor/layers/fused_moe/routed_experts_capturer.py:31-70);
+  null without the flag (completion/protocol.py:691-700); a routed_experts_prompt_start outside
+  [0, len(prompt)] answers 400 (vllm/v1/engine/input_processor.py:457-462). No DSA selection is returned.
+  Built with glmlight's `vllm_routed_experts_payload`.
 Faults beyond the base's: "lie" on /collective_rpc makes the next commit acknowledge the version
 without loading the weights.
 """
@@ -40,6 +48,7 @@ import torch
 from aiohttp import web
 
 from glmlight.rollout.local import LocalEngine
+from glmlight.rollout.replay_codec import RecordLayout, vllm_routed_experts_payload
 from glmlight.rollout.vllm_worker import WeightLoaderExtension
 from tests.standin_base import FAULT, ProtocolServer, _params, join_gloo_group
 
@@ -93,8 +102,14 @@ class VLLMServer(ProtocolServer):
     open_paths = ("/health",)  # the real key middleware guards /v1... only; tests send the key everywhere
 
     def __init__(self, engine: LocalEngine, *, dev_mode: bool = True, extension: bool = True,
-                 model_name: str = "tiny-glm5", version: str = "0.33.0", logprobs_mode: str = "processed", **kw: Any):
+                 model_name: str = "tiny-glm5", version: str = "0.33.0", logprobs_mode: str = "processed",
+                 routed_experts: bool = False, **kw: Any):
         super().__init__(engine, **kw)
+        self.routed_experts, self.layout = routed_experts, RecordLayout.from_model(engine.model)
+        if routed_experts:
+            if not self.layout.moe_layers:
+                raise ValueError("AuxOutput Connector only supports MoE models.")
+            engine.capture_replay(routing=True)
         self.dev_mode, self.extension, self.model_name = dev_mode, extension, model_name
         self.version, self.logprobs_mode = version, logprobs_mode
         self.worker = StandInWorker(engine)
@@ -139,7 +154,13 @@ class VLLMServer(ProtocolServer):
         if self.paused and self.newer:
             return web.json_response(PAUSED, status=503)
         await self.run_engine(self.resumed.wait)  # 0.32: held until /resume
-        ids, choice = list(b["prompt"]), {"index": 0, "text": "", "stop_reason": None}
+        ids, choice = list(b["prompt"]), {"index": 0, "text": "", "stop_reason": None, "routed_experts": None}
+        start = b.get("routed_experts_prompt_start", 0)
+        if not (isinstance(start, int) and 0 <= start <= len(ids)):
+            return web.json_response({"error": {"message": f"routed_experts_prompt_start must be between 0 and the "
+                                                           f"prompt length ({len(ids)}), got {start}",
+                                                "type": "BadRequestError", "param": "routed_experts_prompt_start",
+                                                "code": 400}}, status=400)
         rid = b.get("request_id") or uuid.uuid4().hex
         sp = _params(b, int(b.get("max_tokens", 16)))
         self.in_flight += 1
@@ -152,6 +173,8 @@ class VLLMServer(ProtocolServer):
         if self.logprobs_mode == "raw" and gen.token_ids:
             lps = (await self.run_engine(self.engine.score, [ids], [gen.token_ids]))[0]
         choice["finish_reason"] = gen.finish_reason
+        if self.routed_experts and gen.routed_experts is not None:
+            choice["routed_experts"] = vllm_routed_experts_payload(gen.routed_experts[start:], self.layout)
         if gen.finish_reason == "stop":
             choice["stop_reason"] = gen.token_ids[-1]
         if b.get("logprobs") is not None:

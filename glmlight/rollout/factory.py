@@ -23,7 +23,7 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
 
         return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
                            seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile)
-    return build_server_engine(cfg)
+    return build_server_engine(cfg, policy)
 
 
 def build_custom_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
@@ -62,9 +62,12 @@ def engine_device(cfg: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def build_server_engine(cfg: Any):
+def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None):
     """A server client for `cfg.rollout.backend` (server engines work on token ids only and never
-    re-tokenize, so they need no tokenizer)."""
+    re-tokenize, so they need no tokenizer). With `policy`, the client knows where the model's MoE
+    and DSA layers sit in the servers' replay records (`record_layout`)."""
+    from glmlight.rollout.launch import replay_parts, vllm_index_refusal
+
     r, s = cfg.rollout, cfg.rollout.server
     if r.backend not in BACKENDS:
         raise ConfigError(f"config error: rollout.backend={r.backend!r} is not a server backend; choose one of {list(BACKENDS)}")
@@ -79,6 +82,9 @@ def build_server_engine(cfg: Any):
                           "(the checkpoint directory the server loads)")
     if s.router and s.launch:
         raise ConfigError("config error: rollout.server.router and rollout.server.launch cannot both be set")
+    if r.backend != "sglang" and replay_parts(cfg)[1]:
+        raise ConfigError(f"config error: algo.replay={cfg.algo.replay} with rollout.backend={r.backend}: "
+                          f"{vllm_index_refusal('vLLM')}")
     try:
         import aiohttp  # noqa: F401
     except ImportError:
@@ -87,11 +93,17 @@ def build_server_engine(cfg: Any):
     if r.backend == "sglang":
         from glmlight.rollout.sglang import SGLangEngine
 
-        return SGLangEngine.from_config(cfg)
-    if in_process:
+        engine = SGLangEngine.from_config(cfg)
+    elif in_process:
         from glmlight.rollout.vllm_inprocess import VLLMInProcessEngine
 
         return VLLMInProcessEngine.from_config(cfg)
-    from glmlight.rollout.vllm import VLLMEngine
+    else:
+        from glmlight.rollout.vllm import VLLMEngine
 
-    return VLLMEngine.from_config(cfg)
+        engine = VLLMEngine.from_config(cfg)
+    if policy is not None:
+        from glmlight.rollout.replay_codec import RecordLayout
+
+        engine.record_layout = RecordLayout.from_model(policy)
+    return engine

