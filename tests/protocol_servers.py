@@ -36,7 +36,10 @@ def serve_main(kind: str, argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--enable-return-routed-experts", action="store_true")
+    ap.add_argument("--enable-return-indexer-topk", action="store_true")  # SGLang only
     args, _ = ap.parse_known_args(argv)
+    import os
     import subprocess
     import sys
 
@@ -45,8 +48,12 @@ def serve_main(kind: str, argv: list[str]) -> None:
     core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     tok = build_char_tokenizer()
     engine = LocalEngine(load_causal_lm(None, tok, preset="test", seed=0))
+    replay = {"routed_experts": args.enable_return_routed_experts}
+    if kind == "sglang":
+        replay.update(indexer_topk=args.enable_return_indexer_topk,
+                      fuse_topk=os.environ.get("SGLANG_DSA_FUSE_TOPK", "1") != "0")
     cls = SGLangServer if kind == "sglang" else VLLMServer
-    server = cls(engine, api_key=args.api_key, port=args.port).start()
+    server = cls(engine, api_key=args.api_key, port=args.port, **replay).start()
     print(f"stand-in {kind} server ready on {server.url}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
