@@ -126,6 +126,9 @@ def test_vllm_index_replay_is_refused_before_any_server_is_reached(tmp_path):
             glmlight.build(compose(overrides_for_tests(
                 tmp_path, "rollout=vllm", "rollout.server.urls=[http://127.0.0.1:9]", f"algo.replay={mode}")))
         assert "\n" not in str(err.value) and f"algo.replay={mode}" in str(err.value)
+    with pytest.raises(ConfigError, match="in-process vLLM engine"):
+        build_server_engine(validate({"rollout": {"backend": "vllm", "server": {
+            "in_process": True, "model_path": str(tmp_path)}}, "algo": {"replay": "routing"}}))
 
 
 def test_managed_launches_add_the_replay_flags(tmp_path, tokenizer):

@@ -2,7 +2,8 @@
 
 - at start-up (`check_model`, `start`): the policy must have what is replayed (a supported routed
   MoE for "routing", DSA indexers for "index"), and the engine must be able to record it
-  (`engine.capture_replay(routing=, index=)`; the embedded engine can). Otherwise one-line
+  (`engine.capture_replay(routing=, index=)`; the embedded engine and the SGLang / vLLM clients can,
+  the servers when started with the flags of docs/servers.md). Otherwise one-line
   ConfigError; nothing silently falls back to recomputing;
 - per sample (`RecordsFilter`, a datamodule filter): a sample whose records do not cover every
   position a trained token depends on is dropped and counted as `rollout/dropped/no_replay_records`
@@ -61,7 +62,7 @@ def start(module: Any, mode: str) -> None:
     capture = getattr(engine, "capture_replay", None)
     if not callable(capture):
         raise ConfigError(f"config error: algo.replay={mode}: the {type(engine).__name__} engine cannot return "
-                          "replay records (the embedded engine, rollout=local, can)")
+                          "replay records (the embedded engine, rollout=local, and the SGLang and vLLM clients can)")
     try:
         capture(routing=routing, index=index)
     except Exception as e:  # noqa: BLE001 - an engine that cannot: one line at start-up

@@ -85,6 +85,9 @@ def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None):
     if r.backend != "sglang" and replay_parts(cfg)[1]:
         raise ConfigError(f"config error: algo.replay={cfg.algo.replay} with rollout.backend={r.backend}: "
                           f"{vllm_index_refusal('vLLM')}")
+    if in_process and any(replay_parts(cfg)):
+        raise ConfigError(f"config error: algo.replay={cfg.algo.replay}: the in-process vLLM engine "
+                          "(rollout.server.in_process) does not return replay records; use a vLLM server")
     try:
         import aiohttp  # noqa: F401
     except ImportError:

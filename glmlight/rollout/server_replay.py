@@ -20,8 +20,9 @@ The request fields, the answer fields and the server flags of each backend are t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -54,6 +55,7 @@ class ReplayCapture:
     """Mixin of the server engines; see the module docstring. Subclasses set `replay_fields` and may
     refuse a kind in `_refuse_replay` (vLLM: index)."""
 
+    name = "server"
     replay_fields: dict[str, ReplayField] = {}
     record_layout: RecordLayout | None = None
     replay_capture: tuple[bool, bool] = (False, False)  # (routing, index) asked of every request
@@ -72,7 +74,7 @@ class ReplayCapture:
             raise EngineError(refused)
         layout = self.record_layout
         if layout is None:
-            raise EngineError(f"the {self.name} engine has no record layout (set engine.record_layout = "  # type: ignore[attr-defined]
+            raise EngineError(f"the {self.name} engine has no record layout (set engine.record_layout = "
                               "RecordLayout.from_model(policy); build_server_engine(cfg, policy) does)")
         if want[0] and not layout.moe_layers:
             raise EngineError("routing records need a model with routed MoE layers")
@@ -115,14 +117,14 @@ class ReplayCapture:
             payload = answer.get(f.answer)
             if payload is None:
                 if self._replay_strict:
-                    raise EngineError(f"{self.name} server at {url} answered without {f.where} although asked: "  # type: ignore[attr-defined]
+                    raise EngineError(f"{self.name} server at {url} answered without {f.where} although asked: "
                                       f"start it with {f.server_flag}")
                 self.num_missing_records += 1
                 log.warning("%s server at %s answered without %s although asked (%d so far): the sample is dropped "
-                            "(rollout/dropped/no_replay_records); is it started with %s?", self.name, url,  # type: ignore[attr-defined]
+                            "(rollout/dropped/no_replay_records); is it started with %s?", self.name, url,
                             f.where, self.num_missing_records, f.server_flag)
                 continue
             try:
-                setattr(gen, attr, f.decode(payload, num_tokens, self.record_layout))  # type: ignore[arg-type]
+                setattr(gen, attr, f.decode(payload, num_tokens, self.record_layout))
             except ReplayDecodeError as e:
-                raise ReplayRecordsInvalid(f"{self.name} server at {url}: {e}") from None  # type: ignore[attr-defined]
+                raise ReplayRecordsInvalid(f"{self.name} server at {url}: {e}") from None

@@ -4,7 +4,8 @@
 Generation: POST /generate {rid, input_ids, sampling_params, return_logprob: true}; ids from
 meta_info.output_token_logprobs ([[logprob, token_id, text], ...]), the finish reason from
 meta_info.finish_reason.type, the weights' version labels from meta_info.weight_versions (spans)
-or meta_info.weight_version. Every attempt has its own rid (`<rid>-<attempt>`): SGLang answers 400
+or meta_info.weight_version; replay records from meta_info.routed_experts / .indexer_topk
+(`replay_fields`, server_replay.py). Every attempt has its own rid (`<rid>-<attempt>`): SGLang answers 400
 "Duplicate request ID" while an earlier attempt is still registered (tokenizer_manager.py
 `_init_req_state`).
 
@@ -62,8 +63,8 @@ from glmlight.rollout.base import Generation, SamplingParams
 from glmlight.rollout.http import Rejected, get_field
 from glmlight.rollout.launch import free_port, local_ip_towards, sglang_launch
 from glmlight.rollout.replay_codec import decode_sglang_indexer_topk, decode_sglang_routed_experts
-from glmlight.rollout.server_replay import ReplayField
 from glmlight.rollout.server_checks import check_logprob_definition
+from glmlight.rollout.server_replay import ReplayField
 from glmlight.rollout.servers import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
                                       server_settings)
 from glmlight.rollout.sglang_wire import (FINISH_REASONS, FilteredLogprobsMissing, attempt_rid, check_sampling,  # noqa: F401

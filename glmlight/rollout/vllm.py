@@ -4,7 +4,9 @@
 Generation: POST /v1/completions with the prompt as token ids, `logprobs: 0` (the sampled token's
 log-prob only), `return_token_ids` (choices[0].token_ids; older servers: tokens spelt
 "token_id:<id>" via `return_tokens_as_token_ids`) and, on 0.33, `return_weight_versions`
-(choices[0].weight_versions: the version label of every token span). The log-probs must be those
+(choices[0].weight_versions: the version label of every token span); with routing replay on,
+`routed_experts_prompt_start: 0` (choices[0].routed_experts; `replay_fields`, server_replay.py;
+vLLM returns no DSA selection, so index replay is refused). The log-probs must be those
 of the distribution each token was sampled from — temperature, then top-k/top-p, renormalised:
 vLLM's `--logprobs-mode processed_logprobs` (vllm/v1/sample/sampler.py and
 vllm/v1/sample/ops/topk_topp_sampler.py); a managed launch sets it, and a server that reports
@@ -52,8 +54,8 @@ from glmlight.rollout.base import Generation, NamedTensors, SamplingParams
 from glmlight.rollout.http import AuthError, get_field
 from glmlight.rollout.launch import free_port, local_ip_towards, vllm_index_refusal, vllm_launch
 from glmlight.rollout.replay_codec import decode_vllm_routed_experts
-from glmlight.rollout.server_replay import ReplayField
 from glmlight.rollout.server_checks import check_logprob_definition
+from glmlight.rollout.server_replay import ReplayField
 from glmlight.rollout.vllm_wire import (ASCEND_OPTIONS, EXTENSION, FINISH_REASONS, rpc_failed, token_id,  # noqa: F401
                                         version_tuple)
 from glmlight.rollout.servers import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
