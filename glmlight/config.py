@@ -78,6 +78,10 @@ class RolloutConfig:
     backend: str = "local"  # local | sglang | vllm | vllm_ascend
     mode: str = "sync"  # sync | async
     dtype: str = "float32"  # the engine's own weight copy (e.g. bfloat16 while training runs in fp32)
+    # auto: every weight in `dtype`; fp8: linear weights block-quantised (float8_e4m3fn, one scale per
+    # 128 x 128 block, the GLM-5 / DeepSeek-V3 FP8 checkpoint layout) at every sync, computed in `dtype`.
+    # Servers: start them with an FP8 checkpoint (scripts/export.py --fp8); the sync sends that layout.
+    weight_format: str = "auto"
     device: Optional[str] = None  # embedded engine device; None = the trainer's device
     compile: bool = False  # embedded engine, GLM-5 models: torch.compile the decode step (long generations)
     temperature: float = 1.0
@@ -273,6 +277,7 @@ CHOICES = {
     "logger.name": ("wandb", "csv", "none"),
     "model.dtype": tuple(DTYPES),
     "rollout.dtype": tuple(DTYPES),
+    "rollout.weight_format": ("auto", "fp8"),
     "logger.mode": ("offline", "online", "disabled"),
 }
 

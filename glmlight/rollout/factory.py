@@ -20,7 +20,8 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
         from glmlight.rollout.local import LocalEngine
 
         return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
-                           seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile)
+                           seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile,
+                           weight_format=r.weight_format)
     return build_server_engine(cfg)
 
 

@@ -323,5 +323,5 @@ class GlmDsaRunner:
     def _mlp(self, Ly: Layer, x: torch.Tensor) -> torch.Tensor:
         if not Ly.moe:
             g, u = F.linear(x, Ly.gate_up).chunk(2, dim=-1)
-            return F.linear(F.silu(g) * u, Ly.mlp.down_proj.weight)
+            return F.linear(F.silu(g) * u, Ly.down)
         return moe_forward(Ly.mlp, Ly.experts, x)

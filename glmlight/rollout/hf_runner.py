@@ -14,6 +14,9 @@ whatever it is batched with; only the number of masked columns changes, which
 moves fp32 results in their last bits. (DSA models: when index scores tie at the
 top-k cut-off, transformers' top-k may pick different tied tokens for different
 padding; the GLM-5 runner in `glm_runner.py` does not have that dependence.)
+
+FP8-held weights (`glmlight.models.fp8`) are dequantised once per forward (`parametrize.cached`),
+not once per read (MoE experts read theirs once per selected expert).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
 
@@ -62,8 +66,9 @@ class HFRunner:
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                            logits_to_keep=1).logits[:, -1]
+        with parametrize.cached():
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]
         if self.cache is None or self.n == 0:
             self.cache, self.mask, self.next_pos = cache, mask, pos[:, -1] + 1
         else:
@@ -75,8 +80,9 @@ class HFRunner:
     def step(self, tokens: torch.Tensor, sample: Callable[[torch.Tensor], Any] | None = None) -> Any:
         """Append one token to every row; logits of the next token [n, V], or `sample(logits)`."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.n, 1)], dim=1)
-        logits = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
-                            cache=self.cache, use_cache=True).logits[:, -1]
+        with parametrize.cached():
+            logits = self.model(input_ids=tokens[:, None], attention_mask=self.mask,
+                                position_ids=self.next_pos[:, None], cache=self.cache, use_cache=True).logits[:, -1]
         self.next_pos = self.next_pos + 1
         return logits if sample is None else sample(logits)
 
