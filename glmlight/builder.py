@@ -25,6 +25,7 @@ from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, 
 from glmlight.errors import ConfigError
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
+from glmlight.models.lora import apply_lora
 from glmlight.models.warm_start import supervised_warm_start
 from glmlight.rewards import build_reward
 from glmlight.rollout.factory import build_engine
@@ -52,6 +53,18 @@ class Run:
             save_run_config(self.cfg, self.trainer.default_root_dir)
         self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
                          weights_only=True)
+        if self.cfg.export.enabled and self.trainer.is_global_zero and not self.trainer.interrupted:
+            self.export()
+
+    def export(self, out: str | None = None) -> str:
+        """The policy (LoRA merged) and tokenizer as a Hugging Face checkpoint: export.dir, default
+        <trainer.default_root_dir>/hf (`glmlight.models.export`)."""
+        from glmlight.models.export import export_hf
+
+        out = out or self.cfg.export.dir or os.path.join(self.trainer.default_root_dir, "hf")
+        path = export_hf(self.module.policy, self.datamodule.tokenizer, out)
+        log.info("exported the policy to %s", path)
+        return path
 
 
 def save_run_config(cfg: DictConfig, root: str) -> str:
@@ -213,7 +226,9 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
     if choice == "transformers":
         return False
     reasons = []
-    if cfg.model.gradient_checkpointing:  # (the checkpointed layers run through the model's own forward)
+    if cfg.model.lora.rank > 0:  # (it reads the base weights directly, not through the adapters)
+        reasons.append("model.lora.rank > 0 (LoRA layers run through the model's own forward)")
+    elif cfg.model.gradient_checkpointing:  # (the checkpointed layers run through the model's own forward)
         reasons.append("model.gradient_checkpointing=true")
     elif not glm_forward.supports(policy):
         reasons.append(f"{type(policy).__name__} is not a GLM-5 (GlmMoeDsa) model of a shape it supports")
@@ -221,6 +236,8 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
         reasons.append(f"trainer.strategy={cfg.trainer.strategy} shards parameters through the model's own forward")
     if reasons and choice == "glmlight":
         raise ConfigError(f"config error: model.forward=glmlight cannot be used: {'; '.join(reasons)}")
+    if reasons:
+        log.info("trainer forward: the model's own (%s)", "; ".join(reasons))
     return not reasons
 
 
@@ -244,7 +261,9 @@ def build(cfg: DictConfig | dict) -> Run:
         identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
         identity["seed"] = cfg.seed
         supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
-    engine = build_engine(cfg, policy, tokenizer)
+    engine = build_engine(cfg, policy, tokenizer)  # the engine's own copy: the plain (or merged) model
+    lora = cfg.model.lora
+    policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     datamodule = RolloutDataModule(engine, tokenizer, source, build_reward(cfg.task.reward), cfg.rollout,
                                    eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
                                    env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns,

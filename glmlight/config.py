@@ -34,6 +34,20 @@ class WarmStartConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the policy (peft); rank 0 = none (full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the adapters' scale is alpha / rank
+    dropout: float = 0.0
+    # module-name suffixes to adapt, or [all-linear]; default: attention projections (MHA/GQA and MLA)
+    # and dense / shared-expert MLPs (glmlight.models.lora.DEFAULT_TARGETS)
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+        "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None  # a local Hugging Face checkpoint; None = the tiny GLM-5 default
     preset: str = "tiny"  # tiny GLM-5 size when path is None: test | tiny | small
@@ -47,6 +61,7 @@ class ModelConfig:
     # no gradient checkpointing, no fsdp/deepspeed sharding), else the model's own.
     forward: str = "auto"
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -201,6 +216,14 @@ class LoggerConfig:
 
 
 @dataclass
+class ExportConfig:
+    """The trained policy as a Hugging Face checkpoint at the end of fit (LoRA merged; safetensors)."""
+
+    enabled: bool = True
+    dir: Optional[str] = None  # default: <trainer.default_root_dir>/hf
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -208,6 +231,7 @@ class TrainConfig:
     algo: Any = None  # the chosen algorithm's own dataclass (glmlight.registry)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     # Lightning callbacks, each a dict with _target_ (instantiated in this order).
     callbacks: dict[str, Any] = field(default_factory=dict)
     seed: int = 0

@@ -28,6 +28,7 @@ from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients
 from glmlight.metrics import log_metrics
 from glmlight.models.glm5 import forward as glm_forward
+from glmlight.models.lora import base_model_context, is_lora, trainable_state_keys
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
@@ -61,7 +62,12 @@ class RLModule(pl.LightningModule):
         self._nonfinite_streak = 0
         # The frozen reference lives outside the module's parameters: never trained, never checkpointed.
         self._reference: list[torch.nn.Module] = []
-        if cfg.kl_coef > 0:
+        # A LoRA policy's reference is its own frozen base (adapters disabled): no copy.
+        self.lora = is_lora(policy)
+        self._reference_is_base = cfg.kl_coef > 0 and self.lora
+        if self.lora:
+            self.strict_loading = False  # checkpoints hold the adapters, not the frozen base
+        if cfg.kl_coef > 0 and not self.lora:
             ref = copy.deepcopy(policy).eval()
             ref.requires_grad_(False)
             self._reference.append(ref)
@@ -122,6 +128,16 @@ class RLModule(pl.LightningModule):
             chunks.append(logprobs_from_logits(self.forward_logits(model, mb), mb.response_ids, self.temperature))
         return torch.cat(chunks)
 
+    def reference_logprobs(self, batch: Experience) -> torch.Tensor | None:
+        """θ_ref's log-probs (algo.kl_coef > 0): a LoRA policy's frozen base, its adapters disabled, or the
+        frozen copy of the initial policy; None without a reference."""
+        if self._reference_is_base:
+            with base_model_context(self.policy):
+                return self.compute_logprobs(self.policy, batch)
+        if self._reference:
+            return self.compute_logprobs(self._reference[0].to(self.device), batch)
+        return None
+
     def old_logprob_readers(self) -> list[str]:
         """What reads batch.old_logprobs before the update: the algorithm's advantages, and every
         callback with an `on_experience` hook unless it declares `reads_old_logprobs = False`."""
@@ -155,9 +171,9 @@ class RLModule(pl.LightningModule):
         from_update = self.old_logprobs_from_update()
         batch.old_logprobs = None if from_update else self.compute_logprobs(self.policy, batch)
         batch.stats["train/old_logprobs_from_update"] = float(from_update)
-        if self._reference:
-            ref = self._reference[0].to(self.device)
-            batch.ref_logprobs = self.compute_logprobs(ref, batch)
+        ref = self.reference_logprobs(batch)
+        if ref is not None:
+            batch.ref_logprobs = ref
         self.policy.train(was_training)
         batch.token_weights = torch.ones_like(batch.loss_mask)
 
@@ -349,16 +365,35 @@ class RLModule(pl.LightningModule):
 
     # ----------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.lora:
+            self._keep_trainable_state(checkpoint)
         checkpoint["glmlight"] = {"policy_version": self.policy_version, "nonfinite_streak": self._nonfinite_streak,
                                   "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.lora:
+            self._check_trainable_state(checkpoint)
         state = checkpoint.get("glmlight", {})
         self.policy_version = state.get("policy_version", 0)
         self._nonfinite_streak = state.get("nonfinite_streak", 0)
         if "rng" in state:
             torch.set_rng_state(state["rng"]["torch"])
             random.setstate(_as_tuple(state["rng"]["python"]))
+
+
+    # ----------------------------------------------------------------- LoRA checkpoints
+    def _keep_trainable_state(self, checkpoint: dict[str, Any]) -> None:
+        """LoRA: the checkpoint keeps the adapters, the value head and buffers, not the frozen base."""
+        keep = set(trainable_state_keys(self))
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+        checkpoint["glmlight_lora"] = True
+
+    def _check_trainable_state(self, checkpoint: dict[str, Any]) -> None:
+        """LoRA: loading is not strict (the base is not in the checkpoint), so check the adapters are."""
+        missing = [k for k in trainable_state_keys(self) if k not in checkpoint.get("state_dict", {})]
+        if missing:
+            raise RuntimeError(f"checkpoint lacks {len(missing)} trainable tensors of this LoRA policy, e.g. "
+                               f"{missing[0]!r} (was it written with another model.lora?)")
 
 
 def _as_tuple(x: Any) -> Any:
