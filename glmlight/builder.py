@@ -241,6 +241,41 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
     return not reasons
 
 
+def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource) -> None:
+    """model.warm_start: the cached supervised warm start of the initial policy (a no-op for 0 steps)."""
+    if cfg.model.warm_start.steps > 0:
+        identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
+        identity["seed"] = cfg.seed
+        supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
+
+
+def policy_from_checkpoint(cfg: DictConfig | dict, ckpt_path: str) -> tuple[torch.nn.Module, Any]:
+    """(policy, tokenizer) of a run's Lightning checkpoint, built as `build(cfg)` builds them (a LoRA
+    checkpoint holds only the adapters: the base is rebuilt from model.path, or the seed and warm start)."""
+    cfg = validate(cfg)
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
+                            seed=cfg.model.seed, trust_remote_code=cfg.model.trust_remote_code,
+                            index_topk=cfg.model.index_topk)
+    lora = cfg.model.lora
+    if lora.rank > 0:
+        warm_start(cfg, policy, tokenizer, build_sources(cfg.task, cfg.seed)[0])
+    policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        state = {k[len("policy."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"cannot read the checkpoint {ckpt_path}: {_root_cause(e)}") from None
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    lost = [k for k in missing if k in trainable or lora.rank == 0]
+    if lost or unexpected:
+        raise ConfigError(f"checkpoint {ckpt_path} does not fit the run's model (model.lora.rank={lora.rank}): "
+                          f"{len(lost)} missing, {len(unexpected)} unexpected tensors, e.g. "
+                          f"{(lost or unexpected)[0]!r}")
+    return policy.eval(), tokenizer
+
+
 def build(cfg: DictConfig | dict) -> Run:
     """Everything a run needs, from a (composed) config. Raises ConfigError on bad config."""
     cfg = validate(cfg)
@@ -257,10 +292,7 @@ def build(cfg: DictConfig | dict) -> Run:
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     source, eval_source = build_sources(cfg.task, cfg.seed)
-    if cfg.model.warm_start.steps > 0:
-        identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
-        identity["seed"] = cfg.seed
-        supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
+    warm_start(cfg, policy, tokenizer, source)
     engine = build_engine(cfg, policy, tokenizer)  # the engine's own copy: the plain (or merged) model
     lora = cfg.model.lora
     policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
