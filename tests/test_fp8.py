@@ -252,3 +252,22 @@ def test_to_server_weights_reads_the_servers_checkpoint(tmp_path, tiny_model):
         to_server_weights(named, "fp8", None)
     assert read_quantization({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 32],
                                                       "ignored_layers": ["lm_head"]}}) == ((64, 32), ["lm_head"])
+
+
+# ----------------------------------------------------------------- config
+def test_weight_format_config(tmp_path):
+    import glmlight
+    from glmlight import compose
+    from tests.conftest import overrides_for_tests
+
+    with pytest.raises(ConfigError, match="weight_format='fp9' is not one of"):
+        glmlight.build(compose(overrides_for_tests(tmp_path, "rollout.weight_format=fp9")))
+    # a server client that does not send the FP8 layout yet says so instead of sending bf16 weights
+    with pytest.raises(ConfigError, match="weight_format=fp8 is not supported by the vllm client"):
+        glmlight.build(compose(overrides_for_tests(tmp_path, "rollout=vllm", "rollout.weight_format=fp8",
+                                                   "rollout.max_new_tokens=4")))
+    run = glmlight.build(compose(overrides_for_tests(tmp_path, "rollout.weight_format=fp8", "trainer.max_steps=1",
+                                                     "~callbacks.held_out_eval", "~callbacks.sample_table")))
+    assert run.datamodule.engine._fp8
+    run.fit()
+    assert run.datamodule.engine.version == 1
