@@ -1,6 +1,6 @@
 """WeightSync: push the trainer's weights into the rollout engine (the sync contract).
 
-gather (state_dict of the policy) → send (engine.update_weights, which casts to the
+gather (state_dict of the policy; a LoRA policy's merged weights) → send (engine.update_weights, which casts to the
 engine's dtype) → acknowledge: the policy version advances only when the engine
 reports the new version. Pushes the current weights once at the start of fit,
 so a resumed run's engine serves the restored weights.

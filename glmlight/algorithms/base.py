@@ -28,7 +28,7 @@ from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients
 from glmlight.metrics import log_metrics
 from glmlight.models.glm5 import forward as glm_forward
-from glmlight.models.lora import base_model_context, is_lora, trainable_state_keys
+from glmlight.models.lora import base_model_context, check_trainable_state, is_lora, keep_trainable_state
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
@@ -365,35 +365,20 @@ class RLModule(pl.LightningModule):
 
     # ----------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.lora:
-            self._keep_trainable_state(checkpoint)
+        if self.lora:  # the adapters (and a value head), not the frozen base
+            keep_trainable_state(self, checkpoint)
         checkpoint["glmlight"] = {"policy_version": self.policy_version, "nonfinite_streak": self._nonfinite_streak,
                                   "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.lora:
-            self._check_trainable_state(checkpoint)
+            check_trainable_state(self, checkpoint)
         state = checkpoint.get("glmlight", {})
         self.policy_version = state.get("policy_version", 0)
         self._nonfinite_streak = state.get("nonfinite_streak", 0)
         if "rng" in state:
             torch.set_rng_state(state["rng"]["torch"])
             random.setstate(_as_tuple(state["rng"]["python"]))
-
-
-    # ----------------------------------------------------------------- LoRA checkpoints
-    def _keep_trainable_state(self, checkpoint: dict[str, Any]) -> None:
-        """LoRA: the checkpoint keeps the adapters, the value head and buffers, not the frozen base."""
-        keep = set(trainable_state_keys(self))
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
-        checkpoint["glmlight_lora"] = True
-
-    def _check_trainable_state(self, checkpoint: dict[str, Any]) -> None:
-        """LoRA: loading is not strict (the base is not in the checkpoint), so check the adapters are."""
-        missing = [k for k in trainable_state_keys(self) if k not in checkpoint.get("state_dict", {})]
-        if missing:
-            raise RuntimeError(f"checkpoint lacks {len(missing)} trainable tensors of this LoRA policy, e.g. "
-                               f"{missing[0]!r} (was it written with another model.lora?)")
 
 
 def _as_tuple(x: Any) -> Any:

@@ -18,14 +18,18 @@ so the model's own forward, and any code that reads `module.weight`, gets the de
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 from torch.nn.utils import parametrize
 
+from glmlight.errors import EngineError
 from glmlight.ops.quant import BLOCK, dequantize_fp8_block, quantize_fp8_block
+
+log = logging.getLogger(__name__)
 
 # Modules (last name component) never quantised: MoE routers and the DSA indexer's head weights.
 UNQUANTIZED_MODULES = ("gate", "shared_expert_gate", "weights_proj")
@@ -102,6 +106,13 @@ class Fp8Weight:
         """The float8_e4m3fn tensor."""
         return self.module.parametrizations[self.attr].original
 
+    def load_checked(self, name: str, w: torch.Tensor) -> None:
+        """`load_` after checking the shape (one EngineError naming the weight)."""
+        if tuple(self.stored.shape) != tuple(w.shape):
+            raise EngineError(f"weight update for {name!r} has shape {tuple(w.shape)}, "
+                              f"engine expects {tuple(self.stored.shape)}")
+        self.load_(w)
+
     @torch.no_grad()
     def load_(self, w: torch.Tensor) -> None:
         """Quantise `w` (the trainer's weight, any float dtype) into this weight, in place."""
@@ -109,10 +120,6 @@ class Fp8Weight:
         q, s = quantize_split(w.to(self.stored.device), self.splits, p.block)
         self.stored.copy_(q)
         p.weight_scale_inv.copy_(s)
-
-    def nbytes(self) -> int:
-        s = self.parametrization.weight_scale_inv
-        return self.stored.numel() * self.stored.element_size() + s.numel() * s.element_size()
 
 
 @torch.no_grad()
@@ -137,15 +144,16 @@ def hold_fp8_(model: torch.nn.Module, *, ignored: Sequence[str] = (), block: tup
     return found
 
 
-def fp8_held(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, BlockFp8) for m in model.modules())
-
-
-def loadable_names(model: torch.nn.Module, fp8: dict[str, Fp8Weight]) -> Iterable[str]:
-    """Every name a weight update may carry: the trainer's names of the FP8 weights and the state-dict
-    names of everything else."""
-    held = {id(w.stored) for w in fp8.values()} | {id(w.parametrization.weight_scale_inv) for w in fp8.values()}
-    yield from fp8
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in held:
-            yield name
+def hold_for_engine(model: torch.nn.Module, weight_format: str, dtype: torch.dtype) -> dict[str, Fp8Weight]:
+    """An engine's `weight_format`: "auto" holds nothing in FP8 (returns {}); "fp8" holds the model's
+    FP8 weights (`hold_fp8_`), computed in `dtype`, and returns them by the trainer's names."""
+    if weight_format not in ("auto", "fp8"):
+        raise ValueError(f"weight_format must be 'auto' or 'fp8', got {weight_format!r}")
+    if weight_format == "auto":
+        return {}
+    held = hold_fp8_(model, dtype=dtype)
+    if not held:
+        raise EngineError(f"weight_format='fp8': {type(model).__name__} has no decoder-layer linear weights to quantise")
+    log.info("engine: %d weights held as block FP8 (float8_e4m3fn, 128 x 128 scales), computed in %s",
+             len(held), dtype)
+    return held

@@ -190,3 +190,17 @@ def trainable_state_keys(module: torch.nn.Module) -> Iterator[str]:
     for key in module.state_dict().keys():
         if key not in frozen:
             yield key
+
+
+def keep_trainable_state(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
+    """A LoRA run's Lightning checkpoint keeps `trainable_state_keys` only (in place)."""
+    keep = set(trainable_state_keys(module))
+    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+
+
+def check_trainable_state(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Loading a LoRA checkpoint is not strict (the base is not in it): check every trainable tensor is."""
+    missing = [k for k in trainable_state_keys(module) if k not in checkpoint.get("state_dict", {})]
+    if missing:
+        raise RuntimeError(f"checkpoint lacks {len(missing)} trainable tensors of this LoRA policy, e.g. "
+                           f"{missing[0]!r} (was it written with another model.lora?)")

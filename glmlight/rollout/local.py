@@ -42,7 +42,7 @@ from transformers import PreTrainedModel
 
 from glmlight.dtypes import resolve_dtype
 from glmlight.errors import EngineError
-from glmlight.models.fp8 import Fp8Weight, hold_fp8_
+from glmlight.models.fp8 import hold_for_engine
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.rollout import glm_runner
 from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, normalize_requests
@@ -96,7 +96,7 @@ class LocalEngine:
         self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype).eval()
         self.model.requires_grad_(False)
         self.weight_format = weight_format
-        self._fp8 = _hold_weights(self.model, weight_format, self.dtype)
+        self._fp8 = hold_for_engine(self.model, weight_format, self.dtype)  # {trainer name: Fp8Weight}
         self.pad_token_id = pad_token_id
         self.on_weight_update = on_weight_update
         self.max_batch_size = max_batch_size
@@ -219,7 +219,7 @@ class LocalEngine:
             try:
                 for name, tensor in named_tensors:
                     if name in self._fp8:  # quantised from the trainer's weight
-                        _load_fp8(self._fp8[name], name, tensor)
+                        self._fp8[name].load_checked(name, tensor)
                         nbytes += tensor.numel() * tensor.element_size()
                         continue
                     if name not in state:
@@ -355,29 +355,6 @@ class LocalEngine:
         with self._cv:
             self._stats["aborted"] += len(done)
         return done
-
-
-# ----------------------------------------------------------------- FP8 weights
-def _hold_weights(model: torch.nn.Module, weight_format: str, dtype: torch.dtype) -> dict[str, Fp8Weight]:
-    """weight_format="fp8": hold the model's linear weights as block FP8 (computed in `dtype`);
-    returns them by the trainer's names (empty for "auto")."""
-    if weight_format not in ("auto", "fp8"):
-        raise ValueError(f"weight_format must be 'auto' or 'fp8', got {weight_format!r}")
-    if weight_format == "auto":
-        return {}
-    held = hold_fp8_(model, dtype=dtype)
-    if not held:
-        raise EngineError(f"weight_format='fp8': {type(model).__name__} has no decoder-layer linear weights to quantise")
-    log.info("engine: %d weights held as block FP8 (float8_e4m3fn, 128 x 128 scales), computed in %s",
-             len(held), dtype)
-    return held
-
-
-def _load_fp8(w: Fp8Weight, name: str, tensor: torch.Tensor) -> None:
-    if tuple(w.stored.shape) != tuple(tensor.shape):
-        raise EngineError(f"weight update for {name!r} has shape {tuple(tensor.shape)}, "
-                          f"engine expects {tuple(w.stored.shape)}")
-    w.load_(tensor)
 
 
 def _fill_holes(n: int, finished: list[int]) -> list[int]:
