@@ -37,6 +37,8 @@ mismatch     mismatch_sums             rank-summable sums behind the mismatch me
              topk_agreement            |A ∩ B| / k of top-k selections (DSA index agreement)
 dsa          topk_mask, topk_recent    DSA top-k with the most-recent tie rule
 schedule     lr_lambda                 warm-up + constant / cosine / linear learning-rate multiplier
+quant        quantize_fp8_block        float8_e4m3fn + one scale per 128 x 128 block (DeepSeek-V3 / GLM-5 FP8)
+             dequantize_fp8_block      Q · s back in a float dtype
 """
 
 from glmlight.ops.advantages import group_advantages, soft_overlong_penalty
@@ -57,16 +59,17 @@ from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from glmlight.ops.mismatch import mismatch_metrics, mismatch_sums, reduce_mismatch_sums, token_agreement, topk_agreement
 from glmlight.ops.policy_loss import PolicyLossOutput, ppo_clip_loss
+from glmlight.ops.quant import dequantize_fp8_block, quantize_fp8_block
 from glmlight.ops.reduce import aggregate_loss, masked_mean
 from glmlight.ops.schedule import lr_lambda
 from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
 
 __all__ = [
     "CorrectionResult", "PolicyLossOutput", "adaptive_lambda", "aggregate_loss", "cross_trajectory_gae",
-    "dis_loss_per_token", "dis_mask", "entropy_from_logits", "explained_variance", "gae", "group_advantages",
+    "dequantize_fp8_block", "dis_loss_per_token", "dis_mask", "entropy_from_logits", "explained_variance", "gae", "group_advantages",
     "icepop", "kl_penalty", "logprobs_from_logits", "lr_lambda", "masked_is", "masked_mean", "masked_whiten",
     "merge_moments", "mismatch_metrics", "mismatch_sums", "mix_outcome_advantages", "opd_advantages",
-    "ppo_clip_loss", "reduce_mismatch_sums", "rejection_sampling", "reverse_kl", "segment_lambda",
+    "ppo_clip_loss", "quantize_fp8_block", "reduce_mismatch_sums", "rejection_sampling", "reverse_kl", "segment_lambda",
     "skip_observation_gae", "soft_overlong_penalty", "terminal_rewards", "token_agreement", "topk_agreement",
     "topk_mask", "topk_recent", "truncated_is", "value_loss",
 ]
