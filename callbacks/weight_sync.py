@@ -1,6 +1,6 @@
 """WeightSync: push the trainer's weights into the rollout engine (the sync contract).
 
-gather (state_dict of the policy) → send (engine.update_weights, which casts to the
+gather (state_dict of the policy; a LoRA policy's merged weights) → send (engine.update_weights, which casts to the
 engine's dtype) → acknowledge: the policy version advances only when the engine
 reports the new version. Pushes the current weights once at the start of fit,
 so a resumed run's engine serves the restored weights.
@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from glmlight.metrics import log_metrics
+from glmlight.models.lora import merged_named_tensors
 
 
 class WeightSync(pl.Callback):
@@ -49,7 +50,7 @@ class WeightSync(pl.Callback):
     def push(self, trainer: pl.Trainer, module: pl.LightningModule, version: int) -> dict[str, float]:
         engine = self._engine(trainer)
         t0 = time.perf_counter()
-        named = [(k, v.detach()) for k, v in module.policy.state_dict().items()]
+        named = merged_named_tensors(module.policy)  # a LoRA policy: base names, adapters merged
         engine.update_weights(named, version=version)
         if engine.version != version:
             raise RuntimeError(f"engine acknowledged version {engine.version}, expected {version}")

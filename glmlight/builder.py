@@ -26,6 +26,7 @@ from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, 
 from glmlight.errors import ConfigError
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
+from glmlight.models.lora import apply_lora
 from glmlight.models.warm_start import supervised_warm_start
 from glmlight.rewards import build_reward
 from glmlight.rewards.base import RewardRunner
@@ -58,6 +59,8 @@ class Run:
                 save_run_config(self.cfg, self.trainer.default_root_dir)
             self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
                              weights_only=True)
+            if self.cfg.export.enabled and self.trainer.is_global_zero and not self.trainer.interrupted:
+                self.export()
         finally:
             try:
                 if self.cfg.logger.report and self.trainer.is_global_zero:
@@ -65,6 +68,16 @@ class Run:
             finally:
                 if close:
                     self.close()
+
+    def export(self, out: str | None = None) -> str:
+        """The policy (LoRA merged) and tokenizer as a Hugging Face checkpoint: export.dir, default
+        <trainer.default_root_dir>/hf (`glmlight.models.export`)."""
+        from glmlight.models.export import export_hf
+
+        out = out or self.cfg.export.dir or os.path.join(self.trainer.default_root_dir, "hf")
+        path = export_hf(self.module.policy, self.datamodule.tokenizer, out)
+        log.info("exported the policy to %s", path)
+        return path
 
     def close(self) -> None:
         """Stop the rollout producer, close the engine (and the servers it launched) and the module's
@@ -253,7 +266,9 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
     if choice == "transformers":
         return False
     reasons = []
-    if cfg.model.gradient_checkpointing:  # (the checkpointed layers run through the model's own forward)
+    if cfg.model.lora.rank > 0:  # (it reads the base weights directly, not through the adapters)
+        reasons.append("model.lora.rank > 0 (LoRA layers run through the model's own forward)")
+    elif cfg.model.gradient_checkpointing:  # (the checkpointed layers run through the model's own forward)
         reasons.append("model.gradient_checkpointing=true")
     elif not glm_forward.supports(policy):
         reasons.append(f"{type(policy).__name__} is not a GLM-5 (GlmMoeDsa) model of a shape it supports")
@@ -261,7 +276,44 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
         reasons.append(f"trainer.strategy={cfg.trainer.strategy} shards parameters through the model's own forward")
     if reasons and choice == "glmlight":
         raise ConfigError(f"config error: model.forward=glmlight cannot be used: {'; '.join(reasons)}")
+    if reasons:
+        log.info("trainer forward: the model's own (%s)", "; ".join(reasons))
     return not reasons
+
+
+def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource) -> None:
+    """model.warm_start: the cached supervised warm start of the initial policy (a no-op for 0 steps)."""
+    if cfg.model.warm_start.steps > 0:
+        identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
+        identity["seed"] = cfg.seed
+        supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
+
+
+def policy_from_checkpoint(cfg: DictConfig | dict, ckpt_path: str) -> tuple[torch.nn.Module, Any]:
+    """(policy, tokenizer) of a run's Lightning checkpoint, built as `build(cfg)` builds them (a LoRA
+    checkpoint holds only the adapters: the base is rebuilt from model.path, or the seed and warm start)."""
+    cfg = validate(cfg)
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
+                            seed=cfg.model.seed, trust_remote_code=cfg.model.trust_remote_code,
+                            index_topk=cfg.model.index_topk)
+    lora = cfg.model.lora
+    if lora.rank > 0:
+        warm_start(cfg, policy, tokenizer, build_sources(cfg.task, cfg.seed)[0])
+    policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        state = {k[len("policy."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"cannot read the checkpoint {ckpt_path}: {_root_cause(e)}") from None
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    lost = [k for k in missing if k in trainable or lora.rank == 0]
+    if lost or unexpected:
+        raise ConfigError(f"checkpoint {ckpt_path} does not fit the run's model (model.lora.rank={lora.rank}): "
+                          f"{len(lost)} missing, {len(unexpected)} unexpected tensors, e.g. "
+                          f"{(lost or unexpected)[0]!r}")
+    return policy.eval(), tokenizer
 
 
 def build(cfg: DictConfig | dict) -> Run:
@@ -282,11 +334,10 @@ def build(cfg: DictConfig | dict) -> Run:
         policy.gradient_checkpointing_enable()
     source, eval_source = build_sources(cfg.task, cfg.seed)
     eval_sets = build_eval_sets(cfg.eval, cfg.task)
-    if cfg.model.warm_start.steps > 0:
-        identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
-        identity["seed"] = cfg.seed
-        supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
-    engine = build_engine(cfg, policy, tokenizer)
+    warm_start(cfg, policy, tokenizer, source)
+    engine = build_engine(cfg, policy, tokenizer)  # the engine's own copy: the plain (or merged) model
+    lora = cfg.model.lora
+    policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
     datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout,
                                    eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,

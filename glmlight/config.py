@@ -38,6 +38,23 @@ ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1")
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the policy (peft); rank 0 = none (full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the adapters' scale is alpha / rank
+    dropout: float = 0.0
+    # module-name suffixes to adapt, or [all-linear]; default: attention projections (MHA/GQA and MLA)
+    # and dense / shared-expert MLPs (glmlight.models.lora.DEFAULT_TARGETS)
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+        "gate_proj", "up_proj", "down_proj"])
+
+
+ranges(LoRAConfig, rank=">= 0", alpha="> 0", dropout="[0, 1)")
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None  # a local Hugging Face checkpoint; None = the tiny GLM-5 default
     preset: str = "tiny"  # tiny GLM-5 size when path is None: test | tiny | small
@@ -53,6 +70,7 @@ class ModelConfig:
     # no gradient checkpointing, no fsdp/deepspeed sharding), else the model's own.
     forward: str = "auto"
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 ranges(ModelConfig, index_topk=">= 1", n_routed_experts=">= 1", num_experts_per_tok=">= 1", seed=SEED)
@@ -100,6 +118,10 @@ class RolloutConfig:
     engine: Any = None
     mode: str = "sync"  # sync | async
     dtype: str = "float32"  # the engine's own weight copy (e.g. bfloat16 while training runs in fp32)
+    # auto: every weight in `dtype`; fp8: linear weights block-quantised (float8_e4m3fn, one scale per
+    # 128 x 128 block, the GLM-5 / DeepSeek-V3 FP8 checkpoint layout) at every sync, computed in `dtype`.
+    # Servers: start them with an FP8 checkpoint (scripts/export.py --fp8); the sync sends that layout.
+    weight_format: str = "auto"
     device: Optional[str] = None  # embedded engine device; None = the trainer's device
     compile: bool = False  # embedded engine, GLM-5 models: torch.compile the decode step (long generations)
     temperature: float = 1.0
@@ -292,6 +314,14 @@ ranges(EvalSetConfig, num_prompts=">= 1")
 
 
 @dataclass
+class ExportConfig:
+    """The trained policy as a Hugging Face checkpoint at the end of fit (LoRA merged; safetensors)."""
+
+    enabled: bool = True
+    dir: Optional[str] = None  # default: <trainer.default_root_dir>/hf
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -300,6 +330,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     # Lightning callbacks, each a dict with _target_ (instantiated in this order).
     callbacks: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
@@ -392,6 +423,7 @@ CHOICES = {
     "logger.name": ("wandb", "csv", "none"),
     "model.dtype": tuple(DTYPES),
     "rollout.dtype": tuple(DTYPES),
+    "rollout.weight_format": ("auto", "fp8"),
     "logger.mode": ("offline", "online", "disabled"),
     "task.reward_options.executor": ("thread", "process"),
 }

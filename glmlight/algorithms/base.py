@@ -30,6 +30,7 @@ from glmlight.distributed import all_reduce_gradients
 from glmlight.metrics import log_metrics
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.glm5.replay import transformers_replay
+from glmlight.models.lora import base_model_context, check_trainable_state, is_lora, keep_trainable_state
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
@@ -71,7 +72,12 @@ class RLModule(pl.LightningModule):
         replay_.check_model(policy, self.replay_mode)
         # The frozen reference lives outside the module's parameters: never trained, never checkpointed.
         self._reference: list[torch.nn.Module] = []
-        if cfg.kl_coef > 0:
+        # A LoRA policy's reference is its own frozen base (adapters disabled): no copy.
+        self.lora = is_lora(policy)
+        self._reference_is_base = cfg.kl_coef > 0 and self.lora
+        if self.lora:
+            self.strict_loading = False  # checkpoints hold the adapters, not the frozen base
+        if cfg.kl_coef > 0 and not self.lora:
             ref = copy.deepcopy(policy).eval()
             ref.requires_grad_(False)
             self._reference.append(ref)
@@ -158,6 +164,15 @@ class RLModule(pl.LightningModule):
         with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
             values = entropy_from_logits(logits[keep], self.temperature, self.top_k, self.top_p)
         return out.masked_scatter(keep, values) if with_grad else out.masked_scatter(keep, values.detach())
+    def reference_logprobs(self, batch: Experience) -> torch.Tensor | None:
+        """θ_ref's log-probs (algo.kl_coef > 0): a LoRA policy's frozen base, its adapters disabled, or the
+        frozen copy of the initial policy; None without a reference."""
+        if self._reference_is_base:
+            with base_model_context(self.policy):
+                return self.compute_logprobs(self.policy, batch)
+        if self._reference:
+            return self.compute_logprobs(self._reference[0].to(self.device), batch)
+        return None
 
     def old_logprob_readers(self) -> list[str]:
         """What reads batch.old_logprobs before the update: the algorithm's advantages, and every
@@ -195,9 +210,9 @@ class RLModule(pl.LightningModule):
             outside = (batch.old_logprobs <= LOGPROB_FLOOR).float()
             batch.stats["train/outside_kept_set_frac"] = float(masked_mean(outside, batch.loss_mask))
         batch.stats["train/old_logprobs_from_update"] = float(from_update)
-        if self._reference:
-            ref = self._reference[0].to(self.device)
-            batch.ref_logprobs = self.compute_logprobs(ref, batch)
+        ref = self.reference_logprobs(batch)
+        if ref is not None:
+            batch.ref_logprobs = ref
         self.policy.train(was_training)
         batch.token_weights = torch.ones_like(batch.loss_mask)
 
@@ -390,10 +405,14 @@ class RLModule(pl.LightningModule):
 
     # ----------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.lora:  # the adapters (and a value head), not the frozen base
+            keep_trainable_state(self, checkpoint)
         checkpoint["glmlight"] = {"policy_version": self.policy_version, "nonfinite_streak": self._nonfinite_streak,
                                   "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.lora:
+            check_trainable_state(self, checkpoint)
         state = checkpoint.get("glmlight", {})
         self.policy_version = state.get("policy_version", 0)
         self._nonfinite_streak = state.get("nonfinite_streak", 0)

@@ -19,6 +19,7 @@ from torch import nn
 
 from glmlight.algorithms.base import RLModule
 from glmlight.config import AlgoConfig
+from glmlight.models.lora import frozen_backbone, is_lora
 from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_scale, masked_whiten, skip_observation_gae
 from glmlight.ops.reduce import masked_mean
 from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
@@ -62,6 +63,8 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_policy(cls, policy: nn.Module) -> "ValueModel":
+        if is_lora(policy):  # the value head on the policy's frozen base (no copy): only the head trains
+            return cls(frozen_backbone(policy), policy.config.hidden_size)
         return cls(copy.deepcopy(policy.base_model), policy.config.hidden_size)
 
     @classmethod
