@@ -163,9 +163,12 @@ def _resume_path(cfg: DictConfig) -> str | None:
 
 def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
     """Accelerator, devices, strategy and precision. Data-parallel strategies leave the module
-    unwrapped (glmlight.distributed); the NPU plugin builds its own objects."""
+    unwrapped (glmlight.distributed); fsdp is FSDP2 (glmlight.sharding) on any accelerator; the NPU
+    plugin builds its own objects for the others."""
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
+    if t.strategy == "fsdp":
+        return fsdp_kwargs(t)
     if t.accelerator == "npu":
         from glmlight.accelerators import make_npu_trainer_kwargs
 
@@ -183,6 +186,33 @@ def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
     s = kwargs["strategy"]
     if isinstance(s, DDPStrategy) and not isinstance(s, DeepSpeedStrategy):
         without_ddp_wrapper(s)
+    return kwargs
+
+
+def fsdp_kwargs(t: DictConfig) -> dict[str, Any]:
+    """trainer.strategy=fsdp: `RLFSDPStrategy` (FSDP2). A mixed trainer.precision becomes FSDP2's
+    MixedPrecisionPolicy (bf16-mixed: bfloat16 parameters, float32 reductions), not autocast."""
+    from glmlight.sharding import RLFSDPStrategy
+
+    f = t.fsdp
+    mixed = {"bf16-mixed": ("bfloat16", "float32"), "16-mixed": ("float16", "float32")}.get(str(t.precision))
+    if str(t.precision) not in ("32-true", "32", "bf16-mixed", "16-mixed"):
+        raise ConfigError(f"config error: trainer.strategy=fsdp takes trainer.precision 32-true, bf16-mixed or "
+                          f"16-mixed (as trainer.fsdp.param_dtype / reduce_dtype), got {t.precision!r}")
+    param_dtype = f.param_dtype or (mixed[0] if mixed else None)
+    reduce_dtype = f.reduce_dtype or (mixed[1] if mixed else None)
+    kwargs: dict[str, Any] = dict(num_nodes=t.num_nodes, precision="32-true")
+    backend = f.process_group_backend
+    if t.accelerator == "npu":
+        from glmlight.accelerators import NPUAccelerator
+
+        accelerator = NPUAccelerator()
+        kwargs.update(accelerator=accelerator, devices=accelerator.parse_devices(t.devices))
+        backend = backend or "hccl"
+    else:
+        kwargs.update(accelerator=t.accelerator, devices=t.devices)
+    kwargs["strategy"] = RLFSDPStrategy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                        reshard_after_forward=f.reshard_after_forward, process_group_backend=backend)
     return kwargs
 
 
@@ -217,8 +247,8 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
         reasons.append("model.gradient_checkpointing=true")
     elif not glm_forward.supports(policy):
         reasons.append(f"{type(policy).__name__} is not a GLM-5 (GlmMoeDsa) model of a shape it supports")
-    if cfg.trainer.strategy in ("fsdp", "deepspeed"):
-        reasons.append(f"trainer.strategy={cfg.trainer.strategy} shards parameters through the model's own forward")
+    if cfg.trainer.strategy == "deepspeed":
+        reasons.append("trainer.strategy=deepspeed shards parameters through the model's own forward")
     if reasons and choice == "glmlight":
         raise ConfigError(f"config error: model.forward=glmlight cannot be used: {'; '.join(reasons)}")
     return not reasons

@@ -150,6 +150,9 @@ class AlgoConfig:
     ppo_epochs: int = 1
     num_minibatches: int = 1  # optimizer steps per epoch over one rollout batch
     micro_batch_size: int = 64  # rows per forward pass (gradient accumulation inside a minibatch)
+    # Pack micro-batches by token count instead: rows × longest row <= this many tokens, each micro-batch
+    # trimmed to its own rows' columns (verl use_dynamic_bsz); None = micro_batch_size rows.
+    micro_batch_tokens: Optional[int] = None
     # Where θ_old's log-probs come from: "forward" = a no-grad forward before the update; "update" = the
     # update's own forward, detached (exact when ppo_epochs = num_minibatches = 1, saves a forward);
     # "auto" = "update" when that is exact and nothing reads them before the update, else "forward".
@@ -169,6 +172,16 @@ class AlgoConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """trainer.strategy=fsdp: FSDP2 (torch.distributed.fsdp.fully_shard) through glmlight.sharding."""
+
+    param_dtype: Optional[str] = None  # all-gather / compute dtype (None: as stored; bf16-mixed: bfloat16)
+    reduce_dtype: Optional[str] = None  # gradient reduce-scatter dtype (None: param_dtype; bf16-mixed: float32)
+    reshard_after_forward: bool = True  # free gathered layers after forward (False: keep until backward)
+    process_group_backend: Optional[str] = None  # gloo | nccl | hccl (None: the device's default)
+
+
+@dataclass
 class TrainerConfig:
     """Lightning Trainer arguments. max_steps counts RL steps (rollout batches)."""
 
@@ -178,6 +191,7 @@ class TrainerConfig:
     num_nodes: int = 1
     strategy: str = "auto"  # auto | ddp | deepspeed | fsdp (or any Lightning strategy name)
     zero_stage: int = 2  # strategy=deepspeed: ZeRO stage
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     precision: str = "32-true"
     log_every_n_steps: int = 1
     enable_progress_bar: bool = True
@@ -286,6 +300,9 @@ def _check_choices(cfg: DictConfig) -> None:
                 "algo.ppo_epochs", "algo.num_minibatches", "algo.micro_batch_size"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"config error: {key} must be >= 1, got {OmegaConf.select(cfg, key)}")
+    tokens = OmegaConf.select(cfg, "algo.micro_batch_tokens")
+    if tokens is not None and tokens < 1:
+        raise ConfigError(f"config error: algo.micro_batch_tokens must be >= 1 (or null), got {tokens}")
     if OmegaConf.select(cfg, "rollout.compile") and OmegaConf.select(cfg, "rollout.backend") != "local":
         raise ConfigError(f"config error: rollout.compile is for the embedded engine (rollout=local); "
                           f"{OmegaConf.select(cfg, 'rollout.backend')} servers capture their own graphs")

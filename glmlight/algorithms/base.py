@@ -24,15 +24,17 @@ from typing import Any, Callable, Iterator
 import lightning.pytorch as pl
 import torch
 
+from glmlight.algorithms import microbatch
+from glmlight.checkpoint import restore_rank_state, save_rank_state
 from glmlight.config import AlgoConfig
-from glmlight.distributed import all_reduce_gradients
+from glmlight.distributed import all_reduce_gradients, clip_grad_norm, global_max, global_sums, grad_scale, grads_finite
 from glmlight.metrics import log_metrics
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from glmlight.ops.policy_loss import ppo_clip_loss
-from glmlight.ops.reduce import aggregate_loss, masked_mean
+from glmlight.ops.reduce import aggregate_loss, loss_normalisers, masked_mean
 from glmlight.ops.schedule import lr_lambda
 from glmlight.sample import Experience
 
@@ -116,11 +118,17 @@ class RLModule(pl.LightningModule):
 
     @torch.no_grad()
     def compute_logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
-        chunks = []
-        for idx in self._micro_batches(torch.arange(exp.batch_size)):
-            mb = exp.select(idx)
-            chunks.append(logprobs_from_logits(self.forward_logits(model, mb), mb.response_ids, self.temperature))
-        return torch.cat(chunks)
+        return self.per_row(exp, lambda mb: logprobs_from_logits(self.forward_logits(model, mb), mb.response_ids,
+                                                                 self.temperature))
+
+    def per_row(self, exp: Experience, fn: Callable[[Experience], torch.Tensor]) -> torch.Tensor:
+        """`fn` ([b, t] per response token) over the micro-batches of `exp`, as one [B, T] tensor."""
+        parts = []
+        for idx in self._collective(self._micro_batches(torch.arange(exp.batch_size), exp)):
+            out = fn(self._select(exp, idx))
+            if idx is not None:
+                parts.append((idx, out))
+        return microbatch.place_rows(parts, exp.batch_size, exp.response_length)
 
     def old_logprob_readers(self) -> list[str]:
         """What reads batch.old_logprobs before the update: the algorithm's advantages, and every
@@ -156,7 +164,7 @@ class RLModule(pl.LightningModule):
         batch.old_logprobs = None if from_update else self.compute_logprobs(self.policy, batch)
         batch.stats["train/old_logprobs_from_update"] = float(from_update)
         if self._reference:
-            ref = self._reference[0].to(self.device)
+            ref = self._reference[0] if self.sharded else self._reference[0].to(self.device)
             batch.ref_logprobs = self.compute_logprobs(ref, batch)
         self.policy.train(was_training)
         batch.token_weights = torch.ones_like(batch.loss_mask)
@@ -171,9 +179,39 @@ class RLModule(pl.LightningModule):
                 hook(self.trainer, self, batch)
 
     # ----------------------------------------------------------------- update
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """`rows` in chunks of micro_batch_size; none for no rows."""
-        return list(rows.split(self.cfg.micro_batch_size)) if len(rows) else []
+    def _micro_batches(self, rows: torch.Tensor, exp: Experience | None = None) -> list[torch.Tensor]:
+        """`rows` (of `exp`) in micro-batches: chunks of micro_batch_size rows, or packed by token count
+        with `algo.micro_batch_tokens` (`glmlight.algorithms.microbatch`); none for no rows."""
+        budget = getattr(self.cfg, "micro_batch_tokens", None)
+        if budget and exp is not None:
+            return microbatch.by_tokens(rows, microbatch.row_lengths(exp)[rows.to(exp.attention_mask.device)], budget)
+        return microbatch.by_rows(rows, self.cfg.micro_batch_size)
+
+    def _select(self, exp: Experience, idx: torch.Tensor | None) -> Experience:
+        """Rows `idx` of `exp` (trimmed to their own columns with micro_batch_tokens); None: a pass that
+        only keeps this rank in step with the others (`_collective`): one row, nothing to train on."""
+        if idx is None:
+            mb = exp.select([0])
+            mb.loss_mask, mb.action_mask = torch.zeros_like(mb.loss_mask), torch.zeros_like(mb.action_mask)
+            return mb
+        mb = exp.select(idx)
+        return microbatch.trim(mb) if getattr(self.cfg, "micro_batch_tokens", None) else mb
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the models are FSDP2-sharded (trainer.strategy=fsdp, glmlight.sharding)."""
+        return self._trainer is not None and bool(getattr(self.trainer.strategy, "rl_sharded", False))
+
+    def _collective(self, chunks: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Under FSDP every forward of a sharded model is a collective, so every rank runs as many as the
+        busiest one: `chunks` padded with None (passes whose results are dropped)."""
+        if not self.sharded:
+            return list(chunks)
+        return list(chunks) + [None] * (global_max(len(chunks)) - len(chunks))
+
+    def normalisers(self, mb: Experience) -> dict[str, float]:
+        """This rank's share of the loss denominators of minibatch `mb` (summed over ranks before use)."""
+        return loss_normalisers(mb.loss_mask)
 
     def _minibatches(self, n: int) -> list[torch.Tensor]:
         """Exactly num_minibatches row sets (some empty when the batch is smaller), shuffled per step."""
@@ -244,27 +282,32 @@ class RLModule(pl.LightningModule):
             return self._step_without_update(opt, sched)
         totals: dict[str, float] = {}
         loss_value = 0.0
-        if len(rows):
-            model.train()
-            mb_all = batch.select(rows)
-            scale = {"total_tokens": float(mb_all.loss_mask.sum().item()), "num_sequences": float(len(rows))}
-            idle = idle_rows(mb_all) if idle_rows is not None and self.ranks_may_skip_rows() else None
-            active = torch.arange(len(rows)) if idle is None else (~idle.cpu()).nonzero().squeeze(1)
-            for micro in self._micro_batches(active):
-                loss, stats = loss_fn(mb_all.select(micro), scale)
-                self.manual_backward(loss)
-                loss_value += loss.item()
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(active)
-            if idle is not None:
-                totals["train/rows_without_gradient_frac"] = 1.0 - len(active) / len(rows)
-                if not len(active):  # what backward of the all-zero loss would leave: zero gradients
-                    for p in params:
-                        p.grad = torch.zeros_like(p)
-        all_reduce_gradients(params)  # data parallel: every rank joins, even with no rows
+        model.train()
+        mb_all = batch.select(rows)
+        # The global minibatch's denominators (summed over ranks, even by a rank with no rows) and the
+        # factor that makes the ranks' averaged gradients the global loss's (glmlight.distributed).
+        scale = {**global_sums(self.normalisers(mb_all)), "grad_scale": grad_scale()}
+        idle = idle_rows(mb_all) if idle_rows is not None and len(rows) and self.ranks_may_skip_rows() else None
+        active = torch.arange(len(rows)) if idle is None else (~idle.cpu()).nonzero().squeeze(1)
+        for micro in self._collective(self._micro_batches(active, mb_all)):
+            loss, stats = loss_fn(self._select(mb_all if micro is not None else batch, micro), scale)
+            self.manual_backward(loss * (scale["grad_scale"] if micro is not None else 0.0))
+            if micro is None:
+                continue
+            loss_value += loss.item()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(active)
+        if idle is not None:
+            totals["train/rows_without_gradient_frac"] = 1.0 - len(active) / len(rows)
+            if not len(active):  # what backward of the all-zero loss would leave: zero gradients
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+        if not self.sharded:
+            all_reduce_gradients(params)  # data parallel: every rank joins, even with no rows (FSDP reduces its own)
+        loss_value = global_sums({"loss": loss_value})["loss"]  # the global minibatch's loss
         if all(p.grad is None for p in params):
             return self._step_without_update(opt, sched)
-        if not _grads_finite(model) or (self.trainer.world_size == 1 and not math.isfinite(loss_value)):
+        if not grads_finite(params) or not math.isfinite(loss_value):
             self._nonfinite_streak += 1
             log.warning("non-finite loss at step %d (%d in a row): update skipped", self.global_step,
                         self._nonfinite_streak)
@@ -273,7 +316,7 @@ class RLModule(pl.LightningModule):
                                          "stopping (lower the learning rate or check rewards and data)")
             return {**self._step_without_update(opt, sched), "train/skipped_nonfinite": 1.0}
         self._nonfinite_streak = 0
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or float("inf"))
+        grad_norm = clip_grad_norm(params, self.cfg.grad_clip or float("inf"))
         opt.step()
         if sched is not None:
             sched.step()
@@ -300,7 +343,8 @@ class RLModule(pl.LightningModule):
             per_token = per_token - cfg.entropy_coef * entropy
         stats["train/entropy"] = masked_mean(entropy.detach(), mask)
         loss = aggregate_loss(per_token, mask, cfg.loss_agg, constant=cfg.loss_agg_constant or self.max_new_tokens,
-                              num_sequences=int(scale["num_sequences"]), total_tokens=scale["total_tokens"])
+                              num_sequences=scale["num_sequences"], total_tokens=scale["total_tokens"],
+                              num_rows=scale.get("num_rows"))
         extra, extra_stats = self.extra_loss(mb, logits, logprobs, mask, scale)
         stats.update(extra_stats)
         stats["train/pg_loss"] = loss.detach()
@@ -347,12 +391,26 @@ class RLModule(pl.LightningModule):
         for opt in self.trainer.optimizers:
             opt.state.clear()
 
+    # ----------------------------------------------------------------- sharding
+    def sharded_modules(self) -> list[torch.nn.Module]:
+        """What trainer.strategy=fsdp shards: the policy and the frozen reference (subclasses add theirs)."""
+        return [self.policy, *self._reference]
+
+    def configure_model(self) -> None:
+        """Under trainer.strategy=fsdp (`glmlight.sharding.RLFSDPStrategy`) shard every model of
+        `sharded_modules` with FSDP2 (each decoder layer, then the root); nothing otherwise."""
+        if self.sharded:
+            for model in self.sharded_modules():
+                self.trainer.strategy.shard(model)
+
     # ----------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["glmlight"] = {"policy_version": self.policy_version, "nonfinite_streak": self._nonfinite_streak,
                                   "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        save_rank_state(self.trainer, checkpoint)  # each data-parallel rank's own stream, RNG and callbacks
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        restore_rank_state(self.trainer, checkpoint)
         state = checkpoint.get("glmlight", {})
         self.policy_version = state.get("policy_version", 0)
         self._nonfinite_streak = state.get("nonfinite_streak", 0)
@@ -365,6 +423,3 @@ def _as_tuple(x: Any) -> Any:
     """random.setstate needs the nested tuples back (a checkpoint may hold lists)."""
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
-
-def _grads_finite(model: torch.nn.Module) -> bool:
-    return all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -42,6 +42,7 @@ Everything else agrees up to float reassociation (~1e-6 in fp32).
 
 from __future__ import annotations
 
+import functools
 from itertools import pairwise
 
 import torch
@@ -94,6 +95,11 @@ class _Block:
 def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    position_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
     """Logits [B, S - start, V] of `model` at positions start..S-1, 0 at padding (see the module docstring)."""
+    return _as_forward(model, _logits, input_ids, attention_mask, position_ids, start)
+
+
+def _logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            position_ids: torch.Tensor, start: int) -> torch.Tensor:
     m = model.model
     B, S = input_ids.shape
     real = attention_mask.bool()
@@ -109,14 +115,37 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     for i, layer in enumerate(m.layers):
         # the last layer only runs the queries of the returned positions
         queries = _Block(real, rows, start) if i == len(m.layers) - 1 else keys
-        a = layer.self_attn
-        if a.indexer is not None:  # a "full" layer: every allowed key is selected unless S > top-k
-            layer_bias = bias if S <= a.indexer.index_topk else None
-        out, layer_bias = _attention(a, _norm(h, layer.input_layernorm), rot, rot_p, allowed, layer_bias, keys,
-                                     queries, model.training)
-        h = queries(h) + out
-        h = h + _mlp(layer.mlp, _norm(h, layer.post_attention_layernorm))
+        h, layer_bias = _as_forward(layer, _layer, h, rot, rot_p, allowed, bias, layer_bias, keys, queries,
+                                    model.training)
     return queries.scatter(model.lm_head(_norm(h, m.norm))).view(B, S - start, -1)
+
+
+def _layer(layer: torch.nn.Module, h: torch.Tensor, rot: torch.Tensor, rot_p: torch.Tensor, allowed: torch.Tensor,
+           bias: torch.Tensor, layer_bias: torch.Tensor | None, keys: _Block, queries: _Block,
+           training: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decoder layer: attention (MLA + DSA), then the MLP or MoE, both with residuals."""
+    a = layer.self_attn
+    if a.indexer is not None:  # a "full" layer: every allowed key is selected unless S > top-k
+        layer_bias = bias if allowed.shape[-1] <= a.indexer.index_topk else None
+    out, layer_bias = _attention(a, _norm(h, layer.input_layernorm), rot, rot_p, allowed, layer_bias, keys,
+                                 queries, training)
+    h = queries(h) + out
+    return h + _mlp(layer.mlp, _norm(h, layer.post_attention_layernorm)), layer_bias
+
+
+def _as_forward(module: torch.nn.Module, fn, *args):
+    """fn(module, *args); for an FSDP2-sharded module (`fully_shard`) run as the module's forward, so
+    that its hooks gather its parameters before, free them after and reduce their gradients in
+    backward, exactly as around the module's own forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return fn(module, *args)
+    module.forward = functools.partial(fn, module)  # shadows the class's forward for this one call
+    try:
+        return module(*args)
+    finally:
+        del module.forward
 
 
 # ----------------------------------------------------------------- elementwise pieces
