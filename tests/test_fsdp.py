@@ -35,8 +35,8 @@ def _check_against_one_process(tmp_path, algo, record, extra):
     one = replay_single_process(str(tmp_path / "one"), algo, record, extra)
     gaps = [max_gap(two, single) for two, single in zip(record["params"], one)]
     print(f"{algo}: gathered parameters vs one process, per step:", gaps)
-    assert len(gaps) == 4 and max(gaps) <= 1e-5, gaps
-    assert max_gap(record["params"][0], record["params"][-1]) > 1e-4  # and they did train
+    assert len(gaps) == len(record["params"]) and max(gaps) <= 1e-5, gaps
+    assert max_gap(record["params"][0], record["params"][-1]) > 1e-5  # and they did train
 
 
 def _metrics(out) -> dict[int, dict[str, float]]:
@@ -80,6 +80,15 @@ def test_fsdp_sao_equals_one_process(tmp_path):
     """SAO (policy, critic, running value statistics) through the models' own forward."""
     extra = ["model.forward=transformers"]
     _check_against_one_process(tmp_path, "sao", _launch(tmp_path / "s", "sao", *extra), extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["opd", "compaction"])
+def test_fsdp_opd_and_compaction_equal_one_process(tmp_path, algo):
+    """OPD (trainer-side teacher kept whole on each rank) and CompactionRL (segments: ranks hold
+    different numbers of rows), two steps each."""
+    extra = ["trainer.max_steps=2"]
+    _check_against_one_process(tmp_path, algo, _launch(tmp_path / algo, algo, *extra), extra)
 
 
 def test_fsdp_config_checks(tmp_path):

@@ -70,7 +70,8 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        # a fresh tensor, not a view (FSDP2 hooks the output of a sharded module for its backward)
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float().clone()
 
     def freeze_attention(self) -> int:
         """Freeze every attention parameter (MLA projections and the DSA indexer); returns how many."""

@@ -28,6 +28,12 @@ ALGOS = {
     "grpo": ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4"],
     "sao": ["algo=sao", "rollout.mode=sync", "rollout.rollout_batch_size=4", "algo.critic_warmup_steps=1",
             "algo.critic_updates=1", "algo.value_normalization=true", "algo.critic_lr=1e-4"],
+    "opd": ["algo=opd", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+            "algo.teachers.tiny150.preset=test", "algo.teachers.tiny150.warm_start.steps=0",
+            "algo.teachers.tiny150.seed=1"],
+    "compaction": ["algo=compaction", "rollout.mode=sync", "rollout.rollout_batch_size=2", "algo.critic_warmup_steps=0",
+                   "algo.critic_updates=1", "rollout.max_new_tokens=4",
+                   "task.agent.env._target_=tests.conftest.DigitRunningSumEnv"],
 }
 
 
@@ -96,13 +102,14 @@ def main(argv: list[str]) -> None:
 
 def replay_single_process(out_dir: str, algo: str, record: dict[str, Any], extra: list[str]) -> list[dict]:
     """One process trains on the union of the ranks' recorded samples, step by step; its parameters
-    after every step (group ids made distinct per rank: each rank numbers its own groups)."""
+    after every step (group and rollout ids made distinct per rank: each rank numbers its own)."""
     steps = []
     for per_rank in record["samples"]:
         union = []
         for r, samples in enumerate(per_rank):
             for d in samples:
-                union.append(Sample.from_dict({**d, "group_id": d["group_id"] + r * 10**6}))
+                union.append(Sample.from_dict({**d, "group_id": d["group_id"] + r * 10**6,
+                                               "rollout_id": d["rollout_id"] + r * 10**6}))
         steps.append(union)
     run = glmlight.build(compose(overrides(out_dir, algo, 1, "auto", ["trainer.checkpoint_every_n_steps=0", *extra])))
     run.datamodule = ReplayData(run.datamodule, [steps])
