@@ -180,12 +180,20 @@ def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
             strategy = DDPStrategy()
         elif strategy == "deepspeed":
             _require("deepspeed", "trainer.strategy=deepspeed", "glmlight[deepspeed]")
-            strategy = f"deepspeed_stage_{t.zero_stage}"
+            from glmlight.zero import RLDeepSpeedStrategy, select_cpu_accelerator
+
+            if t.accelerator == "cpu":
+                select_cpu_accelerator()
+            strategy = RLDeepSpeedStrategy(stage=t.zero_stage)
         kwargs = dict(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
                       precision=t.precision)
     s = kwargs["strategy"]
     if isinstance(s, DDPStrategy) and not isinstance(s, DeepSpeedStrategy):
         without_ddp_wrapper(s)
+    elif isinstance(s, DeepSpeedStrategy) and not getattr(s, "rl_engine_steps", False):
+        from glmlight.zero import for_rl
+
+        for_rl(s)  # the NPU plugin's DeepSpeed strategy
     return kwargs
 
 
@@ -248,7 +256,8 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
     elif not glm_forward.supports(policy):
         reasons.append(f"{type(policy).__name__} is not a GLM-5 (GlmMoeDsa) model of a shape it supports")
     if cfg.trainer.strategy == "deepspeed":
-        reasons.append("trainer.strategy=deepspeed shards parameters through the model's own forward")
+        reasons.append("trainer.strategy=deepspeed: ZeRO-3 gathers parameters only inside the modules' own forward "
+                       "(trainer.strategy=fsdp runs it)")
     if reasons and choice == "glmlight":
         raise ConfigError(f"config error: model.forward=glmlight cannot be used: {'; '.join(reasons)}")
     return not reasons

@@ -48,6 +48,11 @@ def checkpoint_problem(path: str) -> str | None:
 
 
 def _sharded_checkpoint_problem(path: str) -> str | None:
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):  # DeepSpeed's layout: latest names the tag directory of model/optimizer states
+        with open(latest) as f:
+            tag = os.path.join(path, f.read().strip())
+        return None if glob.glob(os.path.join(tag, "*model_states.pt")) else f"DeepSpeed checkpoint without {tag}"
     if not os.path.isfile(os.path.join(path, ".metadata")):
         return "sharded checkpoint without its .metadata (incomplete)"
     if not glob.glob(os.path.join(path, "*.distcp")):

@@ -44,7 +44,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # The trainer's forward: "glmlight" = glmlight/models/glm5/forward.py (GLM-5 models only: same function,
     # fewer ops); "transformers" = the model's own; "auto" = glmlight's where it applies (a GlmMoeDsa model,
-    # no gradient checkpointing, no fsdp/deepspeed sharding), else the model's own.
+    # no gradient checkpointing, not trainer.strategy=deepspeed), else the model's own.
     forward: str = "auto"
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

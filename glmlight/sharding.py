@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -76,7 +77,7 @@ class RLFSDPStrategy(ModelParallelStrategy):
         if isinstance(model, FSDPModule):
             return model
         model.to(self.root_device)
-        kw = dict(mesh=self.shard_mesh, mp_policy=self.mp_policy(), reshard_after_forward=self.reshard_after_forward)
+        kw = {"mesh": self.shard_mesh, "mp_policy": self.mp_policy(), "reshard_after_forward": self.reshard_after_forward}
         for layer in decoder_layers(model):
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
@@ -152,8 +153,9 @@ def is_fsdp(model: torch.nn.Module) -> bool:
 class full_weights:
     """`model.state_dict()` as (name, whole tensor) pairs, for a weight sync. Sharded (DTensor)
     entries are gathered bucket by bucket (`bucket_bytes` of whole tensors at a time) as the
-    iteration reaches them, so one rank never holds more than one bucket of gathered weights on top of
-    its shards. A collective under FSDP2: every rank iterates it once, to the end. `nbytes` and
+    iteration reaches them (DeepSpeed ZeRO-3 parameters likewise), so one rank never holds more than
+    one bucket of gathered weights on top of its shards. A collective then: every rank iterates it
+    once, to the end. `nbytes` and
     `gather_seconds` count what was yielded and the time spent gathering."""
 
     def __init__(self, model: torch.nn.Module, bucket_bytes: int = BUCKET_BYTES):
@@ -161,21 +163,34 @@ class full_weights:
         self.nbytes, self.gather_seconds = 0, 0.0
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from torch.distributed.tensor import DTensor
-
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, t in self.model.state_dict().items():
+        for name, t in self.model.state_dict(keep_vars=True).items():
             bucket.append((name, t))
-            size += t.numel() * t.element_size()
+            size += getattr(t, "ds_numel", t.numel()) * t.element_size()
             if size >= self.bucket_bytes:
-                yield from self._gathered(bucket, DTensor)
+                yield from self._gathered(bucket)
                 bucket, size = [], 0
-        yield from self._gathered(bucket, DTensor)
+        yield from self._gathered(bucket)
 
-    def _gathered(self, bucket: list[tuple[str, torch.Tensor]], dtensor: type) -> Iterator[tuple[str, torch.Tensor]]:
+    def _gathered(self, bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """FSDP2 DTensors: full_tensor(); DeepSpeed ZeRO-3 parameters: GatheredParameters (copied out)."""
+        from contextlib import nullcontext
+
+        from torch.distributed.tensor import DTensor
+
         t0 = time.perf_counter()
-        whole = [(n, (t.full_tensor() if isinstance(t, dtensor) else t).detach()) for n, t in bucket]
+        zero3 = [t for _, t in bucket if hasattr(t, "ds_id")]
+        if zero3:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(zero3)
+        else:
+            gather = nullcontext()
+        with gather:
+            whole = [(n, (t.full_tensor() if isinstance(t, DTensor) else t).detach()) for n, t in bucket]
+            if zero3:
+                whole = [(n, t.clone()) for n, t in whole]
         self.gather_seconds += time.perf_counter() - t0
         bucket.clear()
         for n, t in whole:

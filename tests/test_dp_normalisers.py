@@ -2,20 +2,17 @@
 batches (token mean, sequence mean without fully masked rows, SAO's advantage whitening and running
 value statistics), under glmlight's data parallelism (ddp) and FSDP2 (fsdp)."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.conftest import REPO
 from tests.scripts.dp_normalisers import CASES, run_case
-from tests.scripts.replay import max_gap
+from tests.scripts.replay import launch, max_gap
 
 
 def _two_process(tmp_path, strategy: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "tests.scripts.dp_normalisers", str(tmp_path), strategy],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = launch("tests.scripts.dp_normalisers", str(tmp_path), strategy, cwd=REPO)
     assert out.returncode == 0, out.stderr[-4000:]
 
 

@@ -1,11 +1,11 @@
-"""trainer.strategy=fsdp for real: FSDP2 (fully_shard through Lightning's ModelParallelStrategy) on
-two CPU processes over gloo, with the real engine, rewards, weight sync and sharded checkpoints."""
+"""Sharded training for real, on two CPU processes over gloo, with the real engine, rewards, weight
+sync and sharded checkpoints: trainer.strategy=fsdp (FSDP2: fully_shard through Lightning's
+ModelParallelStrategy) and trainer.strategy=deepspeed (ZeRO-2 / ZeRO-3 on DeepSpeed's CPU
+accelerator; skipped where deepspeed is not installed)."""
 
 import csv
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,22 +15,21 @@ from glmlight import compose
 from glmlight.errors import ConfigError
 from tests.conftest import REPO, overrides_for_tests
 from tests.scripts.fsdp_run import replay_single_process
-from tests.scripts.replay import max_gap
+from tests.scripts.replay import launch, max_gap
 
 TIMING = ("seconds", "per_s")  # wall-clock metrics differ between any two runs
 
 
 def _launch(out, algo, *args, rc=0):
-    proc = subprocess.run([sys.executable, "-m", "tests.scripts.fsdp_run", str(out), algo, *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = launch("tests.scripts.fsdp_run", str(out), algo, *args, cwd=REPO)
     assert proc.returncode == rc, proc.stderr[-4000:]
     if rc:
         return None
     return torch.load(os.path.join(out, "record-resumed.pt" if "--resume" in args else "record.pt"))
 
 
-def _check_against_one_process(tmp_path, algo, record, extra):
-    assert record["sharded"]  # the policy's parameters were DTensor shards
+def _check_against_one_process(tmp_path, algo, record, extra, dtensors=True):
+    assert record["sharded"] == dtensors  # FSDP2: the policy's parameters were DTensor shards
     assert max(max(e) for e in record["engine_gap"]) == 0.0  # both ranks' engines served the trained weights
     one = replay_single_process(str(tmp_path / "one"), algo, record, extra)
     gaps = [max_gap(two, single) for two, single in zip(record["params"], one)]
@@ -50,18 +49,11 @@ def _metrics(out) -> dict[int, dict[str, float]]:
     return by_step
 
 
-@pytest.mark.slow
-def test_fsdp_grpo_equals_one_process_and_resumes_exactly(tmp_path):
-    """GRPO through glmlight's GLM-5 forward: every step's gathered parameters equal one process on the
-    same global batch; a run killed after its step-2 checkpoint and resumed logs the same metrics and
-    reaches the same parameters as the uninterrupted run."""
-    extra = ["model.forward=glmlight"]
-    whole = _launch(tmp_path / "a", "grpo", *extra)
-    _check_against_one_process(tmp_path, "grpo", whole, extra)
-
+def _kill_and_resume(tmp_path, whole, extra):
+    """A run killed after its step-2 checkpoint and resumed logs the same metrics as the uninterrupted
+    one and reaches the same parameters."""
     _launch(tmp_path / "b", "grpo", "--kill-at", "3", *extra, rc=3)
-    last = tmp_path / "b" / "checkpoints" / "last.ckpt"
-    assert last.is_dir() and list(last.glob("*.distcp"))  # a sharded (DCP) checkpoint: one file per rank
+    assert (tmp_path / "b" / "checkpoints" / "last.ckpt").is_dir()  # sharded: a directory, a shard per rank
     resumed = _launch(tmp_path / "b", "grpo", "--resume", *extra)
     assert len(resumed["params"]) == 2  # steps 3 and 4
     assert max_gap(resumed["params"][-1], whole["params"][-1]) == 0.0
@@ -73,6 +65,27 @@ def test_fsdp_grpo_equals_one_process_and_resumes_exactly(tmp_path):
                 assert a[step][key] == value, (step, key)
                 compared += 1
     assert compared > 20
+
+
+@pytest.mark.slow
+def test_fsdp_grpo_equals_one_process_and_resumes_exactly(tmp_path):
+    """GRPO through glmlight's GLM-5 forward: every step's gathered parameters equal one process on the
+    same global batch; killed after a checkpoint and resumed, it continues exactly."""
+    extra = ["model.forward=glmlight"]
+    whole = _launch(tmp_path / "a", "grpo", *extra)
+    _check_against_one_process(tmp_path, "grpo", whole, extra)
+    _kill_and_resume(tmp_path, whole, extra)
+    assert list((tmp_path / "b" / "checkpoints" / "last.ckpt").glob("*.distcp"))  # torch.distributed.checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_grpo_equals_one_process_and_resumes_exactly(tmp_path, stage):
+    pytest.importorskip("deepspeed")
+    extra = ["--strategy", "deepspeed", f"trainer.zero_stage={stage}"]
+    whole = _launch(tmp_path / "a", "grpo", *extra)
+    _check_against_one_process(tmp_path, "grpo", whole, [f"trainer.zero_stage={stage}"], dtensors=False)
+    _kill_and_resume(tmp_path, whole, extra)
 
 
 @pytest.mark.slow
@@ -91,6 +104,13 @@ def test_fsdp_opd_and_compaction_equal_one_process(tmp_path, algo):
     _check_against_one_process(tmp_path, algo, _launch(tmp_path / algo, algo, *extra), extra)
 
 
-def test_fsdp_config_checks(tmp_path):
+def test_sharded_config_checks(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.strategy=fsdp takes trainer.precision"):
         glmlight.build(compose(overrides_for_tests(tmp_path, "trainer.strategy=fsdp", "trainer.precision=16-true")))
+    pytest.importorskip("deepspeed")
+    from glmlight.zero import RLDeepSpeedStrategy
+
+    run = glmlight.build(compose(overrides_for_tests(tmp_path, "algo=sao", "trainer.strategy=deepspeed")))
+    assert isinstance(run.trainer.strategy, RLDeepSpeedStrategy)
+    with pytest.raises(ConfigError, match=r"deepspeed takes one optimizer.*SAO trains a policy and a critic"):
+        run.trainer.strategy.configure_for(run.module)

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,12 +9,12 @@ import torch
 import glmlight
 from glmlight.errors import ConfigError
 from tests.conftest import REPO, overrides_for_tests
+from tests.scripts.replay import launch
 from glmlight import compose
 
 
 def test_two_process_ddp_grpo_keeps_ranks_identical(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tests.scripts.ddp_grpo", str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = launch("tests.scripts.ddp_grpo", str(tmp_path), cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = []
     for r in (0, 1):

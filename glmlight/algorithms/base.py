@@ -24,17 +24,17 @@ from typing import Any, Callable, Iterator
 import lightning.pytorch as pl
 import torch
 
-from glmlight.algorithms import microbatch
+from glmlight.algorithms.parallel import ParallelSteps
 from glmlight.checkpoint import restore_rank_state, save_rank_state
 from glmlight.config import AlgoConfig
-from glmlight.distributed import all_reduce_gradients, clip_grad_norm, global_max, global_sums, grad_scale, grads_finite
+from glmlight.distributed import all_reduce_gradients, clip_grad_norm, global_sums, grad_scale, grads_finite
 from glmlight.metrics import log_metrics
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from glmlight.ops.policy_loss import ppo_clip_loss
-from glmlight.ops.reduce import aggregate_loss, loss_normalisers, masked_mean
+from glmlight.ops.reduce import aggregate_loss, masked_mean
 from glmlight.ops.schedule import lr_lambda
 from glmlight.sample import Experience
 
@@ -45,7 +45,7 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-class RLModule(pl.LightningModule):
+class RLModule(ParallelSteps, pl.LightningModule):
     # Whether compute_advantages reads batch.old_logprobs (then they are computed before the update).
     advantages_read_old_logprobs = False
 
@@ -121,15 +121,6 @@ class RLModule(pl.LightningModule):
         return self.per_row(exp, lambda mb: logprobs_from_logits(self.forward_logits(model, mb), mb.response_ids,
                                                                  self.temperature))
 
-    def per_row(self, exp: Experience, fn: Callable[[Experience], torch.Tensor]) -> torch.Tensor:
-        """`fn` ([b, t] per response token) over the micro-batches of `exp`, as one [B, T] tensor."""
-        parts = []
-        for idx in self._collective(self._micro_batches(torch.arange(exp.batch_size), exp)):
-            out = fn(self._select(exp, idx))
-            if idx is not None:
-                parts.append((idx, out))
-        return microbatch.place_rows(parts, exp.batch_size, exp.response_length)
-
     def old_logprob_readers(self) -> list[str]:
         """What reads batch.old_logprobs before the update: the algorithm's advantages, and every
         callback with an `on_experience` hook unless it declares `reads_old_logprobs = False`."""
@@ -179,40 +170,6 @@ class RLModule(pl.LightningModule):
                 hook(self.trainer, self, batch)
 
     # ----------------------------------------------------------------- update
-    def _micro_batches(self, rows: torch.Tensor, exp: Experience | None = None) -> list[torch.Tensor]:
-        """`rows` (of `exp`) in micro-batches: chunks of micro_batch_size rows, or packed by token count
-        with `algo.micro_batch_tokens` (`glmlight.algorithms.microbatch`); none for no rows."""
-        budget = getattr(self.cfg, "micro_batch_tokens", None)
-        if budget and exp is not None:
-            return microbatch.by_tokens(rows, microbatch.row_lengths(exp)[rows.to(exp.attention_mask.device)], budget)
-        return microbatch.by_rows(rows, self.cfg.micro_batch_size)
-
-    def _select(self, exp: Experience, idx: torch.Tensor | None) -> Experience:
-        """Rows `idx` of `exp` (trimmed to their own columns with micro_batch_tokens); None: a pass that
-        only keeps this rank in step with the others (`_collective`): one row, nothing to train on."""
-        if idx is None:
-            mb = exp.select([0])
-            mb.loss_mask, mb.action_mask = torch.zeros_like(mb.loss_mask), torch.zeros_like(mb.action_mask)
-            return mb
-        mb = exp.select(idx)
-        return microbatch.trim(mb) if getattr(self.cfg, "micro_batch_tokens", None) else mb
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the models are FSDP2-sharded (trainer.strategy=fsdp, glmlight.sharding)."""
-        return self._trainer is not None and bool(getattr(self.trainer.strategy, "rl_sharded", False))
-
-    def _collective(self, chunks: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Under FSDP every forward of a sharded model is a collective, so every rank runs as many as the
-        busiest one: `chunks` padded with None (passes whose results are dropped)."""
-        if not self.sharded:
-            return list(chunks)
-        return list(chunks) + [None] * (global_max(len(chunks)) - len(chunks))
-
-    def normalisers(self, mb: Experience) -> dict[str, float]:
-        """This rank's share of the loss denominators of minibatch `mb` (summed over ranks before use)."""
-        return loss_normalisers(mb.loss_mask)
-
     def _minibatches(self, n: int) -> list[torch.Tensor]:
         """Exactly num_minibatches row sets (some empty when the batch is smaller), shuffled per step."""
         k = self.cfg.num_minibatches
@@ -289,8 +246,10 @@ class RLModule(pl.LightningModule):
         scale = {**global_sums(self.normalisers(mb_all)), "grad_scale": grad_scale()}
         idle = idle_rows(mb_all) if idle_rows is not None and len(rows) and self.ranks_may_skip_rows() else None
         active = torch.arange(len(rows)) if idle is None else (~idle.cpu()).nonzero().squeeze(1)
-        for micro in self._collective(self._micro_batches(active, mb_all)):
+        micros = self._collective(self._micro_batches(active, mb_all))
+        for i, micro in enumerate(micros):
             loss, stats = loss_fn(self._select(mb_all if micro is not None else batch, micro), scale)
+            self._mark_boundary(i == len(micros) - 1)
             self.manual_backward(loss * (scale["grad_scale"] if micro is not None else 0.0))
             if micro is None:
                 continue
@@ -305,6 +264,8 @@ class RLModule(pl.LightningModule):
         if not self.sharded:
             all_reduce_gradients(params)  # data parallel: every rank joins, even with no rows (FSDP reduces its own)
         loss_value = global_sums({"loss": loss_value})["loss"]  # the global minibatch's loss
+        if self._engine_steps and micros:
+            return {**totals, **self._engine_step(opt, sched, model, loss_value)}
         if all(p.grad is None for p in params):
             return self._step_without_update(opt, sched)
         if not grads_finite(params) or not math.isfinite(loss_value):
@@ -390,18 +351,6 @@ class RLModule(pl.LightningModule):
         """Forget Adam moments (GLM-5 agentic RL resets the optimizer after a weight push)."""
         for opt in self.trainer.optimizers:
             opt.state.clear()
-
-    # ----------------------------------------------------------------- sharding
-    def sharded_modules(self) -> list[torch.nn.Module]:
-        """What trainer.strategy=fsdp shards: the policy and the frozen reference (subclasses add theirs)."""
-        return [self.policy, *self._reference]
-
-    def configure_model(self) -> None:
-        """Under trainer.strategy=fsdp (`glmlight.sharding.RLFSDPStrategy`) shard every model of
-        `sharded_modules` with FSDP2 (each decoder layer, then the root); nothing otherwise."""
-        if self.sharded:
-            for model in self.sharded_modules():
-                self.trainer.strategy.shard(model)
 
     # ----------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """A sharded run of the real pipeline (engine rollouts, rewards, weight sync, checkpoints) on two CPU
 processes over gloo, run by tests/test_fsdp.py:
 
-    python -m tests.scripts.fsdp_run OUT_DIR ALGO [--kill-at K] [--resume] [override ...]
+    python -m tests.scripts.fsdp_run OUT_DIR ALGO [--kill-at K] [--resume] [--strategy S] [override ...]
 
 After every RL step rank 0 stores the gathered parameters and every rank's samples (OUT_DIR/record.pt),
 and each rank checks that its own engine serves exactly the trained weights. `--kill-at K` ends both
@@ -89,11 +89,13 @@ class KillAt(pl.Callback):
 def main(argv: list[str]) -> None:
     out, algo, rest = argv[0], argv[1], argv[2:]
     kill = int(rest[rest.index("--kill-at") + 1]) if "--kill-at" in rest else None
+    strategy = rest[rest.index("--strategy") + 1] if "--strategy" in rest else "fsdp"
     resume = "--resume" in rest
-    extra = [a for i, a in enumerate(rest) if not a.startswith("--") and (i == 0 or rest[i - 1] != "--kill-at")]
+    extra = [a for i, a in enumerate(rest)
+             if not a.startswith("--") and (i == 0 or rest[i - 1] not in ("--kill-at", "--strategy"))]
     if resume:
         extra.append("trainer.resume=last")
-    run = glmlight.build(compose(overrides(out, algo, 2, "fsdp", extra)))
+    run = glmlight.build(compose(overrides(out, algo, 2, strategy, extra)))
     run.trainer.callbacks.append(SampleRecorder(os.path.join(out, "record-resumed.pt" if resume else "record.pt")))
     if kill is not None:
         run.trainer.callbacks.append(KillAt(kill))

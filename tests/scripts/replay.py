@@ -10,6 +10,8 @@ global batch (one process on the union of the ranks' samples).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,6 +19,7 @@ import torch
 
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.sample import Experience, Sample
+from glmlight.sharding import full_weights
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -63,9 +66,10 @@ class Recorder(pl.Callback):
         from torch.distributed.tensor import DTensor
 
         self.sharded = all(isinstance(p, DTensor) for p in module.policy.parameters())
-        self.params.append({n: full(p) for n, p in module.named_parameters()})
+        names = {n for n, _ in module.named_parameters()}
+        self.params.append({n: full(t) for n, t in full_weights(module) if n in names})
         engine = trainer.datamodule.engine.model
-        policy = {n: full(v) for n, v in module.policy.state_dict().items()}
+        policy = {n: full(t) for n, t in full_weights(module.policy)}
         # the engine's weights equal the trainer's (each rank checks its own engine)
         self.engine.append(max(float((v.double() - policy[n]).abs().max())
                                for n, v in engine.state_dict().items()))
@@ -85,3 +89,14 @@ class Recorder(pl.Callback):
 def max_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def launch(module: str, *args: str, cwd: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python -m module args` (Lightning starts the second rank itself); once more if the rendezvous
+    port Lightning picked was taken in the meantime (other jobs on a shared machine)."""
+    for attempt in range(2):
+        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+        if "EADDRINUSE" not in proc.stderr or attempt:
+            return proc
+    return proc
