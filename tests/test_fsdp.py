@@ -104,6 +104,17 @@ def test_fsdp_opd_and_compaction_equal_one_process(tmp_path, algo):
     _check_against_one_process(tmp_path, algo, _launch(tmp_path / algo, algo, *extra), extra)
 
 
+@pytest.mark.slow
+def test_fsdp_bf16_mixed_precision_trains(tmp_path):
+    """trainer.precision=bf16-mixed: FSDP2's MixedPrecisionPolicy (bf16 all-gathers and compute over
+    gloo, fp32 reductions and master weights); the engines hold the fp32 weights."""
+    record = _launch(tmp_path / "bf16", "grpo", "trainer.precision=bf16-mixed", "trainer.max_steps=2",
+                     "trainer.checkpoint_every_n_steps=0")
+    assert record["sharded"] and max(max(e) for e in record["engine_gap"]) == 0.0
+    assert all(torch.isfinite(v).all() for v in record["params"][-1].values())
+    assert max_gap(record["params"][0], record["params"][-1]) > 1e-5
+
+
 def test_sharded_config_checks(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.strategy=fsdp takes trainer.precision"):
         glmlight.build(compose(overrides_for_tests(tmp_path, "trainer.strategy=fsdp", "trainer.precision=16-true")))
