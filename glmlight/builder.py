@@ -59,7 +59,7 @@ class Run:
                 save_run_config(self.cfg, self.trainer.default_root_dir)
             self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
                              weights_only=True)
-            if self.cfg.export.enabled and self.trainer.is_global_zero and not self.trainer.interrupted:
+            if self.cfg.export.enabled and not self.trainer.interrupted:
                 self.export()
         finally:
             try:
@@ -69,13 +69,20 @@ class Run:
                 if close:
                     self.close()
 
-    def export(self, out: str | None = None) -> str:
+    def export(self, out: str | None = None) -> str | None:
         """The policy (LoRA merged) and tokenizer as a Hugging Face checkpoint: export.dir, default
-        <trainer.default_root_dir>/hf (`glmlight.models.export`)."""
+        <trainer.default_root_dir>/hf (`glmlight.models.export`), written by rank 0. Call it on every
+        rank: sharded weights (FSDP2, ZeRO-3) are gathered first, a collective. Returns the path on
+        rank 0, None elsewhere."""
         from glmlight.models.export import export_hf
+        from glmlight.sharding import full_weights, is_sharded
 
+        policy = self.module.policy
+        state = {n: t.cpu() for n, t in full_weights(policy)} if is_sharded(policy) else None
+        if not self.trainer.is_global_zero:
+            return None
         out = out or self.cfg.export.dir or os.path.join(self.trainer.default_root_dir, "hf")
-        path = export_hf(self.module.policy, self.datamodule.tokenizer, out)
+        path = export_hf(policy, self.datamodule.tokenizer, out, state_dict=state)
         log.info("exported the policy to %s", path)
         return path
 
@@ -216,9 +223,12 @@ def _resume_path(cfg: DictConfig) -> str | None:
 
 def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
     """Accelerator, devices, strategy and precision. Data-parallel strategies leave the module
-    unwrapped (glmlight.distributed); the NPU plugin builds its own objects."""
+    unwrapped (glmlight.distributed); fsdp is FSDP2 (glmlight.sharding) on any accelerator; the NPU
+    plugin builds its own objects for the others."""
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
+    if t.strategy == "fsdp":
+        return fsdp_kwargs(t)
     if t.accelerator == "npu":
         from glmlight.accelerators import make_npu_trainer_kwargs
 
@@ -230,12 +240,47 @@ def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
             strategy = DDPStrategy()
         elif strategy == "deepspeed":
             _require("deepspeed", "trainer.strategy=deepspeed", "glmlight[deepspeed]")
-            strategy = f"deepspeed_stage_{t.zero_stage}"
+            from glmlight.zero import RLDeepSpeedStrategy, select_cpu_accelerator
+
+            if t.accelerator == "cpu":
+                select_cpu_accelerator()
+            strategy = RLDeepSpeedStrategy(stage=t.zero_stage)
         kwargs = dict(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
                       precision=t.precision)
     s = kwargs["strategy"]
     if isinstance(s, DDPStrategy) and not isinstance(s, DeepSpeedStrategy):
         without_ddp_wrapper(s)
+    elif isinstance(s, DeepSpeedStrategy) and not getattr(s, "rl_engine_steps", False):
+        from glmlight.zero import for_rl
+
+        for_rl(s)  # the NPU plugin's DeepSpeed strategy
+    return kwargs
+
+
+def fsdp_kwargs(t: DictConfig) -> dict[str, Any]:
+    """trainer.strategy=fsdp: `RLFSDPStrategy` (FSDP2). A mixed trainer.precision becomes FSDP2's
+    MixedPrecisionPolicy (bf16-mixed: bfloat16 parameters, float32 reductions), not autocast."""
+    from glmlight.sharding import RLFSDPStrategy
+
+    f = t.fsdp
+    mixed = {"bf16-mixed": ("bfloat16", "float32"), "16-mixed": ("float16", "float32")}.get(str(t.precision))
+    if str(t.precision) not in ("32-true", "32", "bf16-mixed", "16-mixed"):
+        raise ConfigError(f"config error: trainer.strategy=fsdp takes trainer.precision 32-true, bf16-mixed or "
+                          f"16-mixed (as trainer.fsdp.param_dtype / reduce_dtype), got {t.precision!r}")
+    param_dtype = f.param_dtype or (mixed[0] if mixed else None)
+    reduce_dtype = f.reduce_dtype or (mixed[1] if mixed else None)
+    kwargs: dict[str, Any] = dict(num_nodes=t.num_nodes, precision="32-true")
+    backend = f.process_group_backend
+    if t.accelerator == "npu":
+        from glmlight.accelerators import NPUAccelerator
+
+        accelerator = NPUAccelerator()
+        kwargs.update(accelerator=accelerator, devices=accelerator.parse_devices(t.devices))
+        backend = backend or "hccl"
+    else:
+        kwargs.update(accelerator=t.accelerator, devices=t.devices)
+    kwargs["strategy"] = RLFSDPStrategy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                        reshard_after_forward=f.reshard_after_forward, process_group_backend=backend)
     return kwargs
 
 
@@ -272,8 +317,9 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
         reasons.append("model.gradient_checkpointing=true")
     elif not glm_forward.supports(policy):
         reasons.append(f"{type(policy).__name__} is not a GLM-5 (GlmMoeDsa) model of a shape it supports")
-    if cfg.trainer.strategy in ("fsdp", "deepspeed"):
-        reasons.append(f"trainer.strategy={cfg.trainer.strategy} shards parameters through the model's own forward")
+    if cfg.trainer.strategy == "deepspeed":
+        reasons.append("trainer.strategy=deepspeed: ZeRO-3 gathers parameters only inside the modules' own forward "
+                       "(trainer.strategy=fsdp runs it)")
     if reasons and choice == "glmlight":
         raise ConfigError(f"config error: model.forward=glmlight cannot be used: {'; '.join(reasons)}")
     if reasons:

@@ -151,3 +151,13 @@ def test_lora_grpo_learns_the_default_task(tmp_path):
     with open(path) as f:
         evals = [float(r["eval/reward"]) for r in csv.DictReader(f) if r.get("eval/reward")]
     assert len(evals) >= 2 and evals[-1] > evals[0] + 0.05, evals
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_lora_with_a_sharded_strategy_is_one_line(strategy):
+    from glmlight import compose
+    from glmlight.config import validate
+    from glmlight.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"model.lora with trainer.strategy={strategy} is not supported"):
+        validate(compose(["model.lora.rank=4", f"trainer.strategy={strategy}"]))

@@ -23,8 +23,9 @@ from glmlight.models.lora import merged_named_tensors, plain_model
 
 
 def export_hf(policy: torch.nn.Module, tokenizer: Any, out: str, *, fp8: bool = False,
-              block: tuple[int, int] = (128, 128)) -> str:
-    """Write the policy and tokenizer to `out` (see the module docstring); returns its absolute path."""
+              block: tuple[int, int] = (128, 128), state_dict: dict[str, torch.Tensor] | None = None) -> str:
+    """Write the policy and tokenizer to `out` (see the module docstring); returns its absolute path.
+    `state_dict`: the policy's whole weights when they are sharded (gathered by the caller)."""
     out = os.path.abspath(out.rstrip("/"))
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
@@ -32,7 +33,7 @@ def export_hf(policy: torch.nn.Module, tokenizer: Any, out: str, *, fp8: bool = 
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model = plain_model(policy)
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         if fp8:
             _rewrite_fp8(policy, model, tmp, block)
         tokenizer.save_pretrained(tmp)
