@@ -1,8 +1,10 @@
 """WeightSync: push the trainer's weights into the rollout engine (the sync contract).
 
-gather (state_dict of the policy) → send (engine.update_weights, which casts to the
-engine's dtype) → acknowledge: the policy version advances only when the engine
-reports the new version. Pushes the current weights once at the start of fit,
+gather (state_dict of the policy; a LoRA policy's merged weights; under FSDP2 whole tensors gathered
+from the shards bucket by bucket as the engine takes them, `glmlight.sharding.full_weights`) → send
+(engine.update_weights, which casts to the engine's dtype) → acknowledge: the policy
+version advances only when the engine acknowledges the new version. Every data-parallel
+rank pushes to its own engine. Pushes the current weights once at the start of fit,
 so a resumed run's engine serves the restored weights.
 """
 
@@ -15,6 +17,8 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from glmlight.metrics import log_metrics
+from glmlight.models.lora import is_lora, merged_named_tensors
+from glmlight.sharding import full_weights
 
 
 class WeightSync(pl.Callback):
@@ -49,15 +53,15 @@ class WeightSync(pl.Callback):
     def push(self, trainer: pl.Trainer, module: pl.LightningModule, version: int) -> dict[str, float]:
         engine = self._engine(trainer)
         t0 = time.perf_counter()
-        named = [(k, v.detach()) for k, v in module.policy.state_dict().items()]
+        # whole tensors, also from FSDP2 shards (a collective then); a LoRA policy: base names, adapters merged
+        named = merged_named_tensors(module.policy) if is_lora(module.policy) else full_weights(module.policy)
         engine.update_weights(named, version=version)
         if engine.version != version:
             raise RuntimeError(f"engine acknowledged version {engine.version}, expected {version}")
         module.policy_version = version
         self.num_syncs += 1
-        nbytes = sum(v.numel() * v.element_size() for _, v in named)
-        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes),
-                "sync/version": float(version)}
+        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(named.nbytes),
+                "sync/gather_seconds": named.gather_seconds, "sync/version": float(version)}
 
     @override
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

@@ -26,6 +26,7 @@ from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, 
 from glmlight.errors import ConfigError
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
+from glmlight.models.lora import apply_lora
 from glmlight.models.warm_start import supervised_warm_start
 from glmlight.rewards import build_reward
 from glmlight.rewards.base import RewardRunner
@@ -58,6 +59,8 @@ class Run:
                 save_run_config(self.cfg, self.trainer.default_root_dir)
             self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
                              weights_only=True)
+            if self.cfg.export.enabled and not self.trainer.interrupted:
+                self.export()
         finally:
             try:
                 if self.cfg.logger.report and self.trainer.is_global_zero:
@@ -65,6 +68,23 @@ class Run:
             finally:
                 if close:
                     self.close()
+
+    def export(self, out: str | None = None) -> str | None:
+        """The policy (LoRA merged) and tokenizer as a Hugging Face checkpoint: export.dir, default
+        <trainer.default_root_dir>/hf (`glmlight.models.export`), written by rank 0. Call it on every
+        rank: sharded weights (FSDP2, ZeRO-3) are gathered first, a collective. Returns the path on
+        rank 0, None elsewhere."""
+        from glmlight.models.export import export_hf
+        from glmlight.sharding import full_weights, is_sharded
+
+        policy = self.module.policy
+        state = {n: t.cpu() for n, t in full_weights(policy)} if is_sharded(policy) else None
+        if not self.trainer.is_global_zero:
+            return None
+        out = out or self.cfg.export.dir or os.path.join(self.trainer.default_root_dir, "hf")
+        path = export_hf(policy, self.datamodule.tokenizer, out, state_dict=state)
+        log.info("exported the policy to %s", path)
+        return path
 
     def close(self) -> None:
         """Stop the rollout producer, close the engine (and the servers it launched) and the module's
@@ -203,9 +223,12 @@ def _resume_path(cfg: DictConfig) -> str | None:
 
 def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
     """Accelerator, devices, strategy and precision. Data-parallel strategies leave the module
-    unwrapped (glmlight.distributed); the NPU plugin builds its own objects."""
+    unwrapped (glmlight.distributed); fsdp is FSDP2 (glmlight.sharding) on any accelerator; the NPU
+    plugin builds its own objects for the others."""
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
+    if t.strategy == "fsdp":
+        return fsdp_kwargs(t)
     if t.accelerator == "npu":
         from glmlight.accelerators import make_npu_trainer_kwargs
 
@@ -217,12 +240,47 @@ def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
             strategy = DDPStrategy()
         elif strategy == "deepspeed":
             _require("deepspeed", "trainer.strategy=deepspeed", "glmlight[deepspeed]")
-            strategy = f"deepspeed_stage_{t.zero_stage}"
+            from glmlight.zero import RLDeepSpeedStrategy, select_cpu_accelerator
+
+            if t.accelerator == "cpu":
+                select_cpu_accelerator()
+            strategy = RLDeepSpeedStrategy(stage=t.zero_stage)
         kwargs = dict(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
                       precision=t.precision)
     s = kwargs["strategy"]
     if isinstance(s, DDPStrategy) and not isinstance(s, DeepSpeedStrategy):
         without_ddp_wrapper(s)
+    elif isinstance(s, DeepSpeedStrategy) and not getattr(s, "rl_engine_steps", False):
+        from glmlight.zero import for_rl
+
+        for_rl(s)  # the NPU plugin's DeepSpeed strategy
+    return kwargs
+
+
+def fsdp_kwargs(t: DictConfig) -> dict[str, Any]:
+    """trainer.strategy=fsdp: `RLFSDPStrategy` (FSDP2). A mixed trainer.precision becomes FSDP2's
+    MixedPrecisionPolicy (bf16-mixed: bfloat16 parameters, float32 reductions), not autocast."""
+    from glmlight.sharding import RLFSDPStrategy
+
+    f = t.fsdp
+    mixed = {"bf16-mixed": ("bfloat16", "float32"), "16-mixed": ("float16", "float32")}.get(str(t.precision))
+    if str(t.precision) not in ("32-true", "32", "bf16-mixed", "16-mixed"):
+        raise ConfigError(f"config error: trainer.strategy=fsdp takes trainer.precision 32-true, bf16-mixed or "
+                          f"16-mixed (as trainer.fsdp.param_dtype / reduce_dtype), got {t.precision!r}")
+    param_dtype = f.param_dtype or (mixed[0] if mixed else None)
+    reduce_dtype = f.reduce_dtype or (mixed[1] if mixed else None)
+    kwargs: dict[str, Any] = dict(num_nodes=t.num_nodes, precision="32-true")
+    backend = f.process_group_backend
+    if t.accelerator == "npu":
+        from glmlight.accelerators import NPUAccelerator
+
+        accelerator = NPUAccelerator()
+        kwargs.update(accelerator=accelerator, devices=accelerator.parse_devices(t.devices))
+        backend = backend or "hccl"
+    else:
+        kwargs.update(accelerator=t.accelerator, devices=t.devices)
+    kwargs["strategy"] = RLFSDPStrategy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                        reshard_after_forward=f.reshard_after_forward, process_group_backend=backend)
     return kwargs
 
 
@@ -253,15 +311,55 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
     if choice == "transformers":
         return False
     reasons = []
-    if cfg.model.gradient_checkpointing:  # (the checkpointed layers run through the model's own forward)
+    if cfg.model.lora.rank > 0:  # (it reads the base weights directly, not through the adapters)
+        reasons.append("model.lora.rank > 0 (LoRA layers run through the model's own forward)")
+    elif cfg.model.gradient_checkpointing:  # (the checkpointed layers run through the model's own forward)
         reasons.append("model.gradient_checkpointing=true")
     elif not glm_forward.supports(policy):
         reasons.append(f"{type(policy).__name__} is not a GLM-5 (GlmMoeDsa) model of a shape it supports")
-    if cfg.trainer.strategy in ("fsdp", "deepspeed"):
-        reasons.append(f"trainer.strategy={cfg.trainer.strategy} shards parameters through the model's own forward")
+    if cfg.trainer.strategy == "deepspeed":
+        reasons.append("trainer.strategy=deepspeed: ZeRO-3 gathers parameters only inside the modules' own forward "
+                       "(trainer.strategy=fsdp runs it)")
     if reasons and choice == "glmlight":
         raise ConfigError(f"config error: model.forward=glmlight cannot be used: {'; '.join(reasons)}")
+    if reasons:
+        log.info("trainer forward: the model's own (%s)", "; ".join(reasons))
     return not reasons
+
+
+def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource) -> None:
+    """model.warm_start: the cached supervised warm start of the initial policy (a no-op for 0 steps)."""
+    if cfg.model.warm_start.steps > 0:
+        identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
+        identity["seed"] = cfg.seed
+        supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
+
+
+def policy_from_checkpoint(cfg: DictConfig | dict, ckpt_path: str) -> tuple[torch.nn.Module, Any]:
+    """(policy, tokenizer) of a run's Lightning checkpoint, built as `build(cfg)` builds them (a LoRA
+    checkpoint holds only the adapters: the base is rebuilt from model.path, or the seed and warm start)."""
+    cfg = validate(cfg)
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
+                            seed=cfg.model.seed, trust_remote_code=cfg.model.trust_remote_code,
+                            index_topk=cfg.model.index_topk)
+    lora = cfg.model.lora
+    if lora.rank > 0:
+        warm_start(cfg, policy, tokenizer, build_sources(cfg.task, cfg.seed)[0])
+    policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        state = {k[len("policy."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"cannot read the checkpoint {ckpt_path}: {_root_cause(e)}") from None
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    lost = [k for k in missing if k in trainable or lora.rank == 0]
+    if lost or unexpected:
+        raise ConfigError(f"checkpoint {ckpt_path} does not fit the run's model (model.lora.rank={lora.rank}): "
+                          f"{len(lost)} missing, {len(unexpected)} unexpected tensors, e.g. "
+                          f"{(lost or unexpected)[0]!r}")
+    return policy.eval(), tokenizer
 
 
 def build(cfg: DictConfig | dict) -> Run:
@@ -282,11 +380,10 @@ def build(cfg: DictConfig | dict) -> Run:
         policy.gradient_checkpointing_enable()
     source, eval_source = build_sources(cfg.task, cfg.seed)
     eval_sets = build_eval_sets(cfg.eval, cfg.task)
-    if cfg.model.warm_start.steps > 0:
-        identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
-        identity["seed"] = cfg.seed
-        supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
-    engine = build_engine(cfg, policy, tokenizer)
+    warm_start(cfg, policy, tokenizer, source)
+    engine = build_engine(cfg, policy, tokenizer)  # the engine's own copy: the plain (or merged) model
+    lora = cfg.model.lora
+    policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
     datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout,
                                    eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,

@@ -19,6 +19,8 @@ from glmlight.dtypes import DTYPES
 from glmlight.errors import ConfigError
 from glmlight.ranges import SEED, Range, check_ranges, field_range, ranges  # noqa: F401 - Range, field_range re-exported
 from glmlight.registry import algorithm
+from glmlight.rollout_config import (  # noqa: F401 - re-exported
+    AgentConfig, RewardOptions, RolloutConfig, ServerConfig, TaskConfig)
 
 # ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
 OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default'}", replace=True)
@@ -38,6 +40,23 @@ ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1")
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the policy (peft); rank 0 = none (full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the adapters' scale is alpha / rank
+    dropout: float = 0.0
+    # module-name suffixes to adapt, or [all-linear]; default: attention projections (MHA/GQA and MLA)
+    # and dense / shared-expert MLPs (glmlight.models.lora.DEFAULT_TARGETS)
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+        "gate_proj", "up_proj", "down_proj"])
+
+
+ranges(LoRAConfig, rank=">= 0", alpha="> 0", dropout="[0, 1)")
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None  # a local Hugging Face checkpoint; None = the tiny GLM-5 default
     preset: str = "tiny"  # tiny GLM-5 size when path is None: test | tiny | small
@@ -50,141 +69,15 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # The trainer's forward: "glmlight" = glmlight/models/glm5/forward.py (GLM-5 models only: same function,
     # fewer ops); "transformers" = the model's own; "auto" = glmlight's where it applies (a GlmMoeDsa model,
-    # no gradient checkpointing, no fsdp/deepspeed sharding), else the model's own.
+    # no gradient checkpointing, not trainer.strategy=deepspeed), else the model's own.
     forward: str = "auto"
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 ranges(ModelConfig, index_topk=">= 1", n_routed_experts=">= 1", num_experts_per_tok=">= 1", seed=SEED)
 
 
-@dataclass
-class ServerConfig:
-    """Rollout servers (rollout.backend = sglang | vllm | vllm_ascend)."""
-
-    urls: list[str] = field(default_factory=list)  # one or more servers, or one router URL
-    router: bool = False  # urls[0] is a router (sglang-router): send everything there
-    api_key_env: Optional[str] = None  # name of the environment variable holding the API key
-    max_in_flight: int = 64
-    request_timeout_s: float = 600.0
-    max_retries: int = 3
-    retry_backoff_s: float = 0.5
-    weight_sync: str = "disk"  # disk | tensor | distributed
-    weight_sync_dir: str = ".cache/glmlight/weights"
-    launch: bool = False  # start the server as a managed child process
-    launch_args: list[str] = field(default_factory=list)
-    launch_command: Optional[list[str]] = None  # replaces `python -m sglang.launch_server` / the vLLM server
-    launch_python: Optional[str] = None  # the interpreter of a managed server (its own environment); default: ours
-    launch_env: dict[str, str] = field(default_factory=dict)  # extra environment of a managed server
-    launch_timeout_s: float = 900.0
-    launch_log_dir: Optional[str] = None
-    model_path: Optional[str] = None  # the path the server loads (default: model.path)
-    sync_backend: Optional[str] = None  # weight_sync=distributed: nccl | hccl | gloo (default by device)
-    sync_master_address: Optional[str] = None
-    in_process: bool = False  # vllm: run vllm.LLM in this process instead of talking to a server
-    update_retries: int = 2  # a failed weight update (every server back on the previous version) is retried
-    resync: bool = True  # keep the current weights (tensor/distributed: a CPU copy) to re-sync a restarted server
-    verify_updates: bool = True  # after an update, score a probe on every server (catches one that did not load)
-    check_logprobs: bool = True  # at start: refuse a server whose log-probs are not those of the sampled distribution
-
-
-ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", max_retries=">= 0", retry_backoff_s=">= 0",
-       launch_timeout_s="> 0", update_retries=">= 0")
-
-
-@dataclass
-class RolloutConfig:
-    backend: str = "local"  # local | sglang | vllm | vllm_ascend
-    # An engine of your own: {_target_: pkg.make_engine, ...}, called as make_engine(cfg=, policy=, tokenizer=,
-    # **kwargs) and returning a RolloutEngine (glmlight/rollout/base.py); replaces `backend`.
-    engine: Any = None
-    mode: str = "sync"  # sync | async
-    dtype: str = "float32"  # the engine's own weight copy (e.g. bfloat16 while training runs in fp32)
-    device: Optional[str] = None  # embedded engine device; None = the trainer's device
-    compile: bool = False  # embedded engine, GLM-5 models: torch.compile the decode step (long generations)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 16
-    rollout_batch_size: int = 16  # prompts per training step
-    n_samples_per_prompt: int = 8  # group size
-    over_sample: float = 1.0  # draw this many times rollout_batch_size prompts per round
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
-    max_refill_rounds: int = 4
-    overlong: str = "none"  # none | mask | soft_penalty (DAPO)
-    overlong_cache: int = 4  # L_cache of the soft overlong penalty
-    max_context: int = 2048  # prompt + response token budget
-    queue_size: int = 1  # async: rollout batches generated ahead of training (1: each is one step off-policy)
-    engine_retries: int = 3  # retries of a failed engine call before its samples are FAILED
-    engine_retry_backoff_s: float = 0.5
-    on_weight_update: str = "continue"  # async: in-flight generations continue (per-token versions) or abort
-    seed: int = 0
-    server: "ServerConfig" = field(default_factory=lambda: ServerConfig())
-
-
-ranges(RolloutConfig, temperature=">= 0", top_p="(0, 1]", top_k=">= 0", max_new_tokens=">= 1",
-       rollout_batch_size=">= 1", n_samples_per_prompt=">= 1", over_sample=">= 1", max_refill_rounds=">= 0",
-       overlong_cache=">= 0", max_context=">= 2", queue_size=">= 1", engine_retries=">= 0",
-       engine_retry_backoff_s=">= 0", seed=SEED)
-
-
-@dataclass
-class AgentConfig:
-    """Multi-turn episodes: set env to an Environment class (_target_) to turn the task into an agent task."""
-
-    env: Optional[dict[str, Any]] = None
-    max_turns: int = 4
-    # Context compaction (CompactionRL): summarise when the remaining budget falls below this.
-    compact_threshold: Optional[int] = None
-    keep_last_steps: int = 2  # k action/observation steps copied into the resume prompt
-    summary_max_tokens: int = 32
-    summary_prompt: str = "Summarize."  # the user turn that asks the policy for its summary
-    resume_header: str = "Summary: "  # opens the resume turn that carries the summary
-
-
-ranges(AgentConfig, max_turns=">= 1", compact_threshold=">= 1", keep_last_steps=">= 0", summary_max_tokens=">= 1")
-
-
-@dataclass
-class RewardOptions:
-    """How the reward runs (`task.reward_options`; the reward itself is `task.reward`). Every call on one
-    sample has `timeout_s` seconds, else the sample is FAILED and counted (`rollout/dropped/reward_timeout`);
-    at most `max_concurrency` samples are scored at once. Synchronous rewards run in worker threads
-    (`executor=thread`; a timed-out call is abandoned) or worker processes (`executor=process`: for
-    CPU-heavy rewards; a timed-out call's process is killed); async rewards run on an event loop, a timed-out
-    call is cancelled."""
-
-    timeout_s: float = 120.0
-    max_concurrency: int = 8
-    executor: str = "thread"  # thread | process
-
-
-ranges(RewardOptions, timeout_s="> 0", max_concurrency=">= 1")
-
-
-@dataclass
-class TaskConfig:
-    name: str = "arithmetic"
-    source: str = "synthetic"  # synthetic | running_sum | jsonl | hf
-    path: Optional[str] = None  # jsonl file or local datasets directory
-    eval_path: Optional[str] = None  # held-out prompts (same format); synthetic tasks make their own
-    split: str = "train"
-    prompt_key: str = "prompt"
-    label_key: str = "label"
-    domain_key: str = "domain"
-    system_prompt: Optional[str] = None
-    # Synthetic arithmetic: operands in [0, max_operand], these operators.
-    max_operand: int = 9
-    operators: str = "+"
-    num_steps: int = 8  # running_sum: numbers per episode
-    num_eval_prompts: int = 64
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    # The reward: any callable sample -> float | (float, info), built with Hydra's _target_.
-    reward: dict[str, Any] = field(default_factory=lambda: {"_target_": "glmlight.rewards.verifiers.ExactMatch"})
-    reward_options: RewardOptions = field(default_factory=RewardOptions)  # timeout, concurrency, executor
-
-
-ranges(TaskConfig, max_operand=">= 1", num_steps=">= 1", num_eval_prompts=">= 0")
 
 
 @dataclass
@@ -202,6 +95,9 @@ class AlgoConfig:
     ppo_epochs: int = 1
     num_minibatches: int = 1  # optimizer steps per epoch over one rollout batch
     micro_batch_size: int = 64  # rows per forward pass (gradient accumulation inside a minibatch)
+    # Pack micro-batches by token count instead: rows × longest row <= this many tokens, each micro-batch
+    # trimmed to its own rows' columns (verl use_dynamic_bsz); None = micro_batch_size rows.
+    micro_batch_tokens: Optional[int] = None
     # Where θ_old's log-probs come from: "forward" = a no-grad forward before the update; "update" = the
     # update's own forward, detached (exact when ppo_epochs = num_minibatches = 1, saves a forward);
     # "auto" = "update" when that is exact and nothing reads them before the update, else "forward".
@@ -228,7 +124,17 @@ class AlgoConfig:
 ranges(AlgoConfig, lr=">= 0", weight_decay=">= 0", betas="[0, 1)", warmup_steps=">= 0", min_lr_ratio="[0, 1]",
        grad_clip=">= 0", ppo_epochs=">= 1", num_minibatches=">= 1", micro_batch_size=">= 1", loss_agg_constant="> 0",
        eps_low="[0, 1]", eps_high=">= 0", dual_clip_c="> 1", dis_eps_low="[0, 1]", dis_eps_high=">= 0",
-       entropy_coef=">= 0", kl_coef=">= 0", max_nonfinite_steps=">= 1")
+       entropy_coef=">= 0", kl_coef=">= 0", max_nonfinite_steps=">= 1", micro_batch_tokens=">= 1")
+
+
+@dataclass
+class FSDPConfig:
+    """trainer.strategy=fsdp: FSDP2 (torch.distributed.fsdp.fully_shard) through glmlight.sharding."""
+
+    param_dtype: Optional[str] = None  # all-gather / compute dtype (None: as stored; bf16-mixed: bfloat16)
+    reduce_dtype: Optional[str] = None  # gradient reduce-scatter dtype (None: param_dtype; bf16-mixed: float32)
+    reshard_after_forward: bool = True  # free gathered layers after forward (False: keep until backward)
+    process_group_backend: Optional[str] = None  # gloo | nccl | hccl (None: the device's default)
 
 
 @dataclass
@@ -241,6 +147,7 @@ class TrainerConfig:
     num_nodes: int = 1
     strategy: str = "auto"  # auto | ddp | deepspeed | fsdp (or any Lightning strategy name)
     zero_stage: int = 2  # strategy=deepspeed: ZeRO stage
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     precision: str = "32-true"
     log_every_n_steps: int = 1
     enable_progress_bar: bool = True
@@ -292,6 +199,14 @@ ranges(EvalSetConfig, num_prompts=">= 1")
 
 
 @dataclass
+class ExportConfig:
+    """The trained policy as a Hugging Face checkpoint at the end of fit (LoRA merged; safetensors)."""
+
+    enabled: bool = True
+    dir: Optional[str] = None  # default: <trainer.default_root_dir>/hf
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -300,6 +215,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     # Lightning callbacks, each a dict with _target_ (instantiated in this order).
     callbacks: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
@@ -392,6 +308,7 @@ CHOICES = {
     "logger.name": ("wandb", "csv", "none"),
     "model.dtype": tuple(DTYPES),
     "rollout.dtype": tuple(DTYPES),
+    "rollout.weight_format": ("auto", "fp8"),
     "logger.mode": ("offline", "online", "disabled"),
     "task.reward_options.executor": ("thread", "process"),
 }
@@ -402,6 +319,10 @@ def _check_choices(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and value not in allowed:
             raise ConfigError(f"config error: {key}={value!r} is not one of {list(allowed)}")
+    strategy = OmegaConf.select(cfg, "trainer.strategy")
+    if (OmegaConf.select(cfg, "model.lora.rank") or 0) > 0 and strategy in ("fsdp", "deepspeed"):
+        raise ConfigError(f"config error: model.lora with trainer.strategy={strategy} is not supported (LoRA trains "
+                          "a few adapters: use trainer.strategy=ddp or auto)")
     if OmegaConf.select(cfg, "rollout.compile") and OmegaConf.select(cfg, "rollout.backend") != "local":
         raise ConfigError(f"config error: rollout.compile is for the embedded engine (rollout=local); "
                           f"{OmegaConf.select(cfg, 'rollout.backend')} servers capture their own graphs")

@@ -17,6 +17,9 @@ server  rollout tokens/s through glmlight's vLLM client vs the raw HTTP API driv
         with aiohttp (the same requests, seeds included, so both sides generate the same tokens), on
         one real vLLM server glmlight launched (tiny Llama). Target >= 90%. Needs GLMLIGHT_VLLM_PYTHON
         (scripts/vllm_cpu_venv.sh builds vLLM's CPU build); skipped without it.
+micro   the forward + backward of one GRPO update on a mixed-length batch (one 512-token response
+        among 31 of 16) with micro-batches packed by tokens (algo.micro_batch_tokens) vs 8-row
+        micro-batches padded to the longest row (algo.micro_batch_size). No target.
 
 Figures are medians of several repetitions; ratios are glmlight / baseline. Nothing here is
 asserted: on a shared machine timings move by tens of percent from run to run.
@@ -366,6 +369,50 @@ def bench_flops(s: Sizes, device: str) -> list[dict[str, Any]]:
     return [row("train step FLOP/s vs matmul peak", "GFLOP/s", flops / t / 1e9, peak / 1e9, TARGETS["flops"], note)]
 
 
+# ----------------------------------------------------------------- micro-batches
+def bench_micro_batches(s: Sizes, device: str, long: int = 512, short: int = 16, rows: int = 32,
+                        row_size: int = 8) -> list[dict[str, Any]]:
+    """One GRPO update's forward and backward passes (no optimizer step) over `rows` responses, one of
+    `long` tokens and the others of `short`: micro-batches by token count vs by `row_size` rows."""
+    from glmlight.algorithms.grpo import GRPO, GRPOConfig
+    from glmlight.models.glm5 import forward as glm_forward
+    from glmlight.ops.reduce import loss_normalisers
+    from glmlight.sample import Experience, Sample
+
+    tok, policy = tiny_model(s.preset, device)
+    g = random.Random(0)
+    samples = []
+    for i in range(rows):
+        resp = [g.randrange(6, len(tok)) for _ in range(long if i == 0 else short)]
+        samples.append(Sample(prompt_ids=[g.randrange(6, len(tok)) for _ in range(16)], response_ids=resp,
+                              loss_mask=[1] * len(resp), rollout_logprobs=[-4.6] * len(resp),
+                              versions=[0] * len(resp), reward=float(i % 2), group_id=i // 4))
+    batch = Experience.collate(samples, tok.pad_token_id).to(device)
+    budget = (long + 16) * 2  # the long row alone, every short row in one micro-batch
+    times, counts = {}, {}
+    for name, cfg in (("rows", GRPOConfig(micro_batch_size=row_size)), ("tokens", GRPOConfig(micro_batch_tokens=budget))):
+        module = GRPO(cfg, policy, max_new_tokens=long, use_glm_forward=glm_forward.supports(policy)).to(device)
+        module.prepare_experience(batch)
+        module.compute_advantages(batch)
+        scale = {**loss_normalisers(batch.loss_mask), "grad_scale": 1.0}
+        micro = module._micro_batches(torch.arange(batch.batch_size), batch)
+        counts[name] = len(micro)
+
+        def step() -> None:  # what RLModule.optimizer_step does before the optimizer, without Lightning
+            policy.train()
+            policy.zero_grad(set_to_none=True)
+            for idx in micro:
+                loss, _ = module.micro_batch_loss(module._select(batch, idx), scale)
+                loss.backward()
+
+        step()  # warm-up
+        times[name] = statistics.median(timed(step, device) for _ in range(max(s.reps, 1)))
+    note = (f"{rows} responses: 1 x {long} + {rows - 1} x {short} tokens; {counts['rows']} micro-batches of {row_size} "
+            f"rows vs {counts['tokens']} of <= {budget} tokens; forward + backward")
+    return [row("micro-batches by tokens vs by rows (mixed lengths)", "updates/s", 1 / times["tokens"],
+                1 / times["rows"], None, note)]
+
+
 # ----------------------------------------------------------------- main
 def print_table(info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     gpu = f", {info['gpu']}" if "gpu" in info else ""
@@ -455,7 +502,7 @@ def bench_server(s: Sizes, device: str) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
-    ap.add_argument("--only", choices=["engine", "grpo", "flops", "server"], help="run one benchmark")
+    ap.add_argument("--only", choices=["engine", "grpo", "flops", "server", "micro"], help="run one benchmark")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--threads", type=int, help="intra-op CPU threads of the process (default on CPU: 1; "
@@ -488,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         else:
             rows += bench_server(sizes, args.device)
+    if args.only in (None, "micro"):
+        rows += bench_micro_batches(sizes, args.device, long=128 if args.quick else 512)
     print_table(info, rows)
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.json:

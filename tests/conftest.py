@@ -66,3 +66,25 @@ def digit_fraction_reward(sample) -> float:
     non-zero advantages; the arithmetic exact-match reward is all zeros before training."""
     text = sample.metadata["completion_text"]
     return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+class DigitRunningSumEnv:
+    """RunningSumEnv whose final reward is the fraction of digit characters in the actions (dense, so a
+    random tiny model gets non-zero returns and advantages)."""
+
+    def __init__(self) -> None:
+        from glmlight.agents.envs import RunningSumEnv
+
+        self.env, self.digits, self.chars = RunningSumEnv(), 0, 0
+
+    def reset(self, prompt):
+        self.digits = self.chars = 0
+        return self.env.reset(prompt)
+
+    def step(self, action: str):
+        self.digits += sum(c.isdigit() for c in action)
+        self.chars += max(len(action), 1)
+        result = self.env.step(action)
+        if result.done:
+            result.reward = self.digits / self.chars
+        return result

@@ -90,3 +90,10 @@ def test_flop_count_skips_what_no_returned_logit_needs(tokenizer):
     full, _ = bench.train_step_flops(model, batch=1, seq=2)
     part, _ = bench.train_step_flops(model, batch=1, seq=2, start=1)
     assert full - part == pytest.approx(saved)
+
+
+def test_micro_batch_figure():
+    rows = bench.bench_micro_batches(TINY, "cpu", long=16, short=4, rows=8, row_size=2)
+    _check(rows, 1)
+    assert rows[0]["unit"] == "updates/s" and rows[0]["target"] is None
+    assert "4 micro-batches of 2 rows vs 3 of <= 64 tokens" in rows[0]["note"]  # [32, 20], 3 x 20, 3 x 20

@@ -425,3 +425,32 @@ def test_sao_on_npu_config_trains_through_the_plugin(standin: Any, tmp_path: Pat
     assert run.module.policy_version == 2
     assert ("set_device", "cpu:0", 0) in standin.calls
     assert ("device_type", "npu->cpu") in standin.calls
+
+
+def test_fsdp2_on_npu_config_trains_through_the_plugin(standin: Any, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`accelerator=npu trainer.strategy=fsdp`: FSDP2 over hccl with the NPU accelerator, one process."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    import glmlight
+    from glmlight import compose
+    from glmlight.sharding import RLFSDPStrategy
+    from tests.conftest import overrides_for_tests
+
+    run = glmlight.build(compose(overrides_for_tests(
+        tmp_path, "accelerator=npu", "trainer.strategy=fsdp", "trainer.devices=1", "trainer.max_steps=1",
+        "~callbacks.held_out_eval", "~callbacks.sample_table")))
+    assert isinstance(run.trainer.accelerator, NPUAccelerator)
+    strategy = run.trainer.strategy
+    assert isinstance(strategy, RLFSDPStrategy) and strategy.process_group_backend == "hccl"
+    assert (strategy.param_dtype, strategy.reduce_dtype) == (torch.bfloat16, torch.float32)  # npu.yaml: bf16-mixed
+    # the rendezvous of this one-process group must not leak into later tests' processes
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
+    try:
+        run.fit()
+        assert run.module.policy_version == 1 and torch.distributed.get_backend() == "hccl"
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert ("set_device", "cpu:0", 0) in standin.calls

@@ -424,3 +424,40 @@ def test_a_connection_dropped_after_a_bucket_was_staged_restarts_the_update(mode
         assert_same(eng.generate(ps, sp), answers_of(model, new, ps, sp))
     methods = [c.body["method"] for c in server.calls("/collective_rpc")]
     assert methods.count("glmlight_abort_update") == 1 and methods.count("glmlight_commit") == 1
+
+
+def test_fp8_weight_format_pushes_the_block_fp8_checkpoint_layout(model, tokenizer, tmp_path):
+    """rollout.weight_format=fp8 against a server started from a block-FP8 checkpoint: every push carries
+    that checkpoint's names and layout (float8_e4m3fn weights with their weight_scale_inv, experts one by
+    one), which the worker extension checks against the server's checkpoint before loading."""
+    import json
+
+    from glmlight.models.fp8_checkpoint import fp8_checkpoint_tensors, fp8_quantization_config
+    from glmlight.ops.quant import FP8_DTYPE, dequantize_fp8_block
+
+    ckpt = tmp_path / "fp8-ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": model.config.model_type,
+                                                  "quantization_config": fp8_quantization_config()}))
+    layout = fp8_checkpoint_tensors(model.state_dict().items(), model_type=model.config.model_type)
+    srv = VLLMServer(LocalEngine(model)).start()
+    received: list = []
+    srv.worker._gl_expected_shapes = lambda: {k: tuple(v.shape) for k, v in layout}
+    srv.worker._gl_reload = lambda named: received.extend(named) or len(named)
+    try:
+        new = perturbed(model)
+        with make(srv.url, tmp_path, weight_sync="tensor", weight_format="fp8", model_path=str(ckpt),
+                  verify_updates=False) as eng:
+            eng.update_weights(new, version=1)
+            assert eng.version == 1
+    finally:
+        srv.close()
+    got = dict(received)
+    assert sorted(got) == sorted(k for k, _ in layout)
+    fp8 = [k for k, v in got.items() if v.dtype == FP8_DTYPE]
+    assert fp8 and all(k + "_scale_inv" in got for k in fp8)
+    name = next(k for k in fp8 if ".experts." not in k)
+    sent = dict(new)[name]
+    back = dequantize_fp8_block(got[name], got[name + "_scale_inv"])
+    assert (back - sent).abs().max() <= 0.07 * sent.abs().max()  # e4m3: 3 mantissa bits
+    assert not torch.equal(back, dict(model.state_dict())[name])  # the new weights, not the old

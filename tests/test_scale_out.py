@@ -1,20 +1,19 @@
 """Scale-out on this machine: two-process data-parallel GRPO over gloo; DeepSpeed / FSDP selection."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+import torch
 
 import glmlight
 from glmlight.errors import ConfigError
 from tests.conftest import REPO, overrides_for_tests
+from tests.scripts.fixed_batches import launch
 from glmlight import compose
 
 
 def test_two_process_ddp_grpo_keeps_ranks_identical(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tests.scripts.ddp_grpo", str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = launch("tests.scripts.ddp_grpo", str(tmp_path), cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = []
     for r in (0, 1):
@@ -30,12 +29,16 @@ def test_two_process_ddp_grpo_keeps_ranks_identical(tmp_path):
     assert ranks[0][0]["sum"] != ranks[0][-1]["sum"]  # and they did train
 
 
-def test_deepspeed_and_fsdp_selection_give_clear_errors_here(tmp_path):
+def test_deepspeed_and_fsdp_selection(tmp_path):
     import importlib.util
+
+    from glmlight.sharding import RLFSDPStrategy
 
     if importlib.util.find_spec("deepspeed") is None:
         with pytest.raises(ConfigError, match=r"trainer.strategy=deepspeed needs the deepspeed package"):
             glmlight.build(compose(overrides_for_tests(tmp_path, "trainer.strategy=deepspeed")))
-    # Lightning's FSDP needs GPUs; on a CPU machine the config stops with one line saying so.
-    with pytest.raises(ConfigError, match=r"strategy=fsdp.*requires a GPU accelerator"):
-        glmlight.build(compose(overrides_for_tests(tmp_path, "trainer.strategy=fsdp")))
+    # FSDP2 runs on CPUs too (tests/test_fsdp.py); bf16-mixed becomes FSDP2's MixedPrecisionPolicy
+    run = glmlight.build(compose(overrides_for_tests(tmp_path, "trainer.strategy=fsdp", "trainer.precision=bf16-mixed")))
+    strategy = run.trainer.strategy
+    assert isinstance(strategy, RLFSDPStrategy)
+    assert (strategy.param_dtype, strategy.reduce_dtype) == (torch.bfloat16, torch.float32)

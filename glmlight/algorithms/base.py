@@ -25,11 +25,14 @@ import lightning.pytorch as pl
 import torch
 
 from glmlight.algorithms import replay as replay_
+from glmlight.algorithms.parallel import ParallelSteps
+from glmlight.checkpoint import restore_rank_state, save_rank_state
 from glmlight.config import AlgoConfig
-from glmlight.distributed import all_reduce_gradients
+from glmlight.distributed import all_reduce_gradients, clip_grad_norm, global_sums, grad_scale, grads_finite
 from glmlight.metrics import log_metrics
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.glm5.replay import transformers_replay
+from glmlight.models.lora import base_model_context, check_trainable_state, is_lora, keep_trainable_state
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
@@ -48,7 +51,7 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-class RLModule(pl.LightningModule):
+class RLModule(ParallelSteps, pl.LightningModule):
     # Whether compute_advantages reads batch.old_logprobs (then they are computed before the update).
     advantages_read_old_logprobs = False
 
@@ -71,7 +74,12 @@ class RLModule(pl.LightningModule):
         replay_.check_model(policy, self.replay_mode)
         # The frozen reference lives outside the module's parameters: never trained, never checkpointed.
         self._reference: list[torch.nn.Module] = []
-        if cfg.kl_coef > 0:
+        # A LoRA policy's reference is its own frozen base (adapters disabled): no copy.
+        self.lora = is_lora(policy)
+        self._reference_is_base = cfg.kl_coef > 0 and self.lora
+        if self.lora:
+            self.strict_loading = False  # checkpoints hold the adapters, not the frozen base
+        if cfg.kl_coef > 0 and not self.lora:
             ref = copy.deepcopy(policy).eval()
             ref.requires_grad_(False)
             self._reference.append(ref)
@@ -136,11 +144,7 @@ class RLModule(pl.LightningModule):
 
     @torch.no_grad()
     def compute_logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
-        chunks = []
-        for idx in self._micro_batches(torch.arange(exp.batch_size)):
-            mb = exp.select(idx)
-            chunks.append(self.logprobs(self.forward_logits(model, mb), mb.response_ids))
-        return torch.cat(chunks)
+        return self.per_row(exp, lambda mb: self.logprobs(self.forward_logits(model, mb), mb.response_ids))
 
     def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Log-probs [B, T] of `labels` under the sampling distribution the engine used. With top-k /
@@ -158,6 +162,17 @@ class RLModule(pl.LightningModule):
         with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
             values = entropy_from_logits(logits[keep], self.temperature, self.top_k, self.top_p)
         return out.masked_scatter(keep, values) if with_grad else out.masked_scatter(keep, values.detach())
+
+    def reference_logprobs(self, batch: Experience) -> torch.Tensor | None:
+        """θ_ref's log-probs (algo.kl_coef > 0): a LoRA policy's frozen base, its adapters disabled, or the
+        frozen copy of the initial policy; None without a reference."""
+        if self._reference_is_base:
+            with base_model_context(self.policy):
+                return self.compute_logprobs(self.policy, batch)
+        if self._reference:
+            ref = self._reference[0] if self.sharded else self._reference[0].to(self.device)
+            return self.compute_logprobs(ref, batch)
+        return None
 
     def old_logprob_readers(self) -> list[str]:
         """What reads batch.old_logprobs before the update: the algorithm's advantages, and every
@@ -195,9 +210,9 @@ class RLModule(pl.LightningModule):
             outside = (batch.old_logprobs <= LOGPROB_FLOOR).float()
             batch.stats["train/outside_kept_set_frac"] = float(masked_mean(outside, batch.loss_mask))
         batch.stats["train/old_logprobs_from_update"] = float(from_update)
-        if self._reference:
-            ref = self._reference[0].to(self.device)
-            batch.ref_logprobs = self.compute_logprobs(ref, batch)
+        ref = self.reference_logprobs(batch)
+        if ref is not None:
+            batch.ref_logprobs = ref
         self.policy.train(was_training)
         batch.token_weights = torch.ones_like(batch.loss_mask)
 
@@ -211,10 +226,6 @@ class RLModule(pl.LightningModule):
                 hook(self.trainer, self, batch)
 
     # ----------------------------------------------------------------- update
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """`rows` in chunks of micro_batch_size; none for no rows."""
-        return list(rows.split(self.cfg.micro_batch_size)) if len(rows) else []
-
     def _minibatches(self, n: int) -> list[torch.Tensor]:
         """Exactly num_minibatches row sets (some empty when the batch is smaller), shuffled per step."""
         k = self.cfg.num_minibatches
@@ -284,27 +295,36 @@ class RLModule(pl.LightningModule):
             return self._step_without_update(opt, sched)
         totals: dict[str, float] = {}
         loss_value = 0.0
-        if len(rows):
-            model.train()
-            mb_all = batch.select(rows)
-            scale = {"total_tokens": float(mb_all.loss_mask.sum().item()), "num_sequences": float(len(rows))}
-            idle = idle_rows(mb_all) if idle_rows is not None and self.ranks_may_skip_rows() else None
-            active = torch.arange(len(rows)) if idle is None else (~idle.cpu()).nonzero().squeeze(1)
-            for micro in self._micro_batches(active):
-                loss, stats = loss_fn(mb_all.select(micro), scale)
-                self.manual_backward(loss)
-                loss_value += loss.item()
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(active)
-            if idle is not None:
-                totals["train/rows_without_gradient_frac"] = 1.0 - len(active) / len(rows)
-                if not len(active):  # what backward of the all-zero loss would leave: zero gradients
-                    for p in params:
-                        p.grad = torch.zeros_like(p)
-        all_reduce_gradients(params)  # data parallel: every rank joins, even with no rows
+        model.train()
+        mb_all = batch.select(rows)
+        # The global minibatch's denominators (summed over ranks, even by a rank with no rows) and the
+        # factor that makes the ranks' averaged gradients the global loss's (glmlight.distributed).
+        scale = {**global_sums(self.normalisers(mb_all)), "grad_scale": grad_scale()}
+        idle = idle_rows(mb_all) if idle_rows is not None and len(rows) and self.ranks_may_skip_rows() else None
+        active = torch.arange(len(rows)) if idle is None else (~idle.cpu()).nonzero().squeeze(1)
+        micros = self._collective(self._micro_batches(active, mb_all))
+        for i, micro in enumerate(micros):
+            loss, stats = loss_fn(self._select(mb_all if micro is not None else batch, micro), scale)
+            self._mark_boundary(i == len(micros) - 1)
+            self.manual_backward(loss * (scale["grad_scale"] if micro is not None else 0.0))
+            if micro is None:
+                continue
+            loss_value += loss.item()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(active)
+        if idle is not None:
+            totals["train/rows_without_gradient_frac"] = 1.0 - len(active) / len(rows)
+            if not len(active):  # what backward of the all-zero loss would leave: zero gradients
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+        if not self.sharded:
+            all_reduce_gradients(params)  # data parallel: every rank joins, even with no rows (FSDP reduces its own)
+        loss_value = global_sums({"loss": loss_value})["loss"]  # the global minibatch's loss
+        if self._engine_steps and micros:
+            return {**totals, **self._engine_step(opt, sched, model, loss_value)}
         if all(p.grad is None for p in params):
             return self._step_without_update(opt, sched)
-        if not _grads_finite(model) or (self.trainer.world_size == 1 and not math.isfinite(loss_value)):
+        if not grads_finite(params) or not math.isfinite(loss_value):
             self._nonfinite_streak += 1
             log.warning("non-finite loss at step %d (%d in a row): update skipped", self.global_step,
                         self._nonfinite_streak)
@@ -313,7 +333,7 @@ class RLModule(pl.LightningModule):
                                          "stopping (lower the learning rate or check rewards and data)")
             return {**self._step_without_update(opt, sched), "train/skipped_nonfinite": 1.0}
         self._nonfinite_streak = 0
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or float("inf"))
+        grad_norm = clip_grad_norm(params, self.cfg.grad_clip or float("inf"))
         opt.step()
         if sched is not None:
             sched.step()
@@ -341,7 +361,8 @@ class RLModule(pl.LightningModule):
                 per_token = per_token - cfg.entropy_coef * entropy
             stats["train/entropy"] = masked_mean(entropy.detach(), mask)
         loss = aggregate_loss(per_token, mask, cfg.loss_agg, constant=cfg.loss_agg_constant or self.max_new_tokens,
-                              num_sequences=int(scale["num_sequences"]), total_tokens=scale["total_tokens"])
+                              num_sequences=scale["num_sequences"], total_tokens=scale["total_tokens"],
+                              num_rows=scale.get("num_rows"))
         extra, extra_stats = self.extra_loss(mb, logits, logprobs, mask, scale)
         stats.update(extra_stats)
         stats["train/pg_loss"] = loss.detach()
@@ -390,10 +411,16 @@ class RLModule(pl.LightningModule):
 
     # ----------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.lora:  # the adapters (and a value head), not the frozen base
+            keep_trainable_state(self, checkpoint)
         checkpoint["glmlight"] = {"policy_version": self.policy_version, "nonfinite_streak": self._nonfinite_streak,
                                   "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        save_rank_state(self.trainer, checkpoint)  # each data-parallel rank's own stream, RNG and callbacks
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        restore_rank_state(self.trainer, checkpoint)
+        if self.lora:
+            check_trainable_state(self, checkpoint)
         state = checkpoint.get("glmlight", {})
         self.policy_version = state.get("policy_version", 0)
         self._nonfinite_streak = state.get("nonfinite_streak", 0)
@@ -406,6 +433,3 @@ def _as_tuple(x: Any) -> Any:
     """random.setstate needs the nested tuples back (a checkpoint may hold lists)."""
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
-
-def _grads_finite(model: torch.nn.Module) -> bool:
-    return all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -19,6 +19,8 @@ from torch import nn
 
 from glmlight.algorithms.base import RLModule
 from glmlight.config import AlgoConfig
+from glmlight.distributed import global_moments
+from glmlight.models.lora import frozen_backbone, is_lora
 from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_scale, masked_whiten, skip_observation_gae
 from glmlight.ops.reduce import masked_mean
 from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
@@ -62,6 +64,8 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_policy(cls, policy: nn.Module) -> "ValueModel":
+        if is_lora(policy):  # the value head on the policy's frozen base (no copy): only the head trains
+            return cls(frozen_backbone(policy), policy.config.hidden_size)
         return cls(copy.deepcopy(policy.base_model), policy.config.hidden_size)
 
     @classmethod
@@ -74,7 +78,8 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        # a fresh tensor, not a view (FSDP2 hooks the output of a sharded module for its backward)
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float().clone()
 
     def freeze_attention(self) -> int:
         """Freeze every attention parameter (MLA projections and the DSA indexer); returns how many."""
@@ -87,7 +92,9 @@ class ValueModel(nn.Module):
 
 
 class RunningMeanStd(nn.Module):
-    """Running mean / variance of returns (Welford over batches); saved with the module."""
+    """Running mean / variance of returns (Welford over batches); saved with the module. Under data
+    parallelism a batch is the union of every rank's (`glmlight.distributed.global_moments`), so all
+    ranks keep the same statistics."""
 
     def __init__(self, eps: float = 1e-4):
         super().__init__()
@@ -95,10 +102,12 @@ class RunningMeanStd(nn.Module):
         self.register_buffer("var", torch.ones((), dtype=torch.float64))
         self.register_buffer("count", torch.tensor(eps, dtype=torch.float64))
 
-    def update(self, x: torch.Tensor) -> None:
-        x = x.double()
-        self.mean, self.var, self.count = merge_moments(self.mean, self.var, self.count, x.mean(),
-                                                        x.var(unbiased=False), x.numel())
+    def update(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Add the values of `x` (where `mask` is 1) of every rank's batch."""
+        mean, var, count = global_moments(x, torch.ones_like(x) if mask is None else mask)
+        if count:
+            self.mean, self.var, self.count = merge_moments(self.mean, self.var, self.count, mean.to(self.mean),
+                                                            var.to(self.var), count)
 
     @property
     def std(self) -> torch.Tensor:
@@ -120,6 +129,13 @@ class SAO(RLModule):
     def optimizer_steps_per_rl_step(self) -> int:
         return (1 + self.cfg.critic_updates) * self.cfg.ppo_epochs * self.cfg.num_minibatches
 
+    def sharded_modules(self) -> list[nn.Module]:
+        return [*super().sharded_modules(), self.critic]
+
+    def normalisers(self, mb: Experience) -> dict[str, float]:
+        """The policy loss's denominators and the critic's token count (action tokens)."""
+        return {**super().normalisers(mb), "critic_tokens": float(mb.action_mask.sum())}
+
     def configure_optimizers(self) -> Any:
         return [self.make_optimizer(self.policy, self.cfg.lr),
                 self.make_optimizer(self.critic, self.cfg.critic_lr, steps_per_update=self.cfg.critic_updates)]
@@ -137,8 +153,7 @@ class SAO(RLModule):
         super().prepare_experience(batch)
         with torch.no_grad():
             self.critic.eval()
-            batch.values = torch.cat([self.critic_values(batch.select(idx))
-                                      for idx in self._micro_batches(torch.arange(batch.batch_size))])
+            batch.values = self.per_row(batch, self.critic_values)
             self.critic.train()
 
     def compute_advantages(self, batch: Experience) -> None:
@@ -158,12 +173,13 @@ class SAO(RLModule):
         With whiten_advantages the advantages are whitened over the batch's action tokens; `center=False`
         only divides by their std (signs and ratios kept)."""
         if self.value_norm is not None:
-            self.value_norm.update(returns[mask.bool()])
+            self.value_norm.update(returns, mask)
             batch.returns = (returns - self.value_norm.mean.float()) / self.value_norm.std.float()
         else:
             batch.returns = returns
-        if self.cfg.whiten_advantages:
-            adv_out = masked_whiten(adv, mask) if center else masked_scale(adv, mask)
+        if self.cfg.whiten_advantages:  # by the moments of every rank's advantages
+            mean, var, _ = global_moments(adv, mask)
+            adv_out = masked_whiten(adv, mask, mean=mean, var=var) if center else masked_scale(adv, mask, var=var)
         else:
             adv_out = adv
         batch.advantages = adv_out * mask
@@ -188,13 +204,8 @@ class SAO(RLModule):
         warming_up = self.rl_step < self.cfg.critic_warmup_steps
         stats = self.optimizer_step(self._optimizer(0), self._scheduler(0), self.policy,
                                     lambda mb, scale: self.micro_batch_loss(mb, scale), batch, rows, skip=warming_up)
-        critic_tokens = float(batch.action_mask[rows].sum()) if len(rows) else 0.0
-
-        def loss_fn(mb, scale):
-            return self.critic_loss(mb, {**scale, "critic_tokens": critic_tokens})
-
-        for _ in range(self.cfg.critic_updates):
-            for k, v in self.optimizer_step(self._optimizer(1), self._scheduler(1), self.critic, loss_fn,
+        for _ in range(self.cfg.critic_updates):  # the critic's token mean: over `normalisers`' critic_tokens
+            for k, v in self.optimizer_step(self._optimizer(1), self._scheduler(1), self.critic, self.critic_loss,
                                             batch, rows).items():
                 stats[k] = v
         stats["train/policy_warmup"] = float(warming_up)

@@ -79,9 +79,15 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # ----------------------------------------------------------------- Lightning
     def setup(self, stage: str) -> None:
-        """Shard the prompt stream across data-parallel ranks (each rank has its own engine)."""
+        """Shard the prompt stream across data-parallel ranks (each rank has its own engine, whose
+        sampling seeds are its own: the same seeds on every rank would correlate their samples)."""
         if self.trainer is not None:
-            self.stream.shard(self.trainer.global_rank, self.trainer.world_size)
+            rank = self.trainer.global_rank
+            self.stream.shard(rank, self.trainer.world_size)
+            state = self.engine.state_dict() if callable(getattr(self.engine, "state_dict", None)) else {}
+            if rank and "generator" in state:
+                state["generator"] = torch.Generator().manual_seed(self.cfg.seed + 7919 * rank).get_state()
+                self.engine.load_state_dict(state)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_ExperienceStream(self), batch_size=None, collate_fn=lambda x: x, num_workers=0)

@@ -155,16 +155,11 @@ def _listing(path: str, limit: int = 8) -> str:
 
 
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str) -> str:
-    """Save as a Hugging Face checkpoint (safetensors), written to a temp dir then renamed."""
-    tmp = path.rstrip("/") + ".tmp"
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if os.path.exists(path):
-        import shutil
+    """Save as a Hugging Face checkpoint (safetensors; a LoRA policy merged), written to a temp dir
+    then renamed (`glmlight.models.export.export_hf`)."""
+    from glmlight.models.export import export_hf
 
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return path
+    return export_hf(model, tokenizer, path)
 
 
 def _check_local(path: str, key: str = "model.path") -> None:

@@ -41,6 +41,8 @@ schedule     lr_lambda                 warm-up + constant / cosine / linear lear
 eval_metrics pass_at_k                 unbiased pass@k of n answers, c correct (Chen et al. 2021)
              mean_pass_at_k            pass@k averaged over prompts
              majority_vote, maj_at_k   maj@k: the most frequent extracted answer, scored
+quant        quantize_fp8_block        float8_e4m3fn + one scale per 128 x 128 block (DeepSeek-V3 / GLM-5 FP8)
+             dequantize_fp8_block      Q · s back in a float dtype
 """
 
 from glmlight.ops.advantages import group_advantages, soft_overlong_penalty
@@ -63,17 +65,18 @@ from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from glmlight.ops.mismatch import mismatch_metrics, mismatch_sums, reduce_mismatch_sums, token_agreement, topk_agreement
 from glmlight.ops.policy_loss import PolicyLossOutput, ppo_clip_loss
+from glmlight.ops.quant import dequantize_fp8_block, quantize_fp8_block
 from glmlight.ops.reduce import aggregate_loss, masked_mean
 from glmlight.ops.schedule import lr_lambda
 from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
 
 __all__ = [
     "CorrectionResult", "PolicyLossOutput", "adaptive_lambda", "aggregate_loss", "cross_trajectory_gae",
-    "dis_loss_per_token", "dis_mask", "entropy_from_logits", "explained_variance", "gae", "group_advantages",
+    "dequantize_fp8_block", "dis_loss_per_token", "dis_mask", "entropy_from_logits", "explained_variance", "gae", "group_advantages",
     "icepop", "kl_penalty", "logprobs_from_logits", "lr_lambda", "maj_at_k", "majority_vote", "masked_is",
     "masked_mean", "masked_scale", "masked_whiten", "mean_pass_at_k", "merge_moments", "mismatch_metrics",
     "mismatch_sums", "mix_outcome_advantages", "opd_advantages", "pass_at_k", "ppo_clip_loss",
-    "reduce_mismatch_sums", "rejection_sampling", "reverse_kl", "segment_lambda",
+    "quantize_fp8_block", "reduce_mismatch_sums", "rejection_sampling", "reverse_kl", "segment_lambda",
     "skip_observation_gae", "soft_overlong_penalty", "terminal_rewards", "token_agreement", "topk_agreement",
     "topk_mask", "topk_recent", "truncated_is", "value_loss",
 ]

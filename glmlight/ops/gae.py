@@ -82,33 +82,45 @@ def cross_trajectory_gae(
     return out
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  mean: Tensor | float | None = None, var: Tensor | float | None = None) -> Tensor:
     """(x − mean)/sqrt(var + eps) over mask tokens; mean added back if not shift_mean. [B, T] -> [B, T].
 
-    Mean and (population) variance are taken over all mask tokens of the batch,
-    so the whitened mask tokens have mean 0 and variance ≈ 1. 0 where mask is 0.
+    Mean and (population) variance are taken over all mask tokens of the batch, so the whitened
+    mask tokens have mean 0 and variance ≈ 1; `mean` and `var` replace them (the moments of a
+    larger batch, e.g. the union of every data-parallel rank's). 0 where mask is 0.
     """
     # Advantage whitening (as TRL and verl do it), population variance.
     mask = mask.float()
     x = torch.where(mask.bool(), x.float(), torch.zeros_like(x, dtype=torch.float32))
-    mean, var = _masked_mean_var(x, mask)
+    if mean is None or var is None:
+        mean, var = _masked_mean_var(x, mask)
+    mean = torch.as_tensor(mean, dtype=torch.float32, device=x.device)
+    var = torch.as_tensor(var, dtype=torch.float32, device=x.device)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask
 
 
-def masked_scale(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+def masked_scale(x: Tensor, mask: Tensor, eps: float = 1e-8, var: Tensor | float | None = None) -> Tensor:
     """x / sqrt(var + eps) over mask tokens, without the mean shift; [B, T] -> [B, T], 0 where mask is 0.
 
     Normalises the scale of advantages while keeping every sign and every ratio between them:
     CompactionRL's cross-trajectory discount (γλ_s)^N_after must survive normalisation, which
-    centring would undo (an early segment of a successful trajectory would turn negative).
+    centring would undo (an early segment of a successful trajectory would turn negative). `var`
+    replaces the batch's variance (e.g. that of every data-parallel rank's advantages).
     """
     mask = mask.float()
     x = torch.where(mask.bool(), x.float(), torch.zeros_like(x, dtype=torch.float32))
-    _, var = _masked_mean_var(x, mask)
+    if var is None:
+        _, var = _masked_mean_var(x, mask)
+    var = torch.as_tensor(var, dtype=torch.float32, device=x.device)
     return x * torch.rsqrt(var + eps) * mask
+def masked_sums(x: Tensor, mask: Tensor) -> tuple[float, float]:
+    """(Σ m·x, Σ m) in float64: the parts of a masked mean that add up over batches (and ranks)."""
+    m = mask.double()
+    return float((torch.where(mask.bool(), x.double(), torch.zeros_like(m)) * m).sum()), float(m.sum())
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:

@@ -22,7 +22,8 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
         from glmlight.rollout.local import LocalEngine
 
         return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
-                           seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile)
+                           seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile,
+                           weight_format=r.weight_format)
     return build_server_engine(cfg, policy)
 
 
@@ -94,19 +95,30 @@ def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None):
         raise ConfigError(f"config error: rollout.backend={r.backend} needs aiohttp; "
                           f"pip install 'glmlight[{r.backend.split('_')[0]}]'") from None
     if r.backend == "sglang":
-        from glmlight.rollout.sglang import SGLangEngine
-
-        engine = SGLangEngine.from_config(cfg)
+        from glmlight.rollout.sglang import SGLangEngine as cls
     elif in_process:
-        from glmlight.rollout.vllm_inprocess import VLLMInProcessEngine
-
-        return VLLMInProcessEngine.from_config(cfg)
+        from glmlight.rollout.vllm_inprocess import VLLMInProcessEngine as cls
     else:
-        from glmlight.rollout.vllm import VLLMEngine
-
-        engine = VLLMEngine.from_config(cfg)
-    if policy is not None:
+        from glmlight.rollout.vllm import VLLMEngine as cls
+    _check_weight_format(cfg, cls)
+    engine = cls.from_config(cfg)
+    if policy is not None and hasattr(engine, "capture_replay"):
         from glmlight.rollout.replay_codec import RecordLayout
 
         engine.record_layout = RecordLayout.from_model(policy)
     return engine
+
+
+def _check_weight_format(cfg: Any, cls: type) -> None:
+    """rollout.weight_format=fp8 with a server: the client must send the block-FP8 checkpoint layout
+    (`glmlight.models.fp8_checkpoint.to_server_weights`), which it declares with `sends_fp8_weights`;
+    the server's checkpoint must be block FP8."""
+    if cfg.rollout.weight_format == "auto":
+        return
+    if not getattr(cls, "sends_fp8_weights", False):
+        raise ConfigError(f"config error: rollout.weight_format={cfg.rollout.weight_format} is not supported by the "
+                          f"{cfg.rollout.backend} client yet (it sends the trainer's weights unquantised); "
+                          "use rollout=local, or start the server with a bf16 checkpoint and weight_format=auto")
+    from glmlight.models.fp8_checkpoint import server_quantization
+
+    server_quantization(cfg.rollout.server.model_path or cfg.model.path or "")

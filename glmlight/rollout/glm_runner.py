@@ -333,7 +333,7 @@ class GlmDsaRunner:
     def _mlp(self, Ly: Layer, x: torch.Tensor, l: int = -1, flat: torch.Tensor | None = None) -> torch.Tensor:
         if not Ly.moe:
             g, u = F.linear(x, Ly.gate_up).chunk(2, dim=-1)
-            return F.linear(F.silu(g) * u, Ly.mlp.down_proj.weight)
+            return F.linear(F.silu(g) * u, Ly.down)
         if self.capture is None or self.capture.experts is None:
             return moe_forward(Ly.mlp, Ly.experts, x)
         y, idx = moe_forward_routed(Ly.mlp, Ly.experts, x)

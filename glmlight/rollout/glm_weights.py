@@ -41,6 +41,7 @@ class Layer:
     k_ln: tuple[torch.Tensor | None, torch.Tensor | None, float] | None  # indexer k_norm, de-interleaved
     mlp: torch.nn.Module
     gate_up: torch.Tensor | None  # dense MLP: [2m, h]
+    down: torch.Tensor | None  # dense MLP: [h, m]
     moe: bool
     experts: Stacked | None  # moe.stacked_experts
 
@@ -50,7 +51,22 @@ def deinterleave(r: int) -> torch.Tensor:
 
 
 def read_layers(model: torch.nn.Module, *, absorb_q: bool, absorb_o: bool) -> list[Layer]:
-    """One `Layer` per decoder layer of a GlmMoeDsaForCausalLM, from its current parameters."""
+    """One `Layer` per decoder layer of a GlmMoeDsaForCausalLM, from its current parameters.
+    Weights the model holds in FP8 (`glmlight.models.fp8`) are read dequantised, once (`fp8_view`)."""
+    with fp8_view():
+        return _read_layers(model, absorb_q=absorb_q, absorb_o=absorb_o)
+
+
+def fp8_view():
+    """While open, each FP8-held weight is dequantised once however often it is read (the fused
+    matrices then hold Q·s in the model's dtype: the same numbers a matmul that dequantises its
+    FP8 operand multiplies by)."""
+    from torch.nn.utils import parametrize
+
+    return parametrize.cached()
+
+
+def _read_layers(model: torch.nn.Module, *, absorb_q: bool, absorb_o: bool) -> list[Layer]:
     m, cfg = model.model, model.config
     device = next(model.parameters()).device
     H, L, r, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -89,11 +105,12 @@ def read_layers(model: torch.nn.Module, *, absorb_q: bool, absorb_o: bool) -> li
         if any(b is not None for b in bs):
             b_in = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(bs, ws)])
         moe = hasattr(layer.mlp, "experts")
-        gate_up = stacked = None
+        gate_up = stacked = down = None
         if moe:
             stacked = stacked_experts(layer.mlp)
         else:
             gate_up = torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
+            down = layer.mlp.down_proj.weight
         layers.append(Layer(
             in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
             w_in=torch.cat(ws), b_in=b_in, split_in=[w.shape[0] for w in ws],
@@ -102,5 +119,5 @@ def read_layers(model: torch.nn.Module, *, absorb_q: bool, absorb_o: bool) -> li
             w_qb=torch.cat(qbs), split_qb=[w.shape[0] for w in qbs],
             w_uk=None if w_uk is None else w_uk.contiguous(), w_uv=None if w_uv is None else w_uv.contiguous(),
             o_proj=o_proj, o_bias=a.o_proj.bias, scaling=a.scaling, indexer=ix, k_ln=k_ln,
-            mlp=layer.mlp, gate_up=gate_up, moe=moe, experts=stacked))
+            mlp=layer.mlp, gate_up=gate_up, down=down, moe=moe, experts=stacked))
     return layers

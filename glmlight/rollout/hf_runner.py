@@ -18,6 +18,9 @@ padding; the GLM-5 runner in `glm_runner.py` does not have that dependence.)
 Replay capture (`set_capture`, `records`): forward hooks on the model's routers and DSA indexers
 (`glmlight/models/glm5/replay.py`) hand each forward's choices to per-row, per-position records
 (`glmlight/rollout/records.py`); the indexer's cache columns become sequence positions.
+
+FP8-held weights (`glmlight.models.fp8`) are dequantised once per forward (`parametrize.cached`),
+not once per read (MoE experts read theirs once per selected expert).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
 
@@ -73,8 +77,9 @@ class HFRunner:
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                            logits_to_keep=1).logits[:, -1]
+        with parametrize.cached():
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]
         if self.capture is not None:
             real = mask.bool()
             rows = (self.n + torch.arange(m, device=self.device))[:, None].expand(m, P)
@@ -90,8 +95,9 @@ class HFRunner:
     def step(self, tokens: torch.Tensor, sample: Callable[[torch.Tensor], Any] | None = None) -> Any:
         """Append one token to every row; logits of the next token [n, V], or `sample(logits)`."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.n, 1)], dim=1)
-        logits = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
-                            cache=self.cache, use_cache=True).logits[:, -1]
+        with parametrize.cached():
+            logits = self.model(input_ids=tokens[:, None], attention_mask=self.mask,
+                                position_ids=self.next_pos[:, None], cache=self.cache, use_cache=True).logits[:, -1]
         if self.capture is not None:
             rows = torch.arange(self.n, device=self.device)
             self._record(rows, self.next_pos, self.mask.new_ones(self.n, 1, dtype=torch.bool),

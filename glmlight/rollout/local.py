@@ -16,6 +16,12 @@ they end at once with finish_reason "abort" and the tokens they have.
 Two runners do the model work: `GlmDsaRunner` (GLM-5 / GlmMoeDsa: preallocated
 per-row cache, few ops per step) and `HFRunner` (any causal LM, through its own
 forward and a merged DynamicCache).
+
+`weight_format="fp8"`: the engine holds the linear weights of its copy in the block-quantised
+FP8 layout of GLM-5 / DeepSeek-V3 FP8 checkpoints (float8_e4m3fn, one `weight_scale_inv` per
+128 x 128 block; `glmlight.models.fp8`), quantised from the trainer's weights at every update,
+and dequantised to `dtype` inside the matmuls (weight-only FP8, as FP8 servers run on hardware
+without FP8 matmuls).
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.nn.utils import parametrize
 from transformers import PreTrainedModel
 
 from glmlight.dtypes import resolve_dtype
 from glmlight.errors import EngineError
+from glmlight.models.fp8 import hold_for_engine
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.rollout import glm_runner
 from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, normalize_requests
@@ -62,12 +70,14 @@ class LocalEngine:
     `compile`: run the GLM-5 runner's decode steps, with the sampling of the running rows,
     as one `torch.compile`d graph (see `glm_runner`): the first decode step waits for the
     compile (10-30 s on CPU, which needs a C++ compiler), every later step is faster.
+    `weight_format`: "auto" (every weight in `dtype`) or "fp8" (linear weights block-quantised to
+    FP8 at every update, computed in `dtype`; see the module docstring).
     """
 
     def __init__(self, model: PreTrainedModel, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", pad_token_id: int = 0, seed: int = 0, version: int = 0,
                  on_weight_update: str = "continue", max_batch_size: int = 256, runner: str = "auto",
-                 num_threads: int | None = 1, compile: bool = False):
+                 num_threads: int | None = 1, compile: bool = False, weight_format: str = "auto"):
         if on_weight_update not in ("continue", "abort"):
             raise ValueError(f"on_weight_update must be 'continue' or 'abort', got {on_weight_update!r}")
         if runner not in ("auto", "glm", "hf"):
@@ -85,6 +95,8 @@ class LocalEngine:
                               "torch.compile builds the decode step with it")
         self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype).eval()
         self.model.requires_grad_(False)
+        self.weight_format = weight_format
+        self._fp8 = hold_for_engine(self.model, weight_format, self.dtype)  # {trainer name: Fp8Weight}
         self.pad_token_id = pad_token_id
         self.on_weight_update = on_weight_update
         self.max_batch_size = max_batch_size
@@ -98,6 +110,9 @@ class LocalEngine:
                               f"'glm'), got {type(model).__name__} with runner={runner!r}")
         self._runner = (glm_runner.GlmDsaRunner(self.model, compile=compile) if use_glm
                         else HFRunner(self.model, pad_token_id))
+        if not use_glm:
+            log.info("engine: %s decodes through its own forward (the generic runner; the GLM-5 runner and "
+                     "rollout.compile are for GlmMoeDsa models)", type(model).__name__)
         self._generator = torch.Generator().manual_seed(seed)
         self._version = version
         self._lock = threading.RLock()  # the model, the runner and the running batch: one decode step at a time
@@ -212,7 +227,8 @@ class LocalEngine:
                 ids[i, : len(s)] = torch.tensor(s)
                 mask[i, : len(s)] = 1
             ids, mask = ids.to(self.device), mask.to(self.device)
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            with parametrize.cached():  # FP8 weights: dequantised once per call
+                logits = self.model(input_ids=ids, attention_mask=mask).logits
             lp = logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature)
             return [lp[i, len(p) - 1 : len(p) - 1 + len(c)].tolist() for i, (p, c) in enumerate(zip(prompts, completions))]
 
@@ -228,6 +244,10 @@ class LocalEngine:
             nbytes = 0
             try:
                 for name, tensor in named_tensors:
+                    if name in self._fp8:  # quantised from the trainer's weight
+                        self._fp8[name].load_checked(name, tensor)
+                        nbytes += tensor.numel() * tensor.element_size()
+                        continue
                     if name not in state:
                         raise EngineError(f"weight update names unknown parameter {name!r}")
                     if state[name].shape != tensor.shape:

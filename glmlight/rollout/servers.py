@@ -54,12 +54,15 @@ class ServerEngineBase(ReplayCapture):
 
     name = "server"
     health_path = "/health"
+    sends_fp8_weights = True  # rollout.weight_format=fp8: pushes carry the block-FP8 checkpoint layout
 
     def __init__(self, urls: Sequence[str], *, router: bool = False, http: Any = None, launch: LaunchSpec | None = None,
                  ready_timeout_s: float = 900.0, version: int = 0, confirm_timeout_s: float | None = None,
                  poll_interval_s: float = 0.05, update_retries: int = 2, resync: bool = True,
-                 verify_updates: bool = True):
+                 verify_updates: bool = True, weight_format: str = "auto"):
         from glmlight.rollout.http import HttpClient, HttpSettings, UrlPool
+
+        self.weight_format = weight_format  # auto | fp8 (glmlight.models.fp8_checkpoint.to_server_weights)
 
         self.launcher: ManagedServer | None = None
         self._closed = False
@@ -160,6 +163,10 @@ class ServerEngineBase(ReplayCapture):
             raise ValueError("update_weights needs exactly one of named_tensors or path")
         named = list(named_tensors) if named_tensors is not None else None
         fingerprint = weights_fingerprint(named) if named is not None else None
+        if named is not None and self.weight_format != "auto":
+            from glmlight.models.fp8_checkpoint import to_server_weights
+
+            named = list(to_server_weights(named, self.weight_format, getattr(self, "model_path", None)))
         urls = self._sync_urls()
         error: Exception | None = None
         with self._fleet_lock:

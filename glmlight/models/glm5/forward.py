@@ -46,6 +46,8 @@ Everything else agrees up to float reassociation (~1e-6 in fp32).
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
@@ -101,6 +103,27 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     """Logits [B, S - start, V] of `model` at positions start..S-1, 0 at padding (see the module docstring).
     `replay`: the engine's expert and DSA choices to use instead of the router's and the indexer's
     (`glmlight.models.glm5.replay`), and/or a capture of the choices used."""
+    return _as_forward(model, _logits, input_ids, attention_mask, position_ids, start, replay)
+
+
+@dataclass
+class _Step:
+    """What every layer of one forward shares."""
+
+    real: torch.Tensor  # [B, S] attention mask as bool
+    rows: torch.Tensor  # flat indices of the real tokens
+    position_ids: torch.Tensor
+    rot: torch.Tensor
+    rot_p: torch.Tensor
+    allowed: torch.Tensor
+    bias: torch.Tensor
+    keys: _Block
+    training: bool
+    replay: Replay | None
+
+
+def _logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            position_ids: torch.Tensor, start: int, replay: Replay | None) -> torch.Tensor:
     m = model.model
     B, S = input_ids.shape
     real = attention_mask.bool()
@@ -112,38 +135,63 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     allowed = torch.ones(S, S, dtype=torch.bool, device=h.device).tril_() & real[:, None, :]
     bias = _bias(allowed, h.dtype)
     keys = _Block(real, rows, 0)
+    step = _Step(real, rows, position_ids, rot, rot_p, allowed, bias, keys, model.training, replay)
     layer_bias = bias  # a "shared" layer reuses the mask of the previous layer (its DSA selection)
     for i, layer in enumerate(m.layers):
         # the last layer only runs the queries of the returned positions
         queries = _Block(real, rows, start) if i == len(m.layers) - 1 else keys
-        a = layer.self_attn
-        replayed = on_select = None
-        if a.indexer is not None:  # a "full" layer: every allowed key is selected unless S > top-k
-            k = a.indexer.index_topk
-            layer_bias = bias if S <= k else None
-            if replay is not None and S > k:
-                rows_k = real & (position_ids.expand(B, S) >= k)  # the queries that select (in this block)
-                rows_k[:, : queries.q0] = False
-                if i in replay.index:
-                    cols = replay.index[i]
-                    # queries without a record (a sequence's last token) keep the indexer's own choice
-                    replayed = (cols, bool((rows_k & (cols[..., 0] < 0)).any()))
-                if replay.capture is not None:
-                    on_select = lambda sel, i=i, k=k, rows_k=rows_k: replay.record(
-                        "index", i, columns_from_selection(sel, rows_k, k))
-        out, layer_bias = _attention(a, _norm(h, layer.input_layernorm), rot, rot_p, allowed, layer_bias, keys,
-                                     queries, model.training, replayed, on_select)
-        h = queries(h) + out
-        forced = None
-        if replay is not None and i in replay.experts:
-            forced = queries(replay.experts[i].flatten(0, 1).index_select(0, rows))
-        y, idx = _mlp(layer.mlp, _norm(h, layer.post_attention_layernorm), forced)
-        h = h + y
-        if replay is not None and replay.capture is not None and idx is not None:
-            # [B, S, k], -1 at padding and before the block
-            used = (queries.scatter(idx + 1) - 1).view(B, S - queries.q0, -1)
-            replay.record("experts", i, F.pad(used, (0, 0, queries.q0, 0), value=-1))
+        h, layer_bias = _as_forward(layer, _layer, i, h, layer_bias, queries, step)
     return queries.scatter(model.lm_head(_norm(h, m.norm))).view(B, S - start, -1)
+
+
+def _layer(layer: torch.nn.Module, i: int, h: torch.Tensor, layer_bias: torch.Tensor | None, queries: _Block,
+           st: _Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decoder layer i: attention (MLA + DSA), then the MLP or MoE, both with residuals; with replay,
+    the engine's DSA keys and experts, and/or a capture of the ones used."""
+    replay, real = st.replay, st.real
+    B, S = real.shape
+    a = layer.self_attn
+    replayed = on_select = None
+    if a.indexer is not None:  # a "full" layer: every allowed key is selected unless S > top-k
+        k = a.indexer.index_topk
+        layer_bias = st.bias if S <= k else None
+        if replay is not None and S > k:
+            rows_k = real & (st.position_ids.expand(B, S) >= k)  # the queries that select (in this block)
+            rows_k[:, : queries.q0] = False
+            if i in replay.index:
+                cols = replay.index[i]
+                # queries without a record (a sequence's last token) keep the indexer's own choice
+                replayed = (cols, bool((rows_k & (cols[..., 0] < 0)).any()))
+            if replay.capture is not None:
+                on_select = lambda sel: replay.record("index", i, columns_from_selection(sel, rows_k, k))  # noqa: E731
+    out, layer_bias = _attention(a, _norm(h, layer.input_layernorm), st.rot, st.rot_p, st.allowed, layer_bias,
+                                 st.keys, queries, st.training, replayed, on_select)
+    h = queries(h) + out
+    forced = None
+    if replay is not None and i in replay.experts:
+        forced = queries(replay.experts[i].flatten(0, 1).index_select(0, st.rows))
+    y, idx = _mlp(layer.mlp, _norm(h, layer.post_attention_layernorm), forced)
+    h = h + y
+    if replay is not None and replay.capture is not None and idx is not None:
+        # [B, S, k], -1 at padding and before the block
+        used = (queries.scatter(idx + 1) - 1).view(B, S - queries.q0, -1)
+        replay.record("experts", i, F.pad(used, (0, 0, queries.q0, 0), value=-1))
+    return h, layer_bias
+
+
+def _as_forward(module: torch.nn.Module, fn, *args):
+    """fn(module, *args); for an FSDP2-sharded module (`fully_shard`) run as the module's forward, so
+    that its hooks gather its parameters before, free them after and reduce their gradients in
+    backward, exactly as around the module's own forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return fn(module, *args)
+    module.forward = functools.partial(fn, module)  # shadows the class's forward for this one call
+    try:
+        return module(*args)
+    finally:
+        del module.forward
 
 
 # ----------------------------------------------------------------- elementwise pieces

@@ -1,0 +1,83 @@
+"""The trained policy as a Hugging Face checkpoint that transformers, SGLang and vLLM load.
+
+`export_hf(policy, tokenizer, out)` writes `out/`: the policy (LoRA merged into the base weights) with
+`save_pretrained` (safetensors only: config.json, generation_config.json, model*.safetensors) and the
+tokenizer, atomically — everything is written into a temporary directory beside `out`, which then
+replaces `out` by renames, so `out` is either the old export or the new one, never a mixture.
+
+`fp8=True` writes the block-FP8 checkpoint layout instead (`glmlight.models.fp8_checkpoint`: float8_e4m3fn
+weights with `weight_scale_inv`, one per expert, and a `quantization_config` in config.json): what an
+SGLang or vLLM server is started with for `rollout.weight_format=fp8`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from glmlight.models.lora import merged_named_tensors, plain_model
+
+
+def export_hf(policy: torch.nn.Module, tokenizer: Any, out: str, *, fp8: bool = False,
+              block: tuple[int, int] = (128, 128), state_dict: dict[str, torch.Tensor] | None = None) -> str:
+    """Write the policy and tokenizer to `out` (see the module docstring); returns its absolute path.
+    `state_dict`: the policy's whole weights when they are sharded (gathered by the caller)."""
+    out = os.path.abspath(out.rstrip("/"))
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model = plain_model(policy)
+        model.save_pretrained(tmp, state_dict=state_dict)
+        if fp8:
+            _rewrite_fp8(policy, model, tmp, block)
+        tokenizer.save_pretrained(tmp)
+        _no_pickles(tmp)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def replace_dir(src: str, dst: str) -> None:
+    """Put directory `src` at `dst` by renames (an existing `dst` is moved aside first, then removed)."""
+    old = None
+    if os.path.exists(dst):
+        old = f"{dst}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rewrite_fp8(policy: torch.nn.Module, model: torch.nn.Module, root: str, block: tuple[int, int]) -> None:
+    from safetensors.torch import save_file
+
+    from glmlight.models.fp8_checkpoint import fp8_checkpoint_tensors, fp8_quantization_config
+
+    for f in os.listdir(root):
+        if f.startswith("model") and (f.endswith(".safetensors") or f.endswith(".index.json")):
+            os.remove(os.path.join(root, f))
+    config_path = os.path.join(root, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    tensors = fp8_checkpoint_tensors(merged_named_tensors(policy), block=block, model_type=config.get("model_type"))
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    save_file({k: v.contiguous() for k, v in tensors if k not in tied}, os.path.join(root, "model.safetensors"),
+              metadata={"format": "pt"})
+    config["quantization_config"] = fp8_quantization_config(block)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _no_pickles(root: str) -> None:
+    """Safetensors only: no pickled weights in the export."""
+    bad = [f for f in os.listdir(root) if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+    if bad:
+        raise RuntimeError(f"export wrote non-safetensors weight files: {bad}")

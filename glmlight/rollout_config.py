@@ -1,0 +1,142 @@
+"""The rollout side of the typed configuration: servers, sampling and the rollout loop, the task
+(prompts, reward, agent). `glmlight.config` re-exports every class here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from glmlight.ranges import SEED, ranges
+
+
+@dataclass
+class ServerConfig:
+    """Rollout servers (rollout.backend = sglang | vllm | vllm_ascend)."""
+
+    urls: list[str] = field(default_factory=list)  # one or more servers, or one router URL
+    router: bool = False  # urls[0] is a router (sglang-router): send everything there
+    api_key_env: Optional[str] = None  # name of the environment variable holding the API key
+    max_in_flight: int = 64
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    retry_backoff_s: float = 0.5
+    weight_sync: str = "disk"  # disk | tensor | distributed
+    weight_sync_dir: str = ".cache/glmlight/weights"
+    launch: bool = False  # start the server as a managed child process
+    launch_args: list[str] = field(default_factory=list)
+    launch_command: Optional[list[str]] = None  # replaces `python -m sglang.launch_server` / the vLLM server
+    launch_python: Optional[str] = None  # the interpreter of a managed server (its own environment); default: ours
+    launch_env: dict[str, str] = field(default_factory=dict)  # extra environment of a managed server
+    launch_timeout_s: float = 900.0
+    launch_log_dir: Optional[str] = None
+    model_path: Optional[str] = None  # the path the server loads (default: model.path)
+    sync_backend: Optional[str] = None  # weight_sync=distributed: nccl | hccl | gloo (default by device)
+    sync_master_address: Optional[str] = None
+    in_process: bool = False  # vllm: run vllm.LLM in this process instead of talking to a server
+    update_retries: int = 2  # a failed weight update (every server back on the previous version) is retried
+    resync: bool = True  # keep the current weights (tensor/distributed: a CPU copy) to re-sync a restarted server
+    verify_updates: bool = True  # after an update, score a probe on every server (catches one that did not load)
+    check_logprobs: bool = True  # at start: refuse a server whose log-probs are not those of the sampled distribution
+
+
+ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", max_retries=">= 0", retry_backoff_s=">= 0",
+       launch_timeout_s="> 0", update_retries=">= 0")
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "local"  # local | sglang | vllm | vllm_ascend
+    # An engine of your own: {_target_: pkg.make_engine, ...}, called as make_engine(cfg=, policy=, tokenizer=,
+    # **kwargs) and returning a RolloutEngine (glmlight/rollout/base.py); replaces `backend`.
+    engine: Any = None
+    mode: str = "sync"  # sync | async
+    dtype: str = "float32"  # the engine's own weight copy (e.g. bfloat16 while training runs in fp32)
+    # auto: every weight in `dtype`; fp8: linear weights block-quantised (float8_e4m3fn, one scale per
+    # 128 x 128 block, the GLM-5 / DeepSeek-V3 FP8 checkpoint layout) at every sync, computed in `dtype`.
+    # Servers: start them with an FP8 checkpoint (scripts/export.py --fp8); the sync sends that layout.
+    weight_format: str = "auto"
+    device: Optional[str] = None  # embedded engine device; None = the trainer's device
+    compile: bool = False  # embedded engine, GLM-5 models: torch.compile the decode step (long generations)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    rollout_batch_size: int = 16  # prompts per training step
+    n_samples_per_prompt: int = 8  # group size
+    over_sample: float = 1.0  # draw this many times rollout_batch_size prompts per round
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
+    max_refill_rounds: int = 4
+    overlong: str = "none"  # none | mask | soft_penalty (DAPO)
+    overlong_cache: int = 4  # L_cache of the soft overlong penalty
+    max_context: int = 2048  # prompt + response token budget
+    queue_size: int = 1  # async: rollout batches generated ahead of training (1: each is one step off-policy)
+    engine_retries: int = 3  # retries of a failed engine call before its samples are FAILED
+    engine_retry_backoff_s: float = 0.5
+    on_weight_update: str = "continue"  # async: in-flight generations continue (per-token versions) or abort
+    seed: int = 0
+    server: "ServerConfig" = field(default_factory=lambda: ServerConfig())
+
+
+ranges(RolloutConfig, temperature=">= 0", top_p="(0, 1]", top_k=">= 0", max_new_tokens=">= 1",
+       rollout_batch_size=">= 1", n_samples_per_prompt=">= 1", over_sample=">= 1", max_refill_rounds=">= 0",
+       overlong_cache=">= 0", max_context=">= 2", queue_size=">= 1", engine_retries=">= 0",
+       engine_retry_backoff_s=">= 0", seed=SEED)
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn episodes: set env to an Environment class (_target_) to turn the task into an agent task."""
+
+    env: Optional[dict[str, Any]] = None
+    max_turns: int = 4
+    # Context compaction (CompactionRL): summarise when the remaining budget falls below this.
+    compact_threshold: Optional[int] = None
+    keep_last_steps: int = 2  # k action/observation steps copied into the resume prompt
+    summary_max_tokens: int = 32
+    summary_prompt: str = "Summarize."  # the user turn that asks the policy for its summary
+    resume_header: str = "Summary: "  # opens the resume turn that carries the summary
+
+
+ranges(AgentConfig, max_turns=">= 1", compact_threshold=">= 1", keep_last_steps=">= 0", summary_max_tokens=">= 1")
+
+
+@dataclass
+class RewardOptions:
+    """How the reward runs (`task.reward_options`; the reward itself is `task.reward`). Every call on one
+    sample has `timeout_s` seconds, else the sample is FAILED and counted (`rollout/dropped/reward_timeout`);
+    at most `max_concurrency` samples are scored at once. Synchronous rewards run in worker threads
+    (`executor=thread`; a timed-out call is abandoned) or worker processes (`executor=process`: for
+    CPU-heavy rewards; a timed-out call's process is killed); async rewards run on an event loop, a timed-out
+    call is cancelled."""
+
+    timeout_s: float = 120.0
+    max_concurrency: int = 8
+    executor: str = "thread"  # thread | process
+
+
+ranges(RewardOptions, timeout_s="> 0", max_concurrency=">= 1")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    source: str = "synthetic"  # synthetic | running_sum | jsonl | hf
+    path: Optional[str] = None  # jsonl file or local datasets directory
+    eval_path: Optional[str] = None  # held-out prompts (same format); synthetic tasks make their own
+    split: str = "train"
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    domain_key: str = "domain"
+    system_prompt: Optional[str] = None
+    # Synthetic arithmetic: operands in [0, max_operand], these operators.
+    max_operand: int = 9
+    operators: str = "+"
+    num_steps: int = 8  # running_sum: numbers per episode
+    num_eval_prompts: int = 64
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    # The reward: any callable sample -> float | (float, info), built with Hydra's _target_.
+    reward: dict[str, Any] = field(default_factory=lambda: {"_target_": "glmlight.rewards.verifiers.ExactMatch"})
+    reward_options: RewardOptions = field(default_factory=RewardOptions)  # timeout, concurrency, executor
+
+
+ranges(TaskConfig, max_operand=">= 1", num_steps=">= 1", num_eval_prompts=">= 0")

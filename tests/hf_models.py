@@ -1,0 +1,53 @@
+"""Tiny transformers checkpoints built locally (random weights, glmlight's character tokenizer), for
+`model=hf model.path=...` runs of architectures other than GLM-5."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _configs(tok):
+    import transformers as T
+
+    common = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                  bos_token_id=None, max_position_embeddings=512, tie_word_embeddings=False)
+    return {
+        # dense; q, k, v and gate multiples of 128 rows so that a block-FP8 vLLM could load it too
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM,
+                  dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4, head_dim=32, **common)),
+        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM,
+                  dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, **common)),
+        "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
+                      dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                           num_experts_per_tok=2, norm_topk_prob=True, **common)),
+        "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM,
+                        dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                             kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                             rope_interleave=True, **common)),
+    }
+
+
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
+
+
+def build_tiny_hf(name: str, root: str, seed: int = 0) -> str:
+    """Write a tiny randomly initialised `name` checkpoint (safetensors + tokenizer) under root; its path."""
+    from glmlight.models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    config_cls, model_cls, kw = _configs(tok)[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config_cls(**kw)).to(torch.float32)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    path = os.path.join(root, f"tiny-{name}")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
