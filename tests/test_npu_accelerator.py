@@ -444,7 +444,9 @@ def test_fsdp2_on_npu_config_trains_through_the_plugin(standin: Any, tmp_path: P
     strategy = run.trainer.strategy
     assert isinstance(strategy, RLFSDPStrategy) and strategy.process_group_backend == "hccl"
     assert (strategy.param_dtype, strategy.reduce_dtype) == (torch.bfloat16, torch.float32)  # npu.yaml: bf16-mixed
-    # the rendezvous of this one-process group must not leak into later tests' processes
+    # the rendezvous of this one-process group, and the LOCAL_RANK / NODE_RANK Lightning sets for it, must
+    # not leak into later tests' processes (a child that sees LOCAL_RANK thinks its ranks are launched)
+    saved = dict(os.environ)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
     try:
@@ -453,4 +455,6 @@ def test_fsdp2_on_npu_config_trains_through_the_plugin(standin: Any, tmp_path: P
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
     assert ("set_device", "cpu:0", 0) in standin.calls

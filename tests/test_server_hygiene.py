@@ -16,28 +16,14 @@ import lightning.pytorch as pl
 import pytest
 
 import glmlight
-from glmlight.rollout.launch import SERVER_ID_ENV, server_processes
+from glmlight.rollout.launch import SERVER_ID_ENV, processes_with_env, server_processes
 from tests.conftest import REPO, overrides_for_tests
 from tests.protocol_servers import standin_script
 
 
 def _tagged(tag: str) -> list[int]:
     """Live processes whose environment carries GLMLIGHT_TEST_TAG=tag (a run and all it started)."""
-    marker = f"GLMLIGHT_TEST_TAG={tag}".encode()
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if marker not in f.read().split(b"\0"):
-                        continue
-                with open(f"/proc/{entry}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        continue
-            except OSError:
-                continue
-            out.append(int(entry))
-    return out
+    return processes_with_env("GLMLIGHT_TEST_TAG", tag)
 
 
 def _gone(find, timeout_s: float = 30.0) -> list[int]:

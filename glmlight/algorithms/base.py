@@ -26,16 +26,14 @@ import torch
 
 from glmlight.algorithms import replay as replay_
 from glmlight.algorithms.parallel import ParallelSteps
+from glmlight.algorithms.scoring import LOGPROB_FLOOR, PolicyScoring  # noqa: F401 - LOGPROB_FLOOR re-exported
 from glmlight.checkpoint import restore_rank_state, save_rank_state
 from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients, clip_grad_norm, global_sums, grad_scale, grads_finite
 from glmlight.metrics import log_metrics
-from glmlight.models.glm5 import forward as glm_forward
-from glmlight.models.glm5.replay import transformers_replay
-from glmlight.models.lora import base_model_context, check_trainable_state, is_lora, keep_trainable_state
+from glmlight.models.lora import check_trainable_state, is_lora, keep_trainable_state
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
-from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from glmlight.ops.policy_loss import ppo_clip_loss
 from glmlight.ops.reduce import aggregate_loss, masked_mean
 from glmlight.ops.schedule import lr_lambda
@@ -44,14 +42,11 @@ from glmlight.sample import Experience
 log = logging.getLogger(__name__)
 
 
-LOGPROB_FLOOR = -1e4  # the trainer's log-prob of a token outside its top-k / top-p kept set
-
-
 class NonFiniteLossError(RuntimeError):
     pass
 
 
-class RLModule(ParallelSteps, pl.LightningModule):
+class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
     # Whether compute_advantages reads batch.old_logprobs (then they are computed before the update).
     advantages_read_old_logprobs = False
 
@@ -125,54 +120,8 @@ class RLModule(ParallelSteps, pl.LightningModule):
         """Additional loss terms of a subclass (already aggregated); default none."""
         return logprobs.new_zeros(()), {}
 
-    # ----------------------------------------------------------------- log-probs
-    def forward_logits(self, model: torch.nn.Module, exp: Experience, capture: dict | None = None) -> torch.Tensor:
-        """Logits predicting each response token: [B, T, V]. With `algo.replay`, the engine's recorded
-        experts / DSA keys replace the model's own choices; `capture` receives the choices used."""
-        P = exp.prompt_length
-        replay = replay_.replay_for(self.replay_mode, model, exp, capture)
-        if self.use_glm_forward and glm_forward.supports(model):
-            return glm_forward.forward_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids,
-                                              start=P - 1, replay=replay)[:, :-1]
-        with transformers_replay(model, replay):
-            out = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
-                        use_cache=False)
-        return out.logits[:, P - 1 : -1]
-
     def on_fit_start(self) -> None:
         replay_.start(self, self.replay_mode)  # the engine records what is replayed
-
-    @torch.no_grad()
-    def compute_logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
-        return self.per_row(exp, lambda mb: self.logprobs(self.forward_logits(model, mb), mb.response_ids))
-
-    def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Log-probs [B, T] of `labels` under the sampling distribution the engine used. With top-k /
-        top-p a token outside the trainer's kept set (its logits differ from the engine's) has
-        probability 0: it gets LOGPROB_FLOOR instead of −inf, so ratios stay finite (IcePop pops
-        it, DIS masks it) and no gradient flows through it."""
-        lp = logprobs_from_logits(logits, labels, self.temperature, self.top_k, self.top_p)
-        return lp.clamp(min=LOGPROB_FLOOR) if self.top_k > 0 or self.top_p < 1 else lp
-
-    def entropy(self, logits: torch.Tensor, mask: torch.Tensor, with_grad: bool) -> torch.Tensor:
-        """Entropy [B, T] of the sampling distribution on mask positions (0 elsewhere), computed over
-        those positions only; without gradient unless `with_grad` (an entropy loss term)."""
-        out = logits.new_zeros(mask.shape, dtype=torch.float32)
-        keep = mask.bool()
-        with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
-            values = entropy_from_logits(logits[keep], self.temperature, self.top_k, self.top_p)
-        return out.masked_scatter(keep, values) if with_grad else out.masked_scatter(keep, values.detach())
-
-    def reference_logprobs(self, batch: Experience) -> torch.Tensor | None:
-        """θ_ref's log-probs (algo.kl_coef > 0): a LoRA policy's frozen base, its adapters disabled, or the
-        frozen copy of the initial policy; None without a reference."""
-        if self._reference_is_base:
-            with base_model_context(self.policy):
-                return self.compute_logprobs(self.policy, batch)
-        if self._reference:
-            ref = self._reference[0] if self.sharded else self._reference[0].to(self.device)
-            return self.compute_logprobs(ref, batch)
-        return None
 
     def old_logprob_readers(self) -> list[str]:
         """What reads batch.old_logprobs before the update: the algorithm's advantages, and every

@@ -169,3 +169,26 @@ class RunningBatch:
                 k += 1
             out.append(marks[k][1])
         return out
+
+
+def fill_holes(n: int, finished: list[int]) -> list[int]:
+    """The surviving rows of a batch of n, ordered so that survivors already in the first
+    n - len(finished) places stay where they are and the holes take rows from the tail."""
+    gone = set(finished)
+    k = n - len(gone)
+    order = list(range(k))
+    tail = [i for i in range(k, n) if i not in gone]
+    for hole, row in zip((i for i in range(k) if i in gone), tail):
+        order[hole] = row
+    return order
+
+
+def resolve_requests(done: list[tuple[Request, Generation | BaseException]]) -> None:
+    """Complete every request's future with its generation or its error (once)."""
+    for req, out in done:
+        if req.future.done():
+            continue
+        if isinstance(out, BaseException):
+            req.future.set_exception(out)
+        else:
+            req.future.set_result(out)

@@ -156,10 +156,15 @@ class ManagedServer:
 def server_processes(server_id: str) -> list[int]:
     """Live processes (zombies excluded) that carry GLMLIGHT_SERVER_ID=server_id: a managed server's
     guard, the server and everything it started. Linux /proc; [] elsewhere."""
-    marker = f"{SERVER_ID_ENV}={server_id}".encode()
+    return processes_with_env(SERVER_ID_ENV, server_id)
+
+
+def processes_with_env(key: str, value: str) -> list[int]:
+    """Live processes other than this one (zombies excluded) whose environment has key=value; Linux /proc."""
+    marker = f"{key}={value}".encode()
     found = []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:

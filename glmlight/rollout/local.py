@@ -46,10 +46,10 @@ from glmlight.models.fp8 import hold_for_engine
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.rollout import glm_runner
 from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, normalize_requests
-from glmlight.rollout.batch import Request, RunningBatch
+from glmlight.rollout.batch import Request, RunningBatch, fill_holes, resolve_requests
 from glmlight.rollout.hf_runner import HFRunner
 from glmlight.rollout.sampling import request_uniforms
-from glmlight.rollout.transport import read_checkpoint
+from glmlight.rollout.transport import load_weights_file
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class LocalEngine:
         """End every queued and running request now (finish_reason "abort"); returns how many."""
         with self._turn, self._lock:
             done = self._abort_locked()
-        _resolve(done)
+        resolve_requests(done)
         return len(done)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
@@ -237,7 +237,7 @@ class LocalEngine:
         if (named_tensors is None) == (path is None):
             raise ValueError("update_weights needs exactly one of named_tensors or path")
         if path is not None:
-            named_tensors = _load_safetensors(path).items()
+            named_tensors = load_weights_file(path).items()
         done = []
         with self._turn, self._lock, torch.no_grad():
             state = self.model.state_dict()
@@ -262,7 +262,7 @@ class LocalEngine:
                 done = self._abort_locked()
             self._version = version
             self._batch.mark_version(self._iteration, version)
-        _resolve(done)
+        resolve_requests(done)
 
     def __enter__(self) -> "LocalEngine":
         return self
@@ -281,7 +281,7 @@ class LocalEngine:
         with self._turn, self._lock:
             done = self._abort_locked()
             self.model = self._runner = None
-        _resolve(done)
+        resolve_requests(done)
 
     # ----------------------------------------------------------------- decode thread
     def _loop(self) -> None:
@@ -308,11 +308,11 @@ class LocalEngine:
                     if self._runner is not None:
                         self._runner.reset()
                 if not isinstance(e, Exception):  # interpreter shutdown and the like: stop here
-                    _resolve(done)
+                    resolve_requests(done)
                     with self._cv:
                         self._thread = None
                     raise
-            _resolve(done)
+            resolve_requests(done)
             idle_since = time.monotonic()
             hook = self.on_step
             if hook is not None:
@@ -358,7 +358,7 @@ class LocalEngine:
             if self._capture != (False, False):
                 self._attach_records(done, rows)
             if rows:
-                order = _fill_holes(n, rows)
+                order = fill_holes(n, rows)
                 batch.keep(order)
                 runner.keep(order)
             with self._cv:
@@ -383,40 +383,3 @@ class LocalEngine:
         with self._cv:
             self._stats["aborted"] += len(done)
         return done
-
-
-def _fill_holes(n: int, finished: list[int]) -> list[int]:
-    """The surviving rows of a batch of n, ordered so that survivors already in the first
-    n - len(finished) places stay where they are and the holes take rows from the tail."""
-    gone = set(finished)
-    k = n - len(gone)
-    order = list(range(k))
-    tail = [i for i in range(k, n) if i not in gone]
-    for hole, row in zip((i for i in range(k) if i in gone), tail):
-        order[hole] = row
-    return order
-
-
-def _resolve(done: list[tuple[Request, Generation | BaseException]]) -> None:
-    for req, out in done:
-        if req.future.done():
-            continue
-        if isinstance(out, BaseException):
-            req.future.set_exception(out)
-        else:
-            req.future.set_result(out)
-
-
-def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a Hugging Face checkpoint directory (through transformers, which maps its
-    on-disk names to the model's), of a directory of raw *.safetensors files, or of one file."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True).state_dict()
-    if not os.path.exists(path):
-        raise EngineError(f"weight file {path} does not exist")
-    try:
-        return dict(read_checkpoint(path))
-    except FileNotFoundError as e:
-        raise EngineError(str(e)) from None

@@ -41,13 +41,14 @@ from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, norm
 from glmlight.rollout.launch import LaunchSpec, ManagedServer
 from glmlight.rollout.server_checks import verify_update, weights_fingerprint
 from glmlight.rollout.server_replay import ReplayCapture
+from glmlight.rollout.server_suspects import SuspectTracking
 from glmlight.rollout.server_types import (Answer, FleetFailed, Source, UpdateFailed,  # noqa: F401 (re-exported)
                                            sampling_fields, server_settings)
 
 log = logging.getLogger(__name__)
 
 
-class ServerEngineBase(ReplayCapture):
+class ServerEngineBase(ReplayCapture, SuspectTracking):
     """See the module docstring. Subclasses set `name` / `health_path` and implement the protocol
     hooks `_generate_one`, `_score_one`, `_pause`, `_flush`, `_resume`, `_push`, `_served_label`;
     replay records: `ReplayCapture` (server_replay.py)."""
@@ -249,82 +250,6 @@ class ServerEngineBase(ReplayCapture):
     def _verify(self, urls: Sequence[str], version: int, fingerprint: torch.Tensor | None) -> None:
         if self.verify_updates:
             verify_update(self, urls, version, fingerprint)
-
-    # ------------------------------------------------------------------ versions, suspects, re-syncs
-    def _is_stale(self, a: Answer) -> bool:
-        want = self._expect.get(a.url)
-        if want is None or not a.labels:
-            return False
-        if all(label == want for label in a.labels):
-            return False
-        self._suspects.add(a.url)
-        return True
-
-    def _versions_of(self, a: Answer) -> list[int]:
-        v = self._url_version.get(a.url, self._version)
-        return [v] * len(a.gen.token_ids)
-
-    def _labels_answers(self, url: str) -> bool:
-        """Whether this server reports the weight version of each answer (else `_check_unlabelled`
-        asks it for its version before every call)."""
-        return True
-
-    def _check_unlabelled(self) -> None:
-        urls = [u for u, want in self._expect.items() if want is not None and not self._labels_answers(u)]
-        if not urls:
-            return
-
-        async def labels() -> list:
-            return await asyncio.gather(*(self._served_label(u) for u in urls), return_exceptions=True)
-
-        for url, served in zip(urls, self.http.run(labels())):
-            if isinstance(served, BaseException) or served != self._expect[url]:
-                self._suspects.add(url)
-
-    def _on_server_error(self, url: str, connection_lost: bool) -> None:
-        if connection_lost and url in self._expect:
-            self._suspects.add(url)
-
-    def _sync_suspects(self) -> None:
-        """Probe every suspect; one that restarted (serves other weights) gets the current ones."""
-        if not self._suspects:
-            return
-        with self._fleet_lock:
-            self._sync_suspects_locked()
-
-    def _sync_suspects_locked(self) -> None:
-        for url in sorted(self._suspects):
-            try:
-                self.http.run(self.http.request(self.health_path, url=url, method="GET", expect_json=False,
-                                                attempts=1, timeout_s=10))
-                served = self.http.run(self._served_label(url))
-            except EngineError:
-                continue  # still down: requests go elsewhere (or fail and are counted)
-            want = self._expect.get(url)
-            if want is None or served == want:
-                self._suspects.discard(url)
-                continue
-            log.warning("%s server at %s serves weight version %r, expected %r (it restarted?): re-syncing it",
-                        self.name, url, served, want)
-            self._resync(url)
-
-    def _resync(self, url: str) -> None:
-        src = self._current
-        if src.named is None and src.path is None:
-            self._failed = (f"{self.name} server at {url} lost the weights of version {src.version} (it serves "
-                            f"other weights) and rollout.server.resync is off, so they cannot be sent again")
-            raise FleetFailed(self._failed)
-        urls = self._resync_urls(url)
-        try:
-            self._update_fleet(urls, src.named, src.path, src.version, None)
-        except UpdateFailed as e:
-            log.warning("%s: re-sync of %s failed (%s); it stays out of rotation", self.name, url, e)
-            return
-        self.num_resyncs += 1
-
-    def _resync_urls(self, url: str) -> list[str]:
-        """The servers a re-sync of `url` must push to (a subclass may need the whole fleet)."""
-        return [url]
 
     # ------------------------------------------------------------------ helpers
     def _check_usable(self) -> None:

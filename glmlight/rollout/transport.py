@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
+from glmlight.errors import EngineError
+
 Named = list[tuple[str, torch.Tensor]]
 
 
@@ -143,3 +145,18 @@ def sync_device(backend: str) -> torch.device:
     if backend == "hccl":
         return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
     return torch.device("cpu")
+
+
+def load_weights_file(path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a Hugging Face checkpoint directory (through transformers, which maps its
+    on-disk names to the model's), of a directory of raw *.safetensors files, or of one file."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True).state_dict()
+    if not os.path.exists(path):
+        raise EngineError(f"weight file {path} does not exist")
+    try:
+        return dict(read_checkpoint(path))
+    except FileNotFoundError as e:
+        raise EngineError(str(e)) from None
