@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--threads", type=int, help="intra-op CPU threads of the process (default on CPU: 1; "
                     "on a shared machine more threads make both sides' timings depend on the neighbours' load)")
+    ap.add_argument("--trl-threads", default="1,2", help="grpo: TRL's intra-op thread counts to try; each row "
+                    "compares with the fastest (default 1,2)")
     ap.add_argument("--rounds", type=int, help="grpo: runs of every variant, alternating (default 2; quick 1)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -74,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
     t0 = time.perf_counter()
+    trl_threads = tuple(int(x) for x in args.trl_threads.split(",") if x)
     wanted = [] if args.sweep else [args.only] if args.only else BENCHES
     if args.sweep:
         from benchlib.sweep import AXES, QUICK_AXES, bench_sweep, print_sweep
 
-        extra["sweep"] = bench_sweep(sizes, args.device, QUICK_AXES if args.quick else AXES, args.rounds or 1)
+        extra["sweep"] = bench_sweep(sizes, args.device, QUICK_AXES if args.quick else AXES, args.rounds or 1,
+                                     trl_threads)
     if "engine" in wanted:
         rows += bench_engine(sizes, args.device)
     if "grpo" in wanted:
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("grpo: skipped (TRL is not installed: pip install 'trl==1.16.0')", file=sys.stderr)
         else:
-            rows += bench_grpo(sizes, args.device, args.rounds or (1 if args.quick else 2))
+            rows += bench_grpo(sizes, args.device, args.rounds or (1 if args.quick else 2), trl_threads=trl_threads)
     if "flops" in wanted:
         rows += bench_flops(sizes, args.device)
     if "sync" in wanted:

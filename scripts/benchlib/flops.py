@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+import time
 import statistics
 from typing import Any
 
 import torch
 
-from benchlib.common import TARGETS, Sizes, row, timed, tiny_model
+from benchlib.common import TARGETS, Sizes, row, sync, timed, tiny_model
 
 
 def matmul_peak(n: int, device: str, reps: int = 3) -> float:
@@ -77,23 +78,41 @@ def bench_flops(s: Sizes, device: str) -> list[dict[str, Any]]:
                   use_glm_forward=glm_forward.supports(policy)).to(device)  # as a run's model.forward=auto
     module.prepare_experience(batch)
     module.compute_advantages(batch)
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
+    opt = module.make_optimizer(policy, 1e-5)["optimizer"]  # the optimizer a run trains with
     scale = {"total_tokens": float(batch.loss_mask.sum()), "num_sequences": float(batch.batch_size)}
+
+    spent: dict[str, list[float]] = {"fwd+bwd": [], "clip": [], "AdamW": []}
 
     def step() -> None:  # what RLModule.optimizer_step does for one minibatch, without Lightning
         policy.train()
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss, _ = module.micro_batch_loss(batch, scale)
         loss.backward()
+        sync(device)
+        t1 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        sync(device)
+        t2 = time.perf_counter()
         opt.step()
+        sync(device)
+        for k, dt in zip(spent, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+            spent[k].append(dt)
 
     step()  # warm-up (allocates the optimizer state)
-    t = statistics.median(timed(step, device) for _ in range(s.flops_steps))
-    flops, parts = train_step_flops(policy, s.flops_batch, s.flops_seq, start=batch.prompt_length - 1)
+    for v in spent.values():
+        v.clear()
     n = 2 * s.matmul_n if device.startswith("cuda") else s.matmul_n
-    peak = matmul_peak(n, device)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b
+    steps, peaks = [], []
+    for _ in range(s.flops_steps):  # alternating with the matmul, so that both see the same machine
+        steps.append(timed(step, device))
+        peaks.append(2 * n**3 / timed(lambda: a @ b, device))
+    t, peak = statistics.median(steps), statistics.median(peaks)
+    flops, parts = train_step_flops(policy, s.flops_batch, s.flops_seq, start=batch.prompt_length - 1)
     note = (f"{s.flops_preset}: {parts['total_params'] / 1e6:.1f}M params, {parts['active_params'] / 1e6:.1f}M active; "
-            f"{s.flops_batch}x{s.flops_seq} tokens, {flops / 1e9:.0f} GFLOP/step; peak: {n}^2 fp32 matmul")
+            f"{s.flops_batch}x{s.flops_seq} tokens, {flops / 1e9:.0f} GFLOP/step; peak: {n}^2 fp32 matmul; step "
+            f"{t:.2f} s: " + ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in spent.items()))
     return [row("train step FLOP/s vs matmul peak", "GFLOP/s", flops / t / 1e9, peak / 1e9, TARGETS["flops"], note)]
 

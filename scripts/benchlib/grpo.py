@@ -197,7 +197,7 @@ def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...]
     threads = torch.get_num_threads()
     if trl_threads is None:
         trl_threads = () if device.startswith("cuda") else (1, min(2, machine(device)["cores"] or 1))
-    trl_threads = tuple(sorted({threads, *trl_threads}))
+    trl_threads = tuple(sorted(set(trl_threads) or {threads}))
     times, parts = run_grpo(s, device, rounds, variants, trl_threads)
     step = {k: statistics.median(v) for k, v in times.items()}
     completions, tokens = s.group * s.prompts, s.group * s.prompts * s.completion
