@@ -32,11 +32,14 @@ class Sizes:
     server_reps: int = 3  # server: timed rounds per side (alternating)
     sync_preset: str = "small"  # sync: the model whose weights are pushed
     sync_reps: int = 3  # sync: timed pushes per side (alternating)
+    sync_hidden: int = 512  # server: the Llama whose weights are pushed into vLLM (~25M params at 512 x 8)
+    sync_layers: int = 8
 
 
 QUICK = Sizes(batch=16, prompt=16, new_tokens=64, reps=2, group=4, prompts=2, completion=32, steps=2,
               flops_batch=2, flops_seq=128, flops_steps=1, matmul_n=2048, server_prompts=16, server_tokens=64,
-              server_reps=2, sync_preset="tiny", sync_reps=2)
+              server_reps=2, sync_preset="tiny", sync_reps=2,
+              sync_hidden=256, sync_layers=2)
 TARGETS = {"engine": 3.0, "grpo_sync": 3.0, "grpo_async": 4.0, "flops": 0.75, "server": 0.9, "server_engine": None,
            "sync_memcpy": 0.5}
 

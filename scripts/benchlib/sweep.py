@@ -23,9 +23,10 @@ def sweep_points(base: Sizes, axes: dict[str, tuple[Any, ...]]) -> list[tuple[st
 
 
 def bench_sweep(base: Sizes, device: str, axes: dict[str, tuple[Any, ...]], rounds: int = 1,
-                trl_threads: tuple[int, ...] = (1,)) -> list[dict[str, Any]]:
+                trl_threads: tuple[int, ...] = (1,), steps: int = 2) -> list[dict[str, Any]]:
+    """Each point: one glmlight run and one TRL run per thread count (`steps` timed steps each)."""
     out = []
-    for label, s in sweep_points(base, axes):
+    for label, s in sweep_points(dataclasses.replace(base, steps=min(base.steps, steps)), axes):
         times, _ = run_grpo(s, device, rounds, ("sync",), trl_threads)
         step = {k: statistics.median(v) for k, v in times.items()}
         trl = min((k for k in step if k.startswith("trl@")), key=step.get)
