@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                     "on a shared machine more threads make both sides' timings depend on the neighbours' load)")
     ap.add_argument("--trl-threads", default="1,2", help="grpo: TRL's intra-op thread counts to try; each row "
                     "compares with the fastest (default 1,2)")
+    ap.add_argument("--trl-variant", action="append", default=[], metavar="NAME=JSON",
+                    help='grpo: also time TRL with these GRPOConfig options, e.g. gc=\'{"gradient_checkpointing": true}\' '
+                    "(reported beside the rows, not used as the baseline)")
     ap.add_argument("--rounds", type=int, help="grpo: runs of every variant, alternating (default 2; quick 1)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -77,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, Any] = {}
     t0 = time.perf_counter()
     trl_threads = tuple(int(x) for x in args.trl_threads.split(",") if x)
+    trl_variants = {}
+    for spec in args.trl_variant:
+        name, _, options = spec.partition("=")
+        trl_variants[name] = json.loads(options)
     wanted = [] if args.sweep else [args.only] if args.only else BENCHES
     if args.sweep:
         from benchlib.sweep import AXES, QUICK_AXES, bench_sweep, print_sweep
@@ -91,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("grpo: skipped (TRL is not installed: pip install 'trl==1.16.0')", file=sys.stderr)
         else:
-            rows += bench_grpo(sizes, args.device, args.rounds or (1 if args.quick else 2), trl_threads=trl_threads)
+            rows += bench_grpo(sizes, args.device, args.rounds or (1 if args.quick else 2), trl_threads=trl_threads,
+                               trl_variants=trl_variants)
     if "flops" in wanted:
         rows += bench_flops(sizes, args.device)
     if "sync" in wanted:

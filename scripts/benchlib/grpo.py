@@ -122,7 +122,7 @@ def trl_steps(s: Sizes, device: str, root: str, threads: int, options: dict[str,
         max_steps=s.steps + 1, gradient_accumulation_steps=1, use_cpu=not device.startswith("cuda"),
         bf16=False, fp16=False, report_to="none", save_strategy="no", logging_steps=10_000,
         disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False, seed=0)
-    kwargs.update(TRL_FAST if options is None else options)
+    kwargs.update({**TRL_FAST, **(options or {})})  # TRL_FAST, then a variant's own options
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**kwargs), train_dataset=dataset,
                           processing_class=tok, callbacks=[Stamp()])
     generate, score = trainer._generate_single_turn, trainer._generate_and_score_completions
@@ -191,18 +191,19 @@ def print_breakdown(parts: dict[str, list[dict[str, float]]]) -> None:
 
 
 def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...] = ("sync", "async"),
-               trl_threads: tuple[int, ...] | None = None, breakdown: bool = True) -> list[dict[str, Any]]:
+               trl_threads: tuple[int, ...] | None = None, breakdown: bool = True,
+               trl_variants: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """GRPO steps of glmlight's variants against TRL at its fastest (TRL_FAST, the fastest of
     `trl_threads` intra-op thread counts: by default 1 and 2 on CPU, with this process's count)."""
     threads = torch.get_num_threads()
     if trl_threads is None:
         trl_threads = () if device.startswith("cuda") else (1, min(2, machine(device)["cores"] or 1))
     trl_threads = tuple(sorted(set(trl_threads) or {threads}))
-    times, parts = run_grpo(s, device, rounds, variants, trl_threads)
+    times, parts = run_grpo(s, device, rounds, variants, trl_threads, trl_variants)
     step = {k: statistics.median(v) for k, v in times.items()}
     completions, tokens = s.group * s.prompts, s.group * s.prompts * s.completion
     work = f"{s.preset} preset, {s.prompts} prompts x {s.group}, {s.completion} tokens each"
-    fastest = min((k for k in step if k.startswith("trl@")), key=step.get)
+    fastest = min((k for k in step if k.startswith("trl@")), key=step.get)  # TRL_FAST at its best thread count
     base = f"baseline TRL GRPOTrainer at its fastest ({fastest.split('@')[1]} threads, no gradient checkpointing)"
     rows = []
     for v, target, what in (("sync", TARGETS["grpo_sync"], f"on-policy, one trainer thread ({threads})"),
@@ -216,6 +217,9 @@ def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...]
         rows.append(row(f"GRPO step, {v}: trained tokens", "tokens/s", tokens / step[v],
                         tokens / step[fastest], target, note))
     trl = ", ".join(f"{k.split('@')[1]} threads {completions / v:.1f}" for k, v in step.items() if k.startswith("trl@"))
+    other = ", ".join(f"{k} {completions / v:.1f}" for k, v in step.items() if "@" in k and not k.startswith("trl@"))
+    if other:  # TRL with other GRPOConfig options (--trl-variant), for comparison only
+        trl += f"; other TRL options: {other}"
     for r in rows:
         r["note"] += f" (TRL completions/s: {trl}; {rounds} alternating runs x {s.steps} timed steps, medians)"
     if breakdown:
