@@ -41,13 +41,23 @@ from typing import Any
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchlib/, and the reward's import path
 
-import torch  # noqa: E402
-
-from benchlib.common import QUICK, TARGETS, Sizes, machine, machine_line, print_table, row, sync, timed, tiny_model  # noqa: E402,F401
-from benchlib.engine import bench_engine  # noqa: E402,F401
-from benchlib.flops import bench_flops, matmul_peak, train_step_flops  # noqa: E402,F401
-from benchlib.grpo import bench_grpo, digit_fraction, digit_fraction_reward  # noqa: E402,F401
-from benchlib.weightsync import bench_sync  # noqa: E402,F401
+import torch
+from benchlib.common import (  # noqa: F401
+    QUICK,
+    TARGETS,
+    Sizes,
+    machine,
+    machine_line,
+    print_table,
+    row,
+    sync,
+    timed,
+    tiny_model,
+)
+from benchlib.engine import bench_engine
+from benchlib.flops import bench_flops, matmul_peak, train_step_flops  # noqa: F401
+from benchlib.grpo import bench_grpo, digit_fraction, digit_fraction_reward  # noqa: F401
+from benchlib.weightsync import bench_sync
 
 BENCHES = ["engine", "grpo", "flops", "sync", "server"]
 
@@ -65,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trl-threads", default="1,2", help="grpo: TRL's intra-op thread counts to try; each row "
                     "compares with the fastest (default 1,2)")
     ap.add_argument("--trl-variant", action="append", default=[], metavar="NAME=JSON",
-                    help='grpo: also time TRL with these GRPOConfig options, e.g. gc=\'{"gradient_checkpointing": true}\' '
+                    help="grpo: also time TRL with these GRPOConfig options, e.g. "
+                    "gc='{\"gradient_checkpointing\": true}' "
                     "(reported beside the rows, not used as the baseline)")
     ap.add_argument("--rounds", type=int, help="grpo: runs of every variant, alternating (default 2; quick 1)")
     args = ap.parse_args(argv)

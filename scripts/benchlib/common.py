@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -92,6 +93,10 @@ def tiny_model(preset: str, device: str):
     return tok, load_causal_lm(None, tok, preset=preset).to(device)
 
 
+def _num(v: float) -> str:
+    return f"{v:>10.1f}" if abs(v) >= 10 else f"{v:>10.3f}"
+
+
 def print_table(info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     print("\n" + machine_line(info))
     head = f"{'figure':<56} {'unit':>13} {'glmlight':>10} {'baseline':>10} {'ratio':>7} {'target':>7}  met?"
@@ -99,7 +104,7 @@ def print_table(info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     for r in rows:
         target = f"{r['target']:.2f}" if r["target"] is not None else "-"
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
-        print(f"{r['figure']:<56} {r['unit']:>13} {r['glmlight']:>10.1f} {r['baseline']:>10.1f} "
+        print(f"{r['figure']:<56} {r['unit']:>13} {_num(r['glmlight'])} {_num(r['baseline'])} "
               f"{r['ratio']:>7.2f} {target:>7}  {met}")
     notes = dict.fromkeys(r["note"] for r in rows if r["note"])
     for n in notes:

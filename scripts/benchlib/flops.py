@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import random
-import time
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -59,8 +59,7 @@ def train_step_flops(model: torch.nn.Module, batch: int, seq: int, start: int = 
 
 
 def bench_flops(s: Sizes, device: str) -> list[dict[str, Any]]:
-    from glmlight.algorithms.grpo import GRPO
-    from glmlight.algorithms.grpo import GRPOConfig
+    from glmlight.algorithms.grpo import GRPO, GRPOConfig
     from glmlight.models.glm5 import forward as glm_forward
     from glmlight.sample import Experience, Sample
 

@@ -181,7 +181,8 @@ def _sync_rows(s: Sizes, engine: Any, local: Any, policy: torch.nn.Module, root:
         times["write"].append(write_seconds(named, scratch))
     med = {k: statistics.median(v) for k, v in times.items()}
     per_gb = {k: v / gb for k, v in med.items()}
-    note = (f"Llama state ({sum(v.numel() for _, v in named) / 1e6:.0f}M params), {nbytes / 1e6:.0f} MB; s/GB: server tensor {per_gb['tensor']:.2f}, server disk "
+    params = sum(v.numel() for _, v in named) / 1e6
+    note = (f"Llama state ({params:.0f}M params), {nbytes / 1e6:.0f} MB; s/GB: server tensor {per_gb['tensor']:.2f}, server disk "
             f"{per_gb['disk']:.2f}, embedded {per_gb['embedded']:.3f}, memcpy {per_gb['memcpy']:.3f}, "
             f"disk write {per_gb['write']:.3f} (page cache, no fsync, as the disk mode)")
     return [row("weight sync into vLLM, tensor mode, vs memcpy", "GB/s", gb / med["tensor"], gb / med["memcpy"],
