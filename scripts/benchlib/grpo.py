@@ -223,6 +223,8 @@ def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...]
         trl += f"; other TRL options: {other}"
     for r in rows:
         r["note"] += f" (TRL completions/s: {trl}; {rounds} alternating runs x {s.steps} timed steps, medians)"
+    if rows:  # the medians of each run's parts, for --json
+        rows[0]["breakdown"] = {name: median_parts(split) for name, split in parts.items()}
     if breakdown:
         print_breakdown(parts)
     return rows
