@@ -12,7 +12,8 @@ from tests.conftest import load_script
 bench = load_script("bench")
 
 TINY = bench.Sizes(preset="test", batch=2, prompt=4, new_tokens=3, reps=1, group=2, prompts=1, completion=3,
-                   steps=1, flops_preset="test", flops_batch=2, flops_seq=16, flops_steps=1, matmul_n=64)
+                   steps=1, flops_preset="test", flops_batch=2, flops_seq=16, flops_steps=1, matmul_n=64,
+                   sync_preset="test", sync_reps=1)
 
 
 def _check(rows, n):
@@ -25,7 +26,7 @@ def test_engine_and_flops_figures(capsys):
     rows = bench.bench_engine(TINY, "cpu") + bench.bench_flops(TINY, "cpu")
     _check(rows, 3)
     assert [r["figure"] for r in rows[:2]] == ["engine decode, eager", "engine decode, compile=True"]
-    assert rows[0]["unit"] == "tokens/s" and rows[2]["target"] == 0.5 and "the compile" in rows[1]["note"]
+    assert rows[0]["unit"] == "tokens/s" and rows[2]["target"] == 0.75 and "the compile" in rows[1]["note"]
     bench.print_table(bench.machine("cpu"), rows)
     out = capsys.readouterr().out
     assert "engine decode" in out and "train step FLOP/s" in out and "machine:" in out
@@ -47,12 +48,30 @@ def test_flop_count_by_hand(tokenizer):
     assert flops == sum(parts[k] for k in ("matmul_params", "indexer_params", "attention", "indexer_scores"))
 
 
-def test_grpo_figures_against_trl(tmp_path):
+def test_grpo_figures_against_trl(capsys):
     pytest.importorskip("trl")
     rows = bench.bench_grpo(TINY, "cpu", rounds=1, trl_threads=())
     _check(rows, 4)
     assert [r["figure"].split(":")[0] for r in rows] == ["GRPO step, sync"] * 2 + ["GRPO step, async"] * 2
     assert {r["unit"] for r in rows} == {"completions/s", "tokens/s"} and "TRL completions/s" in rows[0]["note"]
+    assert [r["target"] for r in rows] == [3.0, 3.0, 4.0, 4.0]
+    out = capsys.readouterr().out  # the per-step breakdown of every run
+    for part in ("sync ", "async ", "trl@", "rollout", "update", "weight sync", "logging+loop"):
+        assert part in out
+
+
+def test_weight_sync_figure():
+    rows = bench.bench_sync(TINY, "cpu")
+    _check(rows, 1)
+    assert rows[0]["unit"] == "GB/s" and "memcpy" in rows[0]["note"]
+
+
+def test_sweep_points_vary_one_axis_at_a_time():
+    from glmlight.bench.sweep import sweep_points
+
+    points = sweep_points(TINY, {"completion": (3, 5), "group": (4,)})
+    assert [label for label, _ in points] == ["default", "completion=5", "group=4"]
+    assert points[1][1].completion == 5 and points[1][1].group == TINY.group and points[2][1].group == 4
 
 
 def test_main_writes_json(tmp_path, monkeypatch):

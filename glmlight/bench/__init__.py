@@ -1,0 +1,1 @@
+"""The parts of scripts/bench.py, one benchmark per module (docs/performance.md)."""

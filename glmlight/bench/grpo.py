@@ -1,0 +1,230 @@
+"""grpo: whole GRPO steps of a glmlight run vs TRL's GRPOTrainer on identical work, with a per-step
+time breakdown of both sides (docs/performance.md, "Where the time goes")."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from glmlight.bench.common import TARGETS, Sizes, machine, row, sync, tiny_model
+
+# TRL at its fastest for the same work. GRPOConfig turns gradient checkpointing on by default (it
+# recomputes the forward in the backward: the same gradients, ~1/3 more compute); the bench turns it
+# off. Other options that were tried are in docs/performance.md.
+TRL_FAST: dict[str, Any] = {"gradient_checkpointing": False}
+
+# glmlight's variants: "sync" is on-policy like TRL (generate, then train); "async" overlaps the
+# rollout of the next batch (the engine's decode thread) with the update (the trainer's thread), so
+# each batch is one policy version old when trained (rollout.mode=async, max_staleness 1).
+GLMLIGHT_VARIANTS = {"sync": ["rollout.compile=true"], "async": ["rollout.mode=async", "rollout.compile=true"]}
+
+# The parts of a glmlight step, from the metrics the run logs (glmlight/algorithms/base.py,
+# glmlight/data/rollout.py, callbacks/weight_sync.py) and the bench's step stamps.
+PARTS = ("rollout", "reward", "collate+wait", "old logprobs+adv", "update", "weight sync", "logging+loop")
+
+
+def digit_fraction(text: str) -> float:
+    """The reward of both sides: the fraction of digit characters (dense, cheap, equal work)."""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+def digit_fraction_reward(sample) -> float:
+    return digit_fraction(sample.metadata["completion_text"])
+
+
+def _breakdown(step: float, m: dict[str, float], tokens: int) -> dict[str, float]:
+    """One glmlight step split into PARTS (seconds). In async mode "rollout" and "reward" ran on the
+    decode thread during the previous update; only "collate+wait" (the trainer waiting) is on the
+    step's critical path, and the parts then sum to more than the step."""
+    update = tokens / m["train/tokens_per_s"] if m.get("train/tokens_per_s") else 0.0
+    wait, rollout, reward = m.get("rollout/wait_seconds", 0.0), m.get("rollout/seconds", 0.0), \
+        m.get("rollout/reward_seconds", 0.0)
+    train, weights = m.get("train/seconds", 0.0), m.get("sync/seconds", 0.0)
+    return {"rollout": rollout, "reward": reward, "collate+wait": max(wait - rollout - reward, 0.0),
+            "old logprobs+adv": max(train - update, 0.0), "update": update, "weight sync": weights,
+            "logging+loop": max(step - wait - train - weights, 0.0), "step": step}
+
+
+def glmlight_steps(s: Sizes, device: str, root: str, extra: list[str]) -> tuple[list[float], list[dict[str, float]]]:
+    """Step times of a glmlight run (after one warm-up step) and each step's breakdown."""
+    import lightning.pytorch as pl
+
+    import glmlight
+    from glmlight import compose
+    from glmlight.metrics import latest_metrics
+
+    stamps: list[float] = []
+    logged: list[dict[str, float]] = []
+
+    class Stamp(pl.Callback):  # appended last: runs after WeightSync has pushed and logged
+        def on_train_batch_end(self, trainer, *args: Any, **kwargs: Any) -> None:
+            sync(device)
+            stamps.append(time.perf_counter())
+            logged.append(dict(latest_metrics(trainer)))
+
+    overrides = [f"model.preset={s.preset}", "model.warm_start.steps=0", "logger=none",
+                 f"trainer.default_root_dir={root}", f"trainer.max_steps={s.steps + 1}",
+                 "trainer.enable_progress_bar=false", "trainer.checkpoint_every_n_steps=0",
+                 f"rollout.rollout_batch_size={s.prompts}", f"rollout.n_samples_per_prompt={s.group}",
+                 f"rollout.max_new_tokens={s.completion}", "algo.lr=1e-4", f"algo.micro_batch_size={s.group * s.prompts}",
+                 "~callbacks.held_out_eval", "~callbacks.sample_table",
+                 "task.reward._target_=glmlight.bench.grpo.digit_fraction_reward", *extra]
+    if device.startswith("cuda"):
+        overrides += ["accelerator=gpu", "trainer.devices=1", "trainer.precision=32-true", f"rollout.device={device}"]
+    run = glmlight.build(compose(overrides))
+    run.datamodule.stop_ids = []  # exactly `completion` tokens per completion, as on the TRL side
+    run.trainer.callbacks.append(Stamp())
+    run.fit()
+    run.datamodule.engine.close()
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    tokens = s.prompts * s.group * s.completion
+    return steps, [_breakdown(t, m, tokens) for t, m in zip(steps, logged[1:])]
+
+
+def trl_steps(s: Sizes, device: str, root: str, threads: int, options: dict[str, Any] | None = None
+              ) -> tuple[list[float], list[dict[str, float]]]:
+    """Step times of TRL's GRPOTrainer and each step's breakdown: generation (`_generate_single_turn`),
+    the rest of `_generate_and_score_completions` (reward, advantages, any old-log-prob forward) and
+    the update with the rest of the step."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from glmlight.data.sources import ArithmeticTask
+
+    tok, model = tiny_model(s.preset, "cpu")
+    source = ArithmeticTask(seed=0)
+    n = s.prompts * (s.steps + 1)
+    dataset = Dataset.from_dict({"prompt": [source[i].messages for i in range(n)]})
+    stamps: list[float] = []
+    spent: dict[str, float] = {"rollout": 0.0, "score": 0.0}
+    parts: list[dict[str, float]] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            sync(device)
+            stamps.append(time.perf_counter())
+            parts.append(dict(spent))
+            spent.update(rollout=0.0, score=0.0)
+
+    def reward(prompts, completions, **kwargs) -> list[float]:
+        return [digit_fraction(c[0]["content"] if isinstance(c, list) else c) for c in completions]
+
+    kwargs: dict[str, Any] = dict(
+        output_dir=root, per_device_train_batch_size=s.group * s.prompts, num_generations=s.group,
+        max_completion_length=s.completion, generation_kwargs={"min_new_tokens": s.completion},
+        temperature=1.0, top_k=0, top_p=1.0, beta=0.0, num_iterations=1, learning_rate=1e-4,
+        max_steps=s.steps + 1, gradient_accumulation_steps=1, use_cpu=not device.startswith("cuda"),
+        bf16=False, fp16=False, report_to="none", save_strategy="no", logging_steps=10_000,
+        disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False, seed=0)
+    kwargs.update({**TRL_FAST, **(options or {})})  # TRL_FAST, then a variant's own options
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**kwargs), train_dataset=dataset,
+                          processing_class=tok, callbacks=[Stamp()])
+    generate, score = trainer._generate_single_turn, trainer._generate_and_score_completions
+
+    def timed_generate(*a: Any, **k: Any):
+        t = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            spent["rollout"] += time.perf_counter() - t
+
+    def timed_score(*a: Any, **k: Any):
+        t, before = time.perf_counter(), spent["rollout"]
+        try:
+            return score(*a, **k)
+        finally:
+            spent["score"] += time.perf_counter() - t - (spent["rollout"] - before)
+
+    trainer._generate_single_turn, trainer._generate_and_score_completions = timed_generate, timed_score
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(before)
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    split = [{"rollout": p["rollout"], "reward+adv": p["score"], "update+rest": t - p["rollout"] - p["score"],
+              "step": t} for t, p in zip(steps, parts[1:])]
+    return steps, split
+
+
+def run_grpo(s: Sizes, device: str, rounds: int, variants: tuple[str, ...], trl_threads: tuple[int, ...],
+             trl_options: dict[str, dict[str, Any]] | None = None
+             ) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
+    """Every run `rounds` times, alternating, so that they share the machine's moods. Keys: the
+    glmlight variants and "trl@<threads>" (plus "<option set>@<threads>" for extra TRL option sets)."""
+    runs: dict[str, Callable[[str], tuple[list[float], list[dict[str, float]]]]] = {}
+    for name, opts in {"trl": None, **(trl_options or {})}.items():
+        for t in trl_threads:
+            runs[f"{name}@{t}"] = lambda root, t=t, opts=opts: trl_steps(s, device, root, t, opts)
+    for v in variants:
+        runs[v] = lambda root, v=v: glmlight_steps(s, device, root, GLMLIGHT_VARIANTS[v])
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    parts: dict[str, list[dict[str, float]]] = {k: [] for k in runs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for name, fn in runs.items():
+                steps, split = fn(os.path.join(tmp, f"{name}_{r}"))
+                times[name] += steps
+                parts[name] += split
+    return times, parts
+
+
+def median_parts(split: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(p[k] for p in split) for k in split[0]} if split else {}
+
+
+def print_breakdown(parts: dict[str, list[dict[str, float]]]) -> None:
+    """Median seconds per part of a step, one line per run."""
+    print("\nper-step time breakdown (s, medians over the timed steps; async: rollout and reward overlap "
+          "the previous update)")
+    for name, split in parts.items():
+        med = median_parts(split)
+        if med:
+            print(f"  {name:<10} " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
+
+
+def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...] = ("sync", "async"),
+               trl_threads: tuple[int, ...] | None = None, breakdown: bool = True,
+               trl_variants: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """GRPO steps of glmlight's variants against TRL at its fastest (TRL_FAST, the fastest of
+    `trl_threads` intra-op thread counts: by default 1 and 2 on CPU, with this process's count)."""
+    threads = torch.get_num_threads()
+    if trl_threads is None:
+        trl_threads = () if device.startswith("cuda") else (1, min(2, machine(device)["cores"] or 1))
+    trl_threads = tuple(sorted(set(trl_threads) or {threads}))
+    times, parts = run_grpo(s, device, rounds, variants, trl_threads, trl_variants)
+    step = {k: statistics.median(v) for k, v in times.items()}
+    completions, tokens = s.group * s.prompts, s.group * s.prompts * s.completion
+    work = f"{s.preset} preset, {s.prompts} prompts x {s.group}, {s.completion} tokens each"
+    fastest = min((k for k in step if k.startswith("trl@")), key=step.get)  # TRL_FAST at its best thread count
+    base = f"baseline TRL GRPOTrainer at its fastest ({fastest.split('@')[1]} threads, no gradient checkpointing)"
+    rows = []
+    for v, target, what in (("sync", TARGETS["grpo_sync"], f"on-policy, one trainer thread ({threads})"),
+                            ("async", TARGETS["grpo_async"], f"rollout overlapped with the update (decode "
+                             f"thread 1 + trainer {threads}), one step off-policy")):
+        if v not in step:
+            continue
+        note = f"{work}; {v}: {what}; {base}"
+        rows.append(row(f"GRPO step, {v}: completions", "completions/s", completions / step[v],
+                        completions / step[fastest], target, note))
+        rows.append(row(f"GRPO step, {v}: trained tokens", "tokens/s", tokens / step[v],
+                        tokens / step[fastest], target, note))
+    trl = ", ".join(f"{k.split('@')[1]} threads {completions / v:.1f}" for k, v in step.items() if k.startswith("trl@"))
+    other = ", ".join(f"{k} {completions / v:.1f}" for k, v in step.items() if "@" in k and not k.startswith("trl@"))
+    if other:  # TRL with other GRPOConfig options (--trl-variant), for comparison only
+        trl += f"; other TRL options: {other}"
+    for r in rows:
+        r["note"] += f" (TRL completions/s: {trl}; {rounds} alternating runs x {s.steps} timed steps, medians)"
+    if rows:  # the medians of each run's parts, for --json
+        rows[0]["breakdown"] = {name: median_parts(split) for name, split in parts.items()}
+    if breakdown:
+        print_breakdown(parts)
+    return rows
