@@ -54,14 +54,20 @@ class WeightSync(pl.Callback):
         engine = self._engine(trainer)
         t0 = time.perf_counter()
         # whole tensors, also from FSDP2 shards (a collective then); a LoRA policy: base names, adapters merged
-        named = merged_named_tensors(module.policy) if is_lora(module.policy) else full_weights(module.policy)
+        if is_lora(module.policy):
+            named: Any = merged_named_tensors(module.policy)
+            nbytes, gather_seconds = sum(t.numel() * t.element_size() for _, t in named), 0.0
+        else:
+            named = full_weights(module.policy)
         engine.update_weights(named, version=version)
         if engine.version != version:
             raise RuntimeError(f"engine acknowledged version {engine.version}, expected {version}")
+        if not is_lora(module.policy):
+            nbytes, gather_seconds = named.nbytes, named.gather_seconds  # counted as the engine took them
         module.policy_version = version
         self.num_syncs += 1
-        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(named.nbytes),
-                "sync/gather_seconds": named.gather_seconds, "sync/version": float(version)}
+        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes),
+                "sync/gather_seconds": gather_seconds, "sync/version": float(version)}
 
     @override
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -254,8 +255,9 @@ def test_pause_aborts_in_flight_generation_with_its_partial_answer(server, ref, 
         box = {}
         t = threading.Thread(target=lambda: box.setdefault("g", eng.generate(ps, sp)[0]))
         t.start()
-        while server.in_flight == 0:
-            pass
+        tokens = server.engine.stats()["tokens"]
+        while server.in_flight == 0 or server.engine.stats()["tokens"] < tokens + 2:  # it has decoded
+            time.sleep(0.001)
         eng.http.run(eng._pause(server.url))
         t.join(30)
         eng.http.run(eng._resume(server.url))

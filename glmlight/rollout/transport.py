@@ -26,8 +26,6 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from glmlight.errors import EngineError
-
 Named = list[tuple[str, torch.Tensor]]
 
 
@@ -150,6 +148,8 @@ def sync_device(backend: str) -> torch.device:
 def load_weights_file(path: str) -> dict[str, torch.Tensor]:
     """Tensors of a Hugging Face checkpoint directory (through transformers, which maps its
     on-disk names to the model's), of a directory of raw *.safetensors files, or of one file."""
+    from glmlight.errors import EngineError  # not at import time: vLLM workers import this module alone
+
     if os.path.isfile(os.path.join(path, "config.json")):
         from transformers import AutoModelForCausalLM
 
