@@ -27,7 +27,17 @@ class WarmStartConfig:
 
     steps: int = 0
     lr: float = 3e-3
-    batch_size: int = 64
+    batch_size: int = 64  # prompts (or expert episodes) per step
+    # Learning-rate schedule: linear warm-up, then constant, cosine decay to min_lr_ratio * lr, or wsd (constant,
+    # then cosine decay over the last decay_steps). A decayed rate ends the run where its result no longer
+    # depends on the machine's floating-point rounding.
+    schedule: str = "cosine"  # constant | cosine | wsd
+    warmup_steps: int = 5
+    decay_steps: int = 0  # wsd only
+    min_lr_ratio: float = 0.0
+    # What is trained on: "labels" = (prompt, reference answer) pairs; "expert" = the environment's expert
+    # episodes through the task's own agent loop, loss on action tokens only; "auto" = expert for agent tasks.
+    data: str = "auto"
     cache_dir: str = ".cache/glmlight"
 
 
@@ -104,6 +114,7 @@ class AgentConfig:
 
     env: Optional[dict[str, Any]] = None
     max_turns: int = 4
+    max_new_tokens: Optional[int] = None  # tokens per turn; None = rollout.max_new_tokens
     # Context compaction (CompactionRL): summarise when the remaining budget falls below this.
     compact_threshold: Optional[int] = None
     keep_last_steps: int = 2  # k action/observation steps copied into the resume prompt
@@ -300,6 +311,8 @@ CHOICES = {
     "model.forward": ("auto", "glmlight", "transformers"),
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),
+    "model.warm_start.schedule": ("constant", "cosine", "wsd"),
+    "model.warm_start.data": ("auto", "labels", "expert"),
     "model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"),
     "rollout.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"),
     "logger.mode": ("offline", "online", "disabled"),
