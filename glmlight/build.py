@@ -246,6 +246,30 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
     return not reasons
 
 
+def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource,
+               make_datamodule: Any) -> str | None:
+    """The supervised warm start (cached): on reference answers, or on the environment's expert episodes
+    through the task's own agent loop (model.warm_start.data)."""
+    from glmlight.agents.expert import env_experts, expert_examples
+
+    ws, task = cfg.model.warm_start, cfg.task
+    identity = {k: task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt",
+                                     "num_steps")}
+    identity["seed"] = cfg.seed
+    env_factory = build_env_factory(task.agent)
+    experts = env_experts(env_factory) if ws.data in ("auto", "expert") else []
+    if ws.data == "expert" and not experts:
+        raise ConfigError("config error: model.warm_start.data=expert needs an agent task whose environment "
+                          "has an expert(messages, summarize) or experts() method")
+    examples = None
+    if experts:
+        identity["agent"] = OmegaConf.to_container(task.agent, resolve=True)
+        identity["max_context"] = cfg.rollout.max_context
+        identity["max_new_tokens"] = cfg.rollout.max_new_tokens
+        examples = expert_examples(make_datamodule, tokenizer, experts, task.agent.summary_prompt)
+    return supervised_warm_start(policy, tokenizer, source, ws, identity, examples)
+
+
 def build(cfg: DictConfig | dict) -> Run:
     """Everything a run needs, from a (composed) config. Raises ConfigError on bad config."""
     cfg = validate(cfg)
@@ -263,16 +287,17 @@ def build(cfg: DictConfig | dict) -> Run:
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     source, eval_source = build_sources(cfg.task, cfg.seed)
+    reward = build_reward(cfg.task.reward)
+    agent = cfg.task.agent
+    dm_kwargs = dict(env_factory=build_env_factory(agent), max_turns=agent.max_turns,
+                     compaction=compaction_options(agent), vocab_size=max(policy.config.vocab_size, len(tokenizer)),
+                     turn_max_new_tokens=agent.max_new_tokens)
     if cfg.model.warm_start.steps > 0:
-        identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
-        identity["seed"] = cfg.seed
-        supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
+        warm_start(cfg, policy, tokenizer, source,
+                   lambda engine: RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout, **dm_kwargs))
     engine = build_engine(cfg, policy, tokenizer)
-    datamodule = RolloutDataModule(engine, tokenizer, source, build_reward(cfg.task.reward), cfg.rollout,
-                                   eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
-                                   env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns,
-                                   compaction=compaction_options(cfg.task.agent),
-                                   vocab_size=max(policy.config.vocab_size, len(tokenizer)))
+    datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout, eval_source=eval_source,
+                                   num_eval_prompts=cfg.task.num_eval_prompts, **dm_kwargs)
     module_cls = ALGORITHMS[cfg.algo.name]
     module = module_cls(cfg.algo, policy, temperature=cfg.rollout.temperature,
                         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
