@@ -52,10 +52,12 @@ class RolloutDataModule(pl.LightningDataModule):
     def __init__(self, engine: RolloutEngine, tokenizer: Any, source: PromptSource, reward_fn: RewardFn,
                  cfg: RolloutConfig, eval_source: PromptSource | None = None, num_eval_prompts: int = 64,
                  rank: int = 0, world_size: int = 1, env_factory: Callable[[], Any] | None = None,
-                 max_turns: int = 4, compaction: dict[str, Any] | None = None, vocab_size: int | None = None):
+                 max_turns: int = 4, compaction: dict[str, Any] | None = None, vocab_size: int | None = None,
+                 turn_max_new_tokens: int | None = None):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
         self.env_factory, self.max_turns = env_factory, max_turns
+        self.turn_max_new_tokens = turn_max_new_tokens  # agent turns: tokens per turn (None: cfg.max_new_tokens)
         self.compaction = compaction  # CompactingAgentLoop options, or None
         self.vocab_size = vocab_size  # engine answers with ids outside [0, vocab_size) are FAILED
         self.eval_source, self.num_eval_prompts = eval_source, num_eval_prompts
@@ -140,8 +142,8 @@ class RolloutDataModule(pl.LightningDataModule):
         return encode_chat(self.tokenizer, prompt.messages, add_generation_prompt=True)
 
     # ----------------------------------------------------------------- rollout
-    def sampling_params(self, prompt_len: int, greedy: bool = False) -> SamplingParams:
-        budget = min(self.cfg.max_new_tokens, self.cfg.max_context - prompt_len)
+    def sampling_params(self, prompt_len: int, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:
+        budget = min(max_new_tokens or self.cfg.max_new_tokens, self.cfg.max_context - prompt_len)
         return SamplingParams(temperature=0.0 if greedy else self.cfg.temperature, top_p=self.cfg.top_p,
                               top_k=self.cfg.top_k, max_new_tokens=max(budget, 1), stop_token_ids=self.stop_ids)
 
@@ -207,7 +209,8 @@ class RolloutDataModule(pl.LightningDataModule):
     def _episodes(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool) -> list[Sample]:
         engine = RetryingEngine(self.engine, counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s,
                                 self.vocab_size)
-        args = (engine, self.tokenizer, self.env_factory, lambda ctx: self.sampling_params(ctx, greedy),
+        args = (engine, self.tokenizer, self.env_factory,
+                lambda ctx: self.sampling_params(ctx, greedy, self.turn_max_new_tokens),
                 self.max_turns, self.cfg.max_context)
         loop = CompactingAgentLoop(*args, **self.compaction) if self.compaction else AgentLoop(*args)
         episodes = loop.run(prompts, n)
@@ -464,6 +467,11 @@ def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),
         "rollout/trained": float(counts["trained"]),
     }
+    episodes = {(s.group_id, s.rollout_id): s.metadata for s in batch if "num_segments" in s.metadata}  # agents
+    if episodes:
+        stats["rollout/turns_per_episode"] = sum(m["turns"] for m in episodes.values()) / len(episodes)
+        stats["rollout/tool_calls_per_episode"] = sum(m.get("env/tool_calls", 0) for m in episodes.values()) / len(episodes)
+        stats["rollout/compactions_per_episode"] = sum(m["num_segments"] - 1 for m in episodes.values()) / len(episodes)
     for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "engine_errors",
               "invalid_tokens"):
         if k in counts:
