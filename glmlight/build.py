@@ -64,8 +64,8 @@ def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSour
     if task.source == "running_sum":
         from glmlight.agents.envs import RunningSumTask
 
-        return (RunningSumTask(task.num_steps, task.max_operand, seed=seed),
-                RunningSumTask(task.num_steps, task.max_operand, seed=seed + 1))
+        return (RunningSumTask(task.num_steps, task.max_operand, seed=seed, min_value=task.min_operand),
+                RunningSumTask(task.num_steps, task.max_operand, seed=seed + 1, min_value=task.min_operand))
     if task.source == "synthetic":
         make = lambda s: ArithmeticTask(task.max_operand, task.operators, seed=s, system_prompt=task.system_prompt)  # noqa: E731
         return make(seed), make(seed + 1)
@@ -254,7 +254,7 @@ def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source:
 
     ws, task = cfg.model.warm_start, cfg.task
     identity = {k: task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt",
-                                     "num_steps")}
+                                     "num_steps", "min_operand")}
     identity["seed"] = cfg.seed
     env_factory = build_env_factory(task.agent)
     experts = env_experts(env_factory) if ws.data in ("auto", "expert") else []

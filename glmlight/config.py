@@ -138,6 +138,7 @@ class TaskConfig:
     max_operand: int = 9
     operators: str = "+"
     num_steps: int = 8  # running_sum: numbers per episode
+    min_operand: int = 1  # running_sum: numbers in [min_operand, max_operand]
     num_eval_prompts: int = 64
     agent: AgentConfig = field(default_factory=AgentConfig)
     # The reward: any callable sample -> float | (float, info), built with Hydra's _target_.

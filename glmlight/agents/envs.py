@@ -130,34 +130,46 @@ def _unit_hash(text: str) -> float:
 
 
 class RunningSumTask:
-    """Prompts for RunningSumEnv: `num_steps` numbers in [1, max_value], a pure function of (seed, index)."""
+    """Prompts for RunningSumEnv: `num_steps` numbers in [min_value, max_value], a pure function of (seed, index)."""
 
-    def __init__(self, num_steps: int = 8, max_value: int = 9, seed: int = 0, size: int = 100_000):
+    def __init__(self, num_steps: int = 8, max_value: int = 9, seed: int = 0, size: int = 100_000, min_value: int = 1):
+        if min_value > max_value:
+            raise ValueError(f"running sum numbers need min_value <= max_value, got {min_value} > {max_value}")
         self.num_steps, self.max_value, self.seed, self.size = num_steps, max_value, seed, size
+        self.min_value = min_value
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> Prompt:
         rng = random.Random(self.seed * 1_000_003 + index)
-        deltas = [rng.randint(1, self.max_value) for _ in range(self.num_steps)]
-        return Prompt(messages=[{"role": "user", "content": f"Keep a running sum. Start: {deltas[0]}"}],
+        deltas = [rng.randint(self.min_value, self.max_value) for _ in range(self.num_steps)]
+        return Prompt(messages=[{"role": "user", "content": f"Running sum. Start: {deltas[0]}"}],
                       label=str(sum(deltas)), domain="agent", metadata={"deltas": deltas})
 
 
 class RunningSumEnv:
-    def __init__(self, step_rewards: bool = False) -> None:
-        self.step_rewards = step_rewards
+    """`modulus`: reply with the running total modulo this number (10: its last digit), so that the
+    state stays one digit however long the episode; the opening turn says so."""
+
+    def __init__(self, step_rewards: bool = False, modulus: int | None = None) -> None:
+        if modulus is not None and modulus < 2:
+            raise ValueError(f"modulus must be >= 2 or None, got {modulus}")
+        self.step_rewards, self.modulus = step_rewards, modulus
         self.deltas: list[int] = []
         self.t = 0
         self.correct = 0
 
     def reset(self, prompt: Prompt) -> list[dict[str, str]]:
         self.deltas, self.t, self.correct = list(prompt.metadata["deltas"]), 0, 0
-        return list(prompt.messages)
+        if self.modulus is None:
+            return list(prompt.messages)
+        return [{"role": "user", "content": f"Sum mod {self.modulus}: {self.deltas[0]}"}]
 
     def step(self, action: str) -> StepResult:
         total = sum(self.deltas[: self.t + 1])
+        if self.modulus is not None:
+            total %= self.modulus
         m = _INT.search(action)
         ok = m is not None and int(m.group()) == total
         self.correct += int(ok)
@@ -169,8 +181,7 @@ class RunningSumEnv:
             return StepResult(None, reward=final, done=True, info={"correct_totals": self.correct})
         return StepResult(f"+{self.deltas[self.t]}", reward=paid, info={"correct_totals": self.correct})
 
-    @staticmethod
-    def expert(messages: list[dict[str, str]], summarize: bool = False) -> str:
+    def expert(self, messages: list[dict[str, str]], summarize: bool = False) -> str:
         """The running total: the last number stated (the start, an answer, or a summary) plus every number
         revealed after it. As a summary, the same total: it is all the rest of the episode needs."""
         total = 0
@@ -180,4 +191,4 @@ class RunningSumEnv:
                 total += sum(int(x) for x in found)
             elif m["role"] in ("user", "assistant") and found:
                 total = int(found[-1])
-        return str(total)
+        return str(total % self.modulus if self.modulus is not None else total)
