@@ -1,17 +1,28 @@
 """Composable Lightning callbacks for glmlight. Each knows nothing of the others.
 
-Corrections and monitors implement `on_experience(trainer, module, batch)`, called by
-the RLModule after the train-side old log-probs exist and before the loss, in
-callback order (weights multiply, masks intersect).
+Extension points (callbacks/base.py):
+
+- `ExperienceHook`: a callback with `on_experience(trainer, module, batch)` is called by the
+  RLModule in every RL step, in callback order, after the train-side old log-probs exist and
+  before the advantages and the loss. Corrections and monitors are such hooks; their changes
+  compose (token weights multiply, loss masks intersect). A hook that reads no old log-probs
+  sets `reads_old_logprobs = False`.
+- `Correction`: subclass it and implement `compute(batch) -> CorrectionResult` for a new
+  per-token correction; it composes with the others as IcePop and TIS do.
+
+Any other behaviour is a plain `lightning.Callback` (weight sync, evaluation, gating), listed
+in the config under `callbacks.NAME._target_` or appended to `run.trainer.callbacks`.
 """
 
+from callbacks.base import Correction, ExperienceHook
 from callbacks.corrections import IcePop, MaskedIS, RejectionSampling, TruncatedIS
 from callbacks.evaluation import HeldOutEval
 from callbacks.index_agreement import IndexAgreement
 from callbacks.mismatch import MismatchMonitor
+from callbacks.routing_agreement import RoutingAgreement
 from callbacks.sample_logging import SampleTable
 from callbacks.version_gate import PolicyVersionGate
 from callbacks.weight_sync import WeightSync
 
-__all__ = ["HeldOutEval", "IcePop", "IndexAgreement", "MaskedIS", "MismatchMonitor", "PolicyVersionGate",
-           "RejectionSampling", "SampleTable", "TruncatedIS", "WeightSync"]
+__all__ = ["Correction", "ExperienceHook", "HeldOutEval", "IcePop", "IndexAgreement", "MaskedIS", "MismatchMonitor", "PolicyVersionGate",
+           "RejectionSampling", "RoutingAgreement", "SampleTable", "TruncatedIS", "WeightSync"]

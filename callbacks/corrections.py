@@ -8,37 +8,28 @@ in the step's metrics under its own name.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from typing_extensions import override
 
+from callbacks.base import Correction
 from glmlight.ops import corrections as ops
 from glmlight.sample import Experience
 
 
-class _Correction(pl.Callback):
-    name = "correction"
-    # True: rejected tokens leave the loss denominator (loss_mask 0);
-    # False: they stay in the denominator with weight 0.
-    removes_from_denominator = True
+class IcePop(Correction):
+    """IcePop (Ring-1T, arXiv 2510.18855; GLM-5 Eq. 1): weight k inside [low, high], 0 outside.
 
-    def compute(self, batch: Experience) -> ops.CorrectionResult:
-        raise NotImplementedError
+    Args:
+        low, high: the band on k = π_old / π_rollout. GLM-5 uses [1/β, β] with β = 2 (the default);
+            Ring-1T implementations use [0.5, 5].
+        keep_in_denominator: True (slime's behaviour) keeps popped tokens in the loss
+            denominator Σ m with weight 0; False removes them from it.
 
-    def on_experience(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Experience) -> None:
-        if batch.old_logprobs is None:
-            raise RuntimeError(f"{type(self).__name__} needs train-side old log-probs (run inside RLModule)")
-        res = self.compute(batch)
-        batch.token_weights = batch.token_weights * res.weights
-        if self.removes_from_denominator:
-            batch.loss_mask = batch.loss_mask * res.keep_mask
-        for k, v in res.stats.items():
-            batch.stats[f"{self.name}/{k}"] = float(v)
+    Raises:
+        ValueError: unless 0 <= low < high.
 
+    Example::
 
-class IcePop(_Correction):
-    """IcePop (Ring-1T; GLM-5 Eq. 1): weight k inside [low, high], 0 outside.
-
-    GLM-5 uses [1/β, β] with β = 2 (the default); Ring-1T implementations use [0.5, 5].
-    `keep_in_denominator=True` (slime's behaviour) keeps popped tokens in Σ m.
+        callbacks: {icepop: {_target_: callbacks.IcePop, low: 0.5, high: 2.0}}
     """
 
     name = "icepop"
@@ -49,12 +40,17 @@ class IcePop(_Correction):
         self.low, self.high = low, high
         self.removes_from_denominator = not keep_in_denominator
 
+    @override
     def compute(self, batch: Experience) -> ops.CorrectionResult:
         return ops.icepop(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, self.low, self.high)
 
 
-class TruncatedIS(_Correction):
-    """Truncated importance sampling (Yao et al.; slime --use-tis): weight clamp(k, clip_low, clip_high)."""
+class TruncatedIS(Correction):
+    """Truncated importance sampling (Yao et al. 2025; slime --use-tis): weight clamp(k, clip_low, clip_high).
+
+    Args:
+        clip_low, clip_high: the clamp; no token is removed.
+    """
 
     name = "tis"
     removes_from_denominator = False
@@ -62,24 +58,31 @@ class TruncatedIS(_Correction):
     def __init__(self, clip_low: float = 0.0, clip_high: float = 2.0):
         self.clip_low, self.clip_high = clip_low, clip_high
 
+    @override
     def compute(self, batch: Experience) -> ops.CorrectionResult:
         return ops.truncated_is(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
                                 self.clip_low, self.clip_high)
 
 
-class MaskedIS(_Correction):
-    """Masked importance sampling: weight k inside [low, high]; tokens outside leave the loss."""
+class MaskedIS(Correction):
+    """Masked importance sampling: weight k inside [low, high]; tokens outside leave the loss
+    (and its denominator).
+
+    Args:
+        low, high: the band on k.
+    """
 
     name = "mis"
 
     def __init__(self, low: float = 0.5, high: float = 2.0):
         self.low, self.high = low, high
 
+    @override
     def compute(self, batch: Experience) -> ops.CorrectionResult:
         return ops.masked_is(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, self.low, self.high)
 
 
-class RejectionSampling(_Correction):
+class RejectionSampling(Correction):
     """Token / sequence / geometric-level IS with truncate, clip or mask (rejection) modes,
     a veto threshold and optional batch normalisation.
 
@@ -87,6 +90,16 @@ class RejectionSampling(_Correction):
     (upper) / `..._lower` → `high` / `low`, `rollout_token_veto_threshold` → `veto_threshold`,
     `rollout_is_batch_normalize` → `batch_normalize`; slime `tis_mode`, `tis_level`,
     `tis_lower_bound` / `tis_upper_bound`, `tis_veto_threshold` likewise.
+
+    Args:
+        level: "token", "sequence" or "geometric" ratio.
+        mode: "truncate" (min(ratio, high)), "clip" (clamp to [low, high]) or "mask" (reject outside).
+        low, high: the bounds.
+        veto_threshold: reject a whole sequence with any token whose k is below it (None: off).
+        batch_normalize: rescale kept weights to mean 1.
+
+    Raises:
+        ValueError: for an unknown level or mode.
     """
 
     name = "rs"
@@ -101,6 +114,7 @@ class RejectionSampling(_Correction):
         self.veto_threshold, self.batch_normalize = veto_threshold, batch_normalize
         self.name = f"rs_{level}"
 
+    @override
     def compute(self, batch: Experience) -> ops.CorrectionResult:
         return ops.rejection_sampling(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, self.level,
                                       self.low, self.high, self.mode, self.veto_threshold, self.batch_normalize)

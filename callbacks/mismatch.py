@@ -44,6 +44,19 @@ class MismatchMetric(torchmetrics.Metric):
 
 
 class MismatchMonitor(pl.Callback):
+    """Logs the train/inference mismatch of every step (`mismatch/*`) and, every
+    `probe_every_n_steps`, the greedy token agreement between engine and trainer.
+
+    Args:
+        low, high: the band of the trusted-token ratio (k inside [low, high]).
+        max_mismatch_kl: stop the run when |mismatch KL| exceeds it (None: never).
+        probe_every_n_steps: the greedy probe's period in RL steps (0: off).
+        probe_prompts, probe_tokens: the probe's size.
+
+    Raises:
+        RuntimeError: during training, when the mismatch KL passes `max_mismatch_kl`.
+    """
+
     def __init__(self, low: float = 0.5, high: float = 2.0, max_mismatch_kl: float | None = None,
                  probe_every_n_steps: int = 10, probe_prompts: int = 4, probe_tokens: int = 16):
         self.low, self.high = low, high
@@ -70,7 +83,8 @@ class MismatchMonitor(pl.Callback):
         """Fraction of positions where the trainer's argmax equals the engine's greedy token."""
         engine = trainer.datamodule.engine
         prompts = [s.prompt_ids for s in batch.samples[: self.probe_prompts]]
-        gens = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.probe_tokens))
+        # A seed of its own: the probe must not draw from the engine's seed stream (training's).
+        gens = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.probe_tokens, seed=0))
         matches, total = 0.0, 0.0
         was_training = module.policy.training
         module.policy.eval()

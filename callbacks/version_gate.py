@@ -13,28 +13,43 @@ from collections import Counter
 from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from glmlight.data.groups import pad_or_drop_group
 from glmlight.sample import Sample
 
 
 class PolicyVersionGate(pl.Callback):
+    """Drops trajectories older than `max_staleness` policy versions before a batch is built.
+
+    Registers `filter` with the RolloutDataModule, which calls it with each round's samples and
+    the policy version training is at.
+
+    Args:
+        max_staleness: τ; 0 keeps only samples of the current version, 1 (the default) allows the
+            one-step-off-policy samples of `rollout.mode=async`.
+
+    Raises:
+        ValueError: if max_staleness < 0.
+        RuntimeError: at setup, without a RolloutDataModule.
+    """
+
     def __init__(self, max_staleness: int = 1):
         if max_staleness < 0:
             raise ValueError("PolicyVersionGate.max_staleness must be >= 0")
         self.max_staleness = max_staleness
         self.dropped: Counter = Counter()
-        self._module: pl.LightningModule | None = None
 
+    @override
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "filters"):
             raise RuntimeError("PolicyVersionGate needs a RolloutDataModule")
         if self.filter not in dm.filters:
             dm.filters.append(self.filter)
-        self._module = module
 
     @property
+    @override
     def state_key(self) -> str:
         return self._generate_state_key(max_staleness=self.max_staleness)
 
@@ -42,12 +57,9 @@ class PolicyVersionGate(pl.Callback):
         w0 = sample.first_version
         return w0 >= 0 and current - w0 > self.max_staleness
 
-    def filter(self, samples: list[Sample], counts: Counter, current: int | None = None) -> list[Sample]:
-        """Keep fresh samples, repairing or dropping groups; counts go into `counts`."""
-        if current is None:
-            if self._module is None:
-                raise RuntimeError("PolicyVersionGate is not attached to a trainer; pass current=")
-            current = self._module.policy_version
+    def filter(self, samples: list[Sample], counts: Counter, current: int) -> list[Sample]:
+        """Keep the samples fresh at policy version `current`, repairing or dropping groups; counts go
+        into `counts`."""
         groups: dict[int, list[Sample]] = {}
         for s in samples:
             groups.setdefault(s.group_id, []).append(s)
@@ -62,8 +74,10 @@ class PolicyVersionGate(pl.Callback):
         self.dropped.update(local)
         return kept
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"dropped": dict(self.dropped)}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.dropped = Counter(state_dict.get("dropped", {}))

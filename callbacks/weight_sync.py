@@ -12,11 +12,24 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
-from callbacks._logging import log_metrics
+from glmlight.metrics import log_metrics
 
 
 class WeightSync(pl.Callback):
+    """Pushes the policy's weights into the rollout engine and advances the policy version once the
+    engine acknowledges them (the sync contract).
+
+    Args:
+        every_n_steps: push after every this many RL steps (1: on-policy).
+        reset_optimizer: forget the Adam moments after each push (GLM-5 agentic RL).
+
+    Raises:
+        ValueError: if every_n_steps < 1.
+        RuntimeError: when the engine acknowledges another version than the one pushed.
+    """
+
     syncs_weights = True  # build() checks that some callback keeps the engine up to date
 
     def __init__(self, every_n_steps: int = 1, reset_optimizer: bool = False):
@@ -46,9 +59,11 @@ class WeightSync(pl.Callback):
         return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes),
                 "sync/version": float(version)}
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.push(trainer, module, module.policy_version)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if module.rl_step % self.every_n_steps:
@@ -58,9 +73,11 @@ class WeightSync(pl.Callback):
             module.reset_optimizer_state()
         log_metrics(trainer, metrics)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"num_syncs": self.num_syncs}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.num_syncs = state_dict.get("num_syncs", 0)
 

@@ -1,10 +1,37 @@
-"""Shared pieces of the command-line entry points: logging set-up and one-line errors."""
+"""Entry points shared by the scripts and the Python API: composing the Hydra config,
+logging set-up and one-line errors."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from typing import Callable
+from typing import Any, Callable
+
+# conf/ beside the package (a source checkout or an editable install, as the README installs it).
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | None = None) -> Any:
+    """The run config from `conf/train.yaml` and Hydra overrides (`key=value`, `group=option`,
+    `+new.key=value`, `~key`), as `python scripts/train.py OVERRIDES...` composes it.
+
+    Works from any directory. `config_dir` replaces glmlight's `conf/` (copy it to add your own
+    groups); the algorithms' schemas are registered first (glmlight.registry.discover).
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from glmlight.registry import discover
+
+    discover()
+    root = os.path.abspath(config_dir or CONF_DIR)
+    if not os.path.isfile(os.path.join(root, "train.yaml")):
+        from glmlight.errors import ConfigError
+
+        raise ConfigError(f"config error: no train.yaml in {root}; pass config_dir= (a copy of glmlight's conf/)")
+    with initialize_config_dir(config_dir=root, version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides))
 
 
 def setup_logging() -> None:

@@ -15,7 +15,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from glmlight.dtypes import DTYPES
 from glmlight.errors import ConfigError
+from glmlight.ranges import SEED, Range, check_ranges, field_range, ranges  # noqa: F401 - Range, field_range re-exported
+from glmlight.registry import algorithm
 
 # ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
 OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default'}", replace=True)
@@ -41,20 +44,29 @@ class WarmStartConfig:
     cache_dir: str = ".cache/glmlight"
 
 
+ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1", warmup_steps=">= 0", decay_steps=">= 0",
+       min_lr_ratio="[0, 1]")
+
+
 @dataclass
 class ModelConfig:
     path: Optional[str] = None  # a local Hugging Face checkpoint; None = the tiny GLM-5 default
     preset: str = "tiny"  # tiny GLM-5 size when path is None: test | tiny | small
     index_topk: Optional[int] = None  # tiny GLM-5: DSA indexer top-k (below the sequence length = sparse)
+    n_routed_experts: Optional[int] = None  # tiny GLM-5: routed experts per MoE layer (preset's if None)
+    num_experts_per_tok: Optional[int] = None  # tiny GLM-5: experts each token is routed to (preset's if None)
     dtype: str = "float32"  # training dtype
     seed: int = 0
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
-    # The trainer's forward: "glmlight" = glmlight/models/glm_forward.py (GLM-5 models only: same function,
+    # The trainer's forward: "glmlight" = glmlight/models/glm5/forward.py (GLM-5 models only: same function,
     # fewer ops); "transformers" = the model's own; "auto" = glmlight's where it applies (a GlmMoeDsa model,
     # no gradient checkpointing, no fsdp/deepspeed sharding), else the model's own.
     forward: str = "auto"
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+ranges(ModelConfig, index_topk=">= 1", n_routed_experts=">= 1", num_experts_per_tok=">= 1", seed=SEED)
 
 
 @dataclass
@@ -73,17 +85,30 @@ class ServerConfig:
     launch: bool = False  # start the server as a managed child process
     launch_args: list[str] = field(default_factory=list)
     launch_command: Optional[list[str]] = None  # replaces `python -m sglang.launch_server` / the vLLM server
+    launch_python: Optional[str] = None  # the interpreter of a managed server (its own environment); default: ours
+    launch_env: dict[str, str] = field(default_factory=dict)  # extra environment of a managed server
     launch_timeout_s: float = 900.0
     launch_log_dir: Optional[str] = None
     model_path: Optional[str] = None  # the path the server loads (default: model.path)
     sync_backend: Optional[str] = None  # weight_sync=distributed: nccl | hccl | gloo (default by device)
     sync_master_address: Optional[str] = None
     in_process: bool = False  # vllm: run vllm.LLM in this process instead of talking to a server
+    update_retries: int = 2  # a failed weight update (every server back on the previous version) is retried
+    resync: bool = True  # keep the current weights (tensor/distributed: a CPU copy) to re-sync a restarted server
+    verify_updates: bool = True  # after an update, score a probe on every server (catches one that did not load)
+    check_logprobs: bool = True  # at start: refuse a server whose log-probs are not those of the sampled distribution
+
+
+ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", max_retries=">= 0", retry_backoff_s=">= 0",
+       launch_timeout_s="> 0", update_retries=">= 0")
 
 
 @dataclass
 class RolloutConfig:
     backend: str = "local"  # local | sglang | vllm | vllm_ascend
+    # An engine of your own: {_target_: pkg.make_engine, ...}, called as make_engine(cfg=, policy=, tokenizer=,
+    # **kwargs) and returning a RolloutEngine (glmlight/rollout/base.py); replaces `backend`.
+    engine: Any = None
     mode: str = "sync"  # sync | async
     dtype: str = "float32"  # the engine's own weight copy (e.g. bfloat16 while training runs in fp32)
     device: Optional[str] = None  # embedded engine device; None = the trainer's device
@@ -108,6 +133,12 @@ class RolloutConfig:
     server: "ServerConfig" = field(default_factory=lambda: ServerConfig())
 
 
+ranges(RolloutConfig, temperature=">= 0", top_p="(0, 1]", top_k=">= 0", max_new_tokens=">= 1",
+       rollout_batch_size=">= 1", n_samples_per_prompt=">= 1", over_sample=">= 1", max_refill_rounds=">= 0",
+       overlong_cache=">= 0", max_context=">= 2", queue_size=">= 1", engine_retries=">= 0",
+       engine_retry_backoff_s=">= 0", seed=SEED)
+
+
 @dataclass
 class AgentConfig:
     """Multi-turn episodes: set env to an Environment class (_target_) to turn the task into an agent task."""
@@ -121,6 +152,27 @@ class AgentConfig:
     summary_max_tokens: int = 32
     summary_prompt: str = "Summarize."  # the user turn that asks the policy for its summary
     resume_header: str = "Summary: "  # opens the resume turn that carries the summary
+
+
+ranges(AgentConfig, max_turns=">= 1", max_new_tokens=">= 1", compact_threshold=">= 1", keep_last_steps=">= 0",
+       summary_max_tokens=">= 1")
+
+
+@dataclass
+class RewardOptions:
+    """How the reward runs (`task.reward_options`; the reward itself is `task.reward`). Every call on one
+    sample has `timeout_s` seconds, else the sample is FAILED and counted (`rollout/dropped/reward_timeout`);
+    at most `max_concurrency` samples are scored at once. Synchronous rewards run in worker threads
+    (`executor=thread`; a timed-out call is abandoned) or worker processes (`executor=process`: for
+    CPU-heavy rewards; a timed-out call's process is killed); async rewards run on an event loop, a timed-out
+    call is cancelled."""
+
+    timeout_s: float = 120.0
+    max_concurrency: int = 8
+    executor: str = "thread"  # thread | process
+
+
+ranges(RewardOptions, timeout_s="> 0", max_concurrency=">= 1")
 
 
 @dataclass
@@ -143,6 +195,10 @@ class TaskConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     # The reward: any callable sample -> float | (float, info), built with Hydra's _target_.
     reward: dict[str, Any] = field(default_factory=lambda: {"_target_": "glmlight.rewards.verifiers.ExactMatch"})
+    reward_options: RewardOptions = field(default_factory=RewardOptions)  # timeout, concurrency, executor
+
+
+ranges(TaskConfig, max_operand=">= 1", min_operand=">= 0", num_steps=">= 1", num_eval_prompts=">= 0")
 
 
 @dataclass
@@ -173,31 +229,20 @@ class AlgoConfig:
     dis_eps_low: float = 0.3
     dis_eps_high: float = 5.0
     entropy_coef: float = 0.0
+    log_entropy: bool = True  # log train/entropy (computed without gradient when entropy_coef = 0)
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_estimator: str = "k3"  # k1 | k2 | k3
     max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite losses
+    # Replay the engine's discrete choices in every trainer forward over the rollout's tokens (old
+    # log-probs, update, reference, same-architecture teachers): "routing" = the experts each MoE layer
+    # chose, "index" = the keys each DSA indexer selected, "both", or "none" (docs/contracts.md).
+    replay: str = "none"
 
 
-@dataclass
-class GRPOConfig(AlgoConfig):
-    name: str = "grpo"
-    normalize_std: bool = True  # False = Dr.GRPO
-    # Rows whose advantages are all 0 (groups with equal rewards) have exactly zero loss and gradient
-    # when no KL or entropy term is on: skip their forward and backward (same update, less compute).
-    skip_zero_advantage_rows: bool = True
-
-
-ALGO_SCHEMAS: dict[str, type] = {}
-
-
-def register_algo_schema(name: str, schema: type) -> None:
-    """Algorithms call this so `algo.name=<name>` validates against their own dataclass;
-    conf/algo/<name>.yaml starts from it via `defaults: [<name>_schema]`."""
-    ALGO_SCHEMAS[name] = schema
-    ConfigStore.instance().store(group="algo", name=f"{name}_schema", node=schema)
-
-
-register_algo_schema("grpo", GRPOConfig)
+ranges(AlgoConfig, lr=">= 0", weight_decay=">= 0", betas="[0, 1)", warmup_steps=">= 0", min_lr_ratio="[0, 1]",
+       grad_clip=">= 0", ppo_epochs=">= 1", num_minibatches=">= 1", micro_batch_size=">= 1", loss_agg_constant="> 0",
+       eps_low="[0, 1]", eps_high=">= 0", dual_clip_c="> 1", dis_eps_low="[0, 1]", dis_eps_high=">= 0",
+       entropy_coef=">= 0", kl_coef=">= 0", max_nonfinite_steps=">= 1")
 
 
 @dataclass
@@ -219,13 +264,45 @@ class TrainerConfig:
     resume: Optional[str] = None  # a checkpoint path, or "last"
 
 
+ranges(TrainerConfig, max_steps=">= 1", num_nodes=">= 1", zero_stage="[0, 3]", log_every_n_steps=">= 1",
+       checkpoint_every_n_steps=">= 0")
+
+
 @dataclass
 class LoggerConfig:
     name: str = "wandb"  # wandb | csv | none
     project: str = "glmlight"
     mode: str = "offline"  # wandb: offline | online | disabled
     save_dir: Optional[str] = None  # default: trainer.default_root_dir
-    table_every_n_steps: int = 10
+    # At the end of fit: <trainer.default_root_dir>/report.png and summary.json from metrics.jsonl
+    # (glmlight/report.py; the PNG needs matplotlib: pip install matplotlib).
+    report: bool = True
+
+
+@dataclass
+class EvalSetConfig:
+    """A named held-out prompt set: JSONL like task.eval_path, read with the task's keys."""
+
+    path: str = "???"
+    num_prompts: Optional[int] = None  # the first this many prompts; None = all of them
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (callbacks.HeldOutEval -> RolloutDataModule.evaluate)."""
+
+    every_n_steps: int = 10  # at the start and every this many RL steps; 0 = off
+    k: int = 8  # sampled answers per prompt at the rollout temperature (pass@1, pass@k, maj@k); 0 = none
+    greedy: bool = True  # also one greedy answer per prompt (eval/<set>/greedy/*)
+    pass_threshold: float = 1.0  # an answer is correct when its reward reaches this
+    seed: int = 0  # evaluation's own seed stream: the same seeds at every evaluation, none of training's
+    # More held-out sets, each reported under eval/<name>/...; the task's own held-out set is "heldout".
+    # Each entry is an EvalSetConfig (checked by validate: +eval.sets.NAME.path=... works from the CLI).
+    sets: dict[str, Any] = field(default_factory=dict)
+
+
+ranges(EvalConfig, every_n_steps=">= 0", k=">= 0", pass_threshold="(-inf, inf)", seed=SEED)
+ranges(EvalSetConfig, num_prompts=">= 1")
 
 
 @dataclass
@@ -233,14 +310,17 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    algo: Any = None  # the chosen algorithm's own dataclass (ALGO_SCHEMAS)
+    algo: Any = None  # the chosen algorithm's own dataclass (glmlight.registry)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # Lightning callbacks, each a dict with _target_ (instantiated in this order).
     callbacks: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     run_name: Optional[str] = None
-    eval_every_n_steps: int = 10
+
+
+ranges(TrainConfig, seed=SEED)
 
 
 # conf/train.yaml starts from this schema, so every typed key can be overridden from the
@@ -249,18 +329,9 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def _schema_for(cfg: DictConfig) -> Any:
-    algo_name = OmegaConf.select(cfg, "algo.name", default="grpo")
-    if algo_name not in ALGO_SCHEMAS:
-        _load_algorithms()
-    if algo_name not in ALGO_SCHEMAS:
-        raise ConfigError(f"config error: algo.name={algo_name!r} is not an algorithm; choose one of {sorted(ALGO_SCHEMAS)}")
     schema = OmegaConf.structured(TrainConfig)
-    schema.algo = OmegaConf.structured(ALGO_SCHEMAS[algo_name])
+    schema.algo = OmegaConf.structured(algorithm(OmegaConf.select(cfg, "algo.name", default="grpo")).schema)
     return schema
-
-
-def _load_algorithms() -> None:
-    import glmlight.algorithms  # noqa: F401  (registers every algorithm's schema)
 
 
 def _suggest(key: str, parent_type: Any) -> str:
@@ -285,9 +356,29 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
         return _raise(f"config error: {e.full_key}: {_first_line(e.msg)}")
     except OmegaConfBaseException as e:
         return _raise(f"config error: {getattr(e, 'full_key', '')}: {_first_line(str(e))}")
+    check_ranges(merged)
     _check_choices(merged)
+    _check_eval_sets(merged)
     OmegaConf.set_readonly(merged, False)
     return merged
+
+
+def _check_eval_sets(cfg: DictConfig) -> None:
+    """Type every eval.sets entry as an EvalSetConfig (one line naming the bad key)."""
+    for name in list(cfg.eval.sets):
+        where = f"eval.sets.{name}"
+        spec = cfg.eval.sets[name]
+        if not isinstance(spec, DictConfig):
+            raise ConfigError(f"config error: {where} must be a mapping with a path, got {spec!r}")
+        try:
+            typed = OmegaConf.merge(OmegaConf.structured(EvalSetConfig), spec)
+        except ConfigKeyError as e:
+            raise ConfigError(f"config error: unknown key '{where}.{e.key}'{_suggest(str(e.key), EvalSetConfig)}") from None
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"config error: {where}.{getattr(e, 'full_key', '')}: {_first_line(str(e))}") from None
+        if OmegaConf.is_missing(typed, "path"):
+            raise ConfigError(f"config error: {where}.path is required (a JSONL file like task.eval_path)")
+        cfg.eval.sets[name] = typed
 
 
 def _raise(msg: str):
@@ -309,14 +400,16 @@ CHOICES = {
     "algo.policy_loss": ("ppo", "dis"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.old_logprobs": ("auto", "forward", "update"),
+    "algo.replay": ("none", "routing", "index", "both"),
     "model.forward": ("auto", "glmlight", "transformers"),
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),
     "model.warm_start.schedule": ("constant", "cosine", "wsd"),
     "model.warm_start.data": ("auto", "labels", "expert"),
-    "model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"),
-    "rollout.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"),
+    "model.dtype": tuple(DTYPES),
+    "rollout.dtype": tuple(DTYPES),
     "logger.mode": ("offline", "online", "disabled"),
+    "task.reward_options.executor": ("thread", "process"),
 }
 
 
@@ -325,13 +418,12 @@ def _check_choices(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and value not in allowed:
             raise ConfigError(f"config error: {key}={value!r} is not one of {list(allowed)}")
-    for key in ("rollout.rollout_batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
-                "algo.ppo_epochs", "algo.num_minibatches", "algo.micro_batch_size"):
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"config error: {key} must be >= 1, got {OmegaConf.select(cfg, key)}")
     if OmegaConf.select(cfg, "rollout.compile") and OmegaConf.select(cfg, "rollout.backend") != "local":
         raise ConfigError(f"config error: rollout.compile is for the embedded engine (rollout=local); "
                           f"{OmegaConf.select(cfg, 'rollout.backend')} servers capture their own graphs")
+    if OmegaConf.select(cfg, "algo.dual_clip_c") is not None and OmegaConf.select(cfg, "algo.policy_loss") == "dis":
+        raise ConfigError("config error: algo.dual_clip_c applies to algo.policy_loss=ppo; DIS bounds the ratio with "
+                          "its trust window instead (algo.dis_eps_low / algo.dis_eps_high)")
     if OmegaConf.select(cfg, "algo.old_logprobs") == "update" and (
             OmegaConf.select(cfg, "algo.ppo_epochs") > 1 or OmegaConf.select(cfg, "algo.num_minibatches") > 1):
         raise ConfigError("config error: algo.old_logprobs=update needs ppo_epochs=1 and num_minibatches=1 (every "

@@ -6,6 +6,21 @@ produced (plus, for agents, observation ids spliced in with loss_mask 0), the
 engine's log-prob of every response token, and the policy version that produced
 each token. `Experience` is a padded batch of samples: the tensors an algorithm
 trains on.
+
+Replay records (the model and sparse contracts, docs/contracts.md): when asked for them, the engine
+records its discrete choices for every token it ran through the model, prompt and response, i.e.
+positions 0 .. len(prompt) + len(response) - 2 (the last sampled token is never run):
+
+- `routed_experts` [n, L_moe, k]: the expert ids each MoE layer chose (L_moe = the MoE layers in
+  order, k = experts per token); uint8 when there are at most 256 experts, else int16;
+- `indexer_topk` [m, L_ix, k_ix]: the key positions each DSA layer that runs its own indexer
+  selected, ascending, for the query positions k_ix .. n - 1 only (m = max(0, n - k_ix); a query
+  before position k_ix has at most k_ix keys and selects them all); int16 below 32768 positions,
+  else int32.
+
+n may stop early (before trailing tokens no trained token depends on, e.g. an agent's last
+observation); a record without gaps from position 0 is all replay needs. Both are None when nobody
+asked (the default).
 """
 
 from __future__ import annotations
@@ -15,6 +30,19 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 import torch
+
+EXPERT_DTYPES = (torch.uint8, torch.int16, torch.int32)
+POSITION_DTYPES = (torch.int16, torch.int32)
+
+
+def expert_dtype(num_experts: int) -> torch.dtype:
+    """The smallest dtype of routed-expert records for a model with `num_experts` routed experts."""
+    return torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
+
+
+def position_dtype(num_positions: int) -> torch.dtype:
+    """The smallest dtype of DSA top-k records for sequences of `num_positions` tokens."""
+    return torch.int16 if num_positions <= 2**15 else torch.int32
 
 
 class Status(str, enum.Enum):
@@ -44,6 +72,9 @@ class Sample:
     rollout_id: int = 0
     segment: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Replay records (module docstring); equality ignores them (compare with torch.equal).
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)
+    indexer_topk: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
@@ -61,7 +92,41 @@ class Sample:
                 )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise SampleError(f"Sample.loss_mask must hold 0/1 only (rollout_id={self.rollout_id})")
+        if self.routed_experts is not None or self.indexer_topk is not None:
+            self._validate_records()
         return self
+
+    def _validate_records(self) -> None:
+        ran = len(self.prompt_ids) + len(self.response_ids) - 1  # positions the engine ran
+        where = f"(rollout_id={self.rollout_id})"
+        r = self.routed_experts
+        if r is not None:
+            if not isinstance(r, torch.Tensor) or r.dim() != 3 or r.dtype not in EXPERT_DTYPES:
+                raise SampleError(f"Sample.routed_experts must be a [positions, moe_layers, k] uint8/int16/int32 "
+                                  f"tensor {where}")
+            if r.shape[0] > ran:
+                raise SampleError(f"Sample.routed_experts has {r.shape[0]} positions but the engine ran {ran} {where}")
+            if r.numel() and int(r.min()) < 0:
+                raise SampleError(f"Sample.routed_experts holds a negative expert id {where}")
+        ix = self.indexer_topk
+        if ix is not None:
+            if not isinstance(ix, torch.Tensor) or ix.dim() != 3 or ix.dtype not in POSITION_DTYPES:
+                raise SampleError(f"Sample.indexer_topk must be a [positions, indexer_layers, k] int16/int32 tensor "
+                                  f"{where}")
+            k = ix.shape[2]
+            if ix.shape[0] > max(0, ran - k):
+                raise SampleError(f"Sample.indexer_topk has {ix.shape[0]} query positions from position {k} but the "
+                                  f"engine ran {ran} {where}")
+            if ix.numel():
+                query = torch.arange(k, k + ix.shape[0])[:, None, None]
+                if int(ix.min()) < 0 or bool((ix.long() > query).any()):
+                    raise SampleError(f"Sample.indexer_topk selects a key outside [0, query position] {where}")
+
+    def record_positions(self) -> tuple[int | None, int | None]:
+        """How many leading positions the routing and the index records cover (None: no record);
+        an index record covers every position before k_ix as well."""
+        r, ix = self.routed_experts, self.indexer_topk
+        return (None if r is None else r.shape[0], None if ix is None else ix.shape[2] + ix.shape[0])
 
     @property
     def response_length(self) -> int:
@@ -122,6 +187,11 @@ class Experience:
     # one that keeps it in the denominator zeroes only its weight.
     token_weights: torch.Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    # Replay records in the padded layout (None when no sample has one): [B, P + T, L, k], -1 at
+    # columns without a record. routed_experts: expert ids (int16); indexer_topk: the selected key
+    # *columns* of this layout (int32), for query columns at positions >= k only.
+    routed_experts: torch.Tensor | None = None
+    indexer_topk: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -167,7 +237,6 @@ class Experience:
             s.validate()
             if s.status is Status.FAILED:
                 raise SampleError(f"FAILED sample (rollout_id={s.rollout_id}) reached collate")
-        B = len(samples)
         P = max(len(s.prompt_ids) for s in samples)
         T = max(1, max(s.response_length for s in samples))
 
@@ -187,7 +256,10 @@ class Experience:
         versions = padded((s.versions for s in samples), -1, torch.long)
         rewards = torch.tensor([float(s.reward) if s.reward is not None else 0.0 for s in samples])
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        offsets = [P - len(s.prompt_ids) for s in samples]
         return cls(
+            routed_experts=_padded_records(samples, offsets, P + T, "routed_experts"),
+            indexer_topk=_padded_records(samples, offsets, P + T, "indexer_topk"),
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -200,3 +272,23 @@ class Experience:
             prompt_length=P,
             samples=samples,
         )
+
+
+def _padded_records(samples: list[Sample], offsets: list[int], S: int, name: str) -> torch.Tensor | None:
+    """One record field of `samples` in the padded layout [B, S, L, k] (-1 where a sample has no record),
+    or None when no sample has one. Index records become key columns (position + the row's offset)."""
+    recs = [getattr(s, name) for s in samples]
+    shapes = {tuple(r.shape[1:]) for r in recs if r is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise SampleError(f"Sample.{name} records of different shapes {sorted(shapes)} in one batch")
+    L, k = shapes.pop()
+    index = name == "indexer_topk"
+    out = torch.full((len(samples), S, L, k), -1, dtype=torch.int32 if index else torch.int16)
+    for b, (r, off) in enumerate(zip(recs, offsets)):
+        if r is None or not len(r):
+            continue
+        first = off + (k if index else 0)  # the column of the record's first query position
+        out[b, first:first + len(r)] = r.to(out.dtype) + off if index else r.to(out.dtype)
+    return out

@@ -13,6 +13,10 @@ grpo    whole GRPO steps of a glmlight run vs TRL's GRPOTrainer on identical wor
         both with rollout.compile=true (the compile falls in the untimed first step).
 flops   achieved FLOP/s of a GRPO training step of the ~50M `small` preset vs a large fp32
         torch.matmul. Target >= 50% (FLOPs counted as in `train_step_flops`).
+server  rollout tokens/s through glmlight's vLLM client vs the raw HTTP API driven concurrently
+        with aiohttp (the same requests, seeds included, so both sides generate the same tokens), on
+        one real vLLM server glmlight launched (tiny Llama). Target >= 90%. Needs GLMLIGHT_VLLM_PYTHON
+        (scripts/vllm_cpu_venv.sh builds vLLM's CPU build); skipped without it.
 
 Figures are medians of several repetitions; ratios are glmlight / baseline. Nothing here is
 asserted: on a shared machine timings move by tens of percent from run to run.
@@ -32,11 +36,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from train import compose`
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-import torch  # noqa: E402
+import torch
 
 
 @dataclass
@@ -55,11 +57,15 @@ class Sizes:
     flops_seq: int = 256  # flops: tokens per sequence (32 prompt + the rest response)
     flops_steps: int = 3  # flops: timed training steps (after one warm-up step)
     matmul_n: int = 4096  # flops: square matmul size for the peak
+    server_prompts: int = 32  # server: concurrent requests per round
+    server_tokens: int = 128  # server: max new tokens per request
+    server_reps: int = 3  # server: timed rounds per side (alternating)
 
 
 QUICK = Sizes(batch=16, prompt=16, new_tokens=64, reps=2, group=4, prompts=2, completion=32, steps=2,
-              flops_batch=2, flops_seq=128, flops_steps=1, matmul_n=2048)
-TARGETS = {"engine": 3.0, "grpo": 3.0, "flops": 0.5}
+              flops_batch=2, flops_seq=128, flops_steps=1, matmul_n=2048, server_prompts=16, server_tokens=64,
+              server_reps=2)
+TARGETS = {"engine": 3.0, "grpo": 3.0, "flops": 0.5, "server": 0.9}
 
 
 # ----------------------------------------------------------------- helpers
@@ -159,7 +165,7 @@ def _glmlight_steps(s: Sizes, device: str, root: str, extra: list[str]) -> list[
     import lightning.pytorch as pl
 
     import glmlight
-    from train import compose
+    from glmlight import compose
 
     stamps: list[float] = []
 
@@ -321,8 +327,8 @@ def train_step_flops(model: torch.nn.Module, batch: int, seq: int, start: int = 
 
 def bench_flops(s: Sizes, device: str) -> list[dict[str, Any]]:
     from glmlight.algorithms.grpo import GRPO
-    from glmlight.config import GRPOConfig
-    from glmlight.models import glm_forward
+    from glmlight.algorithms.grpo import GRPOConfig
+    from glmlight.models.glm5 import forward as glm_forward
     from glmlight.sample import Experience, Sample
 
     tok, policy = tiny_model(s.flops_preset, device)
@@ -377,10 +383,79 @@ def print_table(info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         print(f"  * {n}")
 
 
+# ----------------------------------------------------------------- server
+def bench_server(s: Sizes, device: str) -> list[dict[str, Any]]:
+    """Rollout tokens/s of glmlight's vLLM client vs raw concurrent HTTP on one real vLLM server."""
+    import asyncio
+
+    import aiohttp
+
+    from glmlight.config import validate
+    from glmlight.models.tokenizer import build_char_tokenizer, encode_chat
+    from glmlight.rollout.base import SamplingParams
+    from glmlight.rollout.factory import build_server_engine
+    from glmlight.rollout.servers import sampling_fields
+    from glmlight.rollout.tiny_checkpoint import build_tiny_checkpoint
+
+    root = tempfile.mkdtemp(prefix="glmlight-bench-server-")
+    ckpt = build_tiny_checkpoint(os.path.join(root, "tiny-llama"), "llama", seed=0)
+    flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"} if device == "cpu" else {}
+    cfg = validate({"rollout": {"backend": "vllm", "server": {
+        "launch": True, "launch_python": os.environ["GLMLIGHT_VLLM_PYTHON"], "launch_args": flags, "launch_env": env,
+        "launch_timeout_s": 900, "api_key_env": None, "max_in_flight": 256}}, "model": {"path": ckpt},
+        "trainer": {"default_root_dir": root}})
+    tok = build_char_tokenizer()
+    prompts = [encode_chat(tok, [{"role": "user", "content": f"{i % 10}+{i % 7}="}], add_generation_prompt=True)
+               for i in range(s.server_prompts)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=s.server_tokens, seed=1000 + i) for i in range(len(prompts))]
+    engine = build_server_engine(cfg)
+    try:
+        url, model = engine.urls[0], engine.served_model
+
+        def body(p: list[int], sp: SamplingParams) -> dict[str, Any]:  # what glmlight's client sends
+            return {"model": model, "prompt": p, "max_tokens": sp.max_new_tokens, **sampling_fields(sp), "n": 1,
+                    "stream": False, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                    "seed": sp.seed}
+
+        async def raw_round() -> int:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                async def one(p, sp):
+                    async with session.post(url + "/v1/completions", json=body(p, sp)) as r:
+                        return len((await r.json())["choices"][0]["token_ids"])
+
+                return sum(await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params))))
+
+        def ours_round() -> int:
+            return sum(len(g.token_ids) for g in engine.generate(prompts, params))
+
+        ours_round(), asyncio.run(raw_round())  # warm-up
+        raw, ours = [], []
+        for _ in range(s.server_reps):
+            t = time.perf_counter()
+            n_raw = asyncio.run(raw_round())
+            raw.append(n_raw / (time.perf_counter() - t))
+            t = time.perf_counter()
+            n_ours = ours_round()
+            ours.append(n_ours / (time.perf_counter() - t))
+        if n_raw != n_ours:
+            print(f"server: the two sides generated {n_ours} and {n_raw} tokens", file=sys.stderr)
+    finally:
+        engine.close()
+    version = ".".join(map(str, engine.server_versions.get(url, ()))) or "?"
+    note = (f"vLLM {version}, tiny Llama, {s.server_prompts} concurrent requests x <= {s.server_tokens} new tokens, "
+            "same requests and seeds on both sides; baseline: aiohttp straight to /v1/completions")
+    r = row("vLLM rollout through glmlight's client", "tokens/s", statistics.median(ours), statistics.median(raw),
+            TARGETS["server"], note)
+    print(f"server: glmlight {r['glmlight']:.0f} tokens/s, raw {r['baseline']:.0f} tokens/s, ratio {r['ratio']:.2f}",
+          file=sys.stderr)
+    return [r]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
-    ap.add_argument("--only", choices=["engine", "grpo", "flops"], help="run one benchmark")
+    ap.add_argument("--only", choices=["engine", "grpo", "flops", "server"], help="run one benchmark")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--threads", type=int, help="intra-op CPU threads of the process (default on CPU: 1; "
@@ -407,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_grpo(sizes, args.device, args.rounds or (1 if args.quick else 2))
     if args.only in (None, "flops"):
         rows += bench_flops(sizes, args.device)
+    if args.only in (None, "server"):
+        if not os.environ.get("GLMLIGHT_VLLM_PYTHON"):
+            print("server: skipped (set GLMLIGHT_VLLM_PYTHON to a Python with vLLM: scripts/vllm_cpu_venv.sh)",
+                  file=sys.stderr)
+        else:
+            rows += bench_server(sizes, args.device)
     print_table(info, rows)
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.json:

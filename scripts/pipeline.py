@@ -1,279 +1,24 @@
 #!/usr/bin/env python
-"""Run the GLM-5 post-training stages in order, each from the previous stage's checkpoint.
+"""Run the GLM-5 post-training stages in order, each from the previous stage's checkpoint
+(glmlight/pipeline.py has the details).
 
     python scripts/pipeline.py                                      # conf/pipeline/glm5.yaml
     python scripts/pipeline.py pipeline.skip=[agentic]              # leave a stage out
     python scripts/pipeline.py "pipeline.common=[trainer.max_steps=20]"
     python scripts/pipeline.py --config conf/pipeline/glm5.yaml pipeline.dir=runs/pipeline/try2
 
-Each stage is one `glmlight.build(compose(overrides))` + fit in `<dir>/<stage>/`, after
-which its final policy is saved as a Hugging Face checkpoint in `<dir>/<stage>/policy`.
-A stage's input is the previous stage's output (`model.path=<dir>`, warm start off).
-A distillation stage (`distill_from: [...]`) gets one teacher per listed stage (its final
-checkpoint, routed by that stage's `domain`) and a prompt mix of those stages' tasks,
-each prompt tagged with its stage's domain. `<dir>/manifest.json` records every stage
-(status, input and output checkpoints, timestamps); with `pipeline.resume=true` (the
-default) a stage the manifest lists as completed, from the same input, is not rerun; when a
-stage runs, the later stages are marked stale and run again.
 Overrides are `pipeline.KEY=VALUE` (values parsed as YAML).
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import logging
-import os
-import random
 import sys
-import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
-
-from omegaconf import DictConfig, OmegaConf
-
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(SCRIPTS)
-DEFAULT_CONFIG = os.path.join(REPO, "conf", "pipeline", "glm5.yaml")
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
-
-log = logging.getLogger("glmlight.pipeline")
 
 
-@dataclass
-class StageConfig:
-    overrides: list[str] = field(default_factory=list)  # Hydra overrides of conf/train.yaml
-    merge: dict[str, Any] = field(default_factory=dict)  # values merged into the composed config (nested dicts)
-    domain: Optional[str] = None  # the prompt domain this stage's checkpoint teaches in distillation
-    distill_from: list[str] = field(default_factory=list)  # non-empty: cross-stage OPD from these stages
-    prompts_per_teacher: int = 512  # distillation: prompts drawn from each teacher stage's task
-    eval_prompts_per_teacher: int = 16  # distillation: held-out prompts per teacher stage
-
-
-@dataclass
-class PipelineConfig:
-    name: str = "glm5"
-    dir: str = "runs/pipeline/glm5"
-    base_model: Optional[str] = None  # the first stage's input checkpoint; None = the config's own model
-    common: list[str] = field(default_factory=list)  # overrides applied to every stage (before its own)
-    skip: list[str] = field(default_factory=list)
-    resume: bool = True
-    stages: dict[str, StageConfig] = field(default_factory=dict)
-
-
-@dataclass
-class PipelineFile:
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-
-
-def load_config(path: str = DEFAULT_CONFIG, overrides: list[str] = ()) -> PipelineConfig:
-    """The typed pipeline config from a YAML file plus `pipeline.KEY=VALUE` overrides."""
-    from glmlight.errors import ConfigError
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"config error: pipeline config {path} does not exist")
-    bad = [o for o in overrides if "=" not in o or not o.startswith("pipeline.")]
-    if bad:
-        raise ConfigError(f"config error: pipeline overrides look like pipeline.KEY=VALUE, got {bad[0]!r}")
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(PipelineFile), OmegaConf.load(path),
-                              OmegaConf.from_dotlist(list(overrides)))
-    except Exception as e:  # noqa: BLE001 - OmegaConf errors: one line naming the key
-        key = getattr(e, "full_key", None)
-        msg = str(getattr(e, "msg", None) or e).strip().splitlines()[0]
-        raise ConfigError(f"config error: {key + ': ' if key else ''}{msg}") from None
-    return OmegaConf.to_object(cfg).pipeline
-
-
-# ---------------------------------------------------------------------------------------------- manifest
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-class Manifest:
-    """`<dir>/manifest.json`: one entry per stage, in pipeline order, rewritten atomically on every change."""
-
-    def __init__(self, path: str, pipeline: PipelineConfig, fresh: bool):
-        self.path = path
-        previous: dict[str, Any] = {}
-        if not fresh and os.path.exists(path):
-            with open(path) as f:
-                previous = json.load(f)
-        old = {s["name"]: s for s in previous.get("stages", [])}
-        self.data = {"pipeline": pipeline.name, "dir": os.path.dirname(path),
-                     "created_at": previous.get("created_at") or _now(), "updated_at": None,
-                     "stages": [old.get(name, {"name": name, "status": "pending"}) for name in pipeline.stages]}
-
-    def stage(self, name: str) -> dict[str, Any]:
-        return next(s for s in self.data["stages"] if s["name"] == name)
-
-    def update(self, name: str, **fields: Any) -> None:
-        self.stage(name).update(fields)
-        self.data["updated_at"] = _now()
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=2)
-        os.replace(tmp, self.path)
-
-
-# ---------------------------------------------------------------------------------------------- stages
-def check_stages(p: PipelineConfig) -> None:
-    from glmlight.errors import ConfigError
-
-    names = list(p.stages)
-    if not names:
-        raise ConfigError("config error: pipeline.stages is empty")
-    for s in p.skip:
-        if s not in p.stages:
-            raise ConfigError(f"config error: pipeline.skip names {s!r}, which is not a stage ({names})")
-    for i, (name, st) in enumerate(p.stages.items()):
-        for src in st.distill_from:
-            if src not in names[:i]:
-                raise ConfigError(f"config error: pipeline.stages.{name}.distill_from names {src!r}, which is not an "
-                                  f"earlier stage ({names[:i]})")
-
-
-def stage_config(p: PipelineConfig, name: str, extra: list[str] = ()) -> DictConfig:
-    """The composed train config of one stage: common + the stage's overrides + `extra`, then `merge`."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-    from train import compose
-
-    import glmlight.algorithms  # noqa: F401  (registers every algorithm's config schema before composing)
-    from glmlight.config import format_config_error
-    from glmlight.errors import ConfigError
-
-    st = p.stages[name]
-    try:
-        cfg = compose([*p.common, *st.overrides, *extra])
-        OmegaConf.set_struct(cfg, False)
-        if st.merge:
-            cfg = OmegaConf.merge(cfg, OmegaConf.create(st.merge))
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(f"{format_config_error(e)} (pipeline stage {name})") from None
-    return cfg
-
-
-def run_pipeline(p: PipelineConfig) -> dict[str, Any]:
-    """Run (or resume) every stage in order; return the manifest."""
-    check_stages(p)
-    root = os.path.abspath(p.dir)
-    os.makedirs(root, exist_ok=True)
-    manifest = Manifest(os.path.join(root, "manifest.json"), p, fresh=not p.resume)
-    current = os.path.abspath(p.base_model) if p.base_model else None
-    for name in p.stages:
-        entry = manifest.stage(name)
-        if name in p.skip:
-            manifest.update(name, status="skipped", skipped_at=_now())
-            log.info("stage %s: skipped", name)
-            continue
-        if (p.resume and entry.get("status") == "completed" and entry.get("input_checkpoint") == current
-                and os.path.isdir(entry.get("output_checkpoint") or "")):
-            log.info("stage %s: completed earlier (%s), not rerun", name, entry["output_checkpoint"])
-            current = entry["output_checkpoint"]
-            continue
-        current = run_stage(p, name, current, manifest, root)
-    return manifest.data
-
-
-def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Manifest, root: str) -> str:
-    """Build, fit and save one stage; record it in the manifest. Returns the output checkpoint."""
-    import glmlight
-    from glmlight.models.loading import save_checkpoint
-
-    st = p.stages[name]
-    run_dir = os.path.join(root, name)
-    output = os.path.join(run_dir, "policy")
-    extra = [f"trainer.default_root_dir={run_dir}", f"run_name={p.name}-{name}"]
-    if input_ckpt:
-        extra += [f"model.path={input_ckpt}", "model.warm_start.steps=0"]
-    previous = manifest.stage(name)
-    if (previous.get("status") in ("running", "failed") and previous.get("input_checkpoint") == input_ckpt
-            and os.path.exists(os.path.join(run_dir, "checkpoints", "last.ckpt"))):
-        extra.append("trainer.resume=last")  # continue the interrupted fit
-    later = list(p.stages)[list(p.stages).index(name) + 1 :]
-    for after in later:  # their input is about to change: a resume must run them again
-        if manifest.stage(after).get("status") == "completed":
-            manifest.update(after, status="stale")
-    manifest.update(name, status="running", input_checkpoint=input_ckpt, output_checkpoint=None, run_dir=run_dir,
-                    domain=st.domain, overrides=[*p.common, *st.overrides, *extra], started_at=_now(),
-                    finished_at=None, seconds=None, error=None)
-    t0 = time.time()
-    log.info("stage %s: starting from %s", name, input_ckpt or "the configured model")
-    try:
-        cfg = stage_config(p, name, extra)
-        if st.distill_from:
-            teachers = prepare_distillation(p, name, cfg, manifest, run_dir)
-            manifest.update(name, teachers=teachers)
-        run = glmlight.build(cfg)
-        run.fit()
-        save_checkpoint(run.module.policy, run.datamodule.tokenizer, output)
-        run.datamodule.engine.close()
-    except BaseException as e:
-        manifest.update(name, status="failed", finished_at=_now(), seconds=round(time.time() - t0, 2),
-                        error=f"{type(e).__name__}: {e}")
-        raise
-    manifest.update(name, status="completed", output_checkpoint=output, finished_at=_now(),
-                    seconds=round(time.time() - t0, 2))
-    log.info("stage %s: completed in %.1fs -> %s", name, time.time() - t0, output)
-    return output
-
-
-def prepare_distillation(p: PipelineConfig, name: str, cfg: DictConfig, manifest: Manifest,
-                         run_dir: str) -> dict[str, Any]:
-    """Cross-stage OPD: one teacher per completed `distill_from` stage (routed by its domain), and a
-    prompt mix of those stages' tasks written to `<run_dir>/prompts.jsonl`. Edits `cfg`; returns the teachers."""
-    from glmlight.build import build_sources
-    from glmlight.errors import ConfigError
-
-    st = p.stages[name]
-    teachers: dict[str, Any] = {}
-    train_rows: list[dict[str, Any]] = []
-    eval_rows: list[dict[str, Any]] = []
-    for src in st.distill_from:
-        entry = manifest.stage(src)
-        if src in p.skip or entry.get("status") != "completed":
-            log.warning("stage %s: %s has no final checkpoint (status %s); no teacher or prompts from it",
-                        name, src, entry.get("status"))
-            continue
-        domain = p.stages[src].domain or src
-        teachers[src] = {"path": entry["output_checkpoint"], "domains": [domain]}
-        src_cfg = stage_config(p, src)
-        train, held_out = build_sources(src_cfg.task, src_cfg.seed)
-        train_rows += _rows(train, st.prompts_per_teacher, domain)
-        if held_out is not None:
-            eval_rows += _rows(held_out, st.eval_prompts_per_teacher, domain)
-    if not teachers:
-        raise ConfigError(f"config error: stage {name}: none of distill_from {st.distill_from} has a completed "
-                          "checkpoint to distill from")
-    random.Random(0).shuffle(train_rows)
-    os.makedirs(run_dir, exist_ok=True)
-    task = {"name": f"{name}_mix", "source": "jsonl", "path": _write_jsonl(os.path.join(run_dir, "prompts.jsonl"), train_rows),
-            "eval_path": _write_jsonl(os.path.join(run_dir, "eval_prompts.jsonl"), eval_rows) if eval_rows else None,
-            "agent": {"env": None}}
-    cfg.task = OmegaConf.merge(cfg.task, task)
-    cfg.algo.teachers = teachers
-    cfg.algo.default_teacher = None
-    return teachers
-
-
-def _rows(source: Any, n: int, domain: str) -> list[dict[str, Any]]:
-    rows = []
-    for i in range(min(n, len(source))):
-        prompt = source[i]
-        rows.append({**prompt.metadata, "prompt": prompt.messages, "label": prompt.label, "domain": domain})
-    return rows
-
-
-def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> str:
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
-    return path
-
-
-# ---------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str]) -> int:
+    from glmlight.cli import run_with_one_line_errors, setup_logging
+    from glmlight.pipeline import DEFAULT_CONFIG, load_config, run_pipeline
+
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
@@ -286,8 +31,6 @@ def main(argv: list[str]) -> int:
             config = a.split("=", 1)[1]
         else:
             overrides.append(a)
-    from glmlight.cli import run_with_one_line_errors, setup_logging
-
     setup_logging()
 
     def go() -> None:
@@ -296,6 +39,7 @@ def main(argv: list[str]) -> int:
             print(f"{s['name']:>12}: {s['status']:<9} {s.get('output_checkpoint') or ''}")
 
     return run_with_one_line_errors(go)
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

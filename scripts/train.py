@@ -15,24 +15,14 @@ from __future__ import annotations
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONF = os.path.join(REPO, "conf")
-
-
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import glmlight.algorithms  # noqa: F401  (registers each algorithm's config schema)
-
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=overrides)
-
 
 def main(argv: list[str]) -> int:
+    from glmlight.cli import CONF_DIR, compose, run_with_one_line_errors, setup_logging
+
     if "-h" in argv or "--help" in argv:
         print(__doc__)
-        print("config groups:", ", ".join(sorted(d for d in os.listdir(CONF) if os.path.isdir(os.path.join(CONF, d)))))
+        groups = sorted(d for d in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, d)))
+        print("config groups:", ", ".join(groups))
         return 0
     show = None
     overrides = []
@@ -47,7 +37,6 @@ def main(argv: list[str]) -> int:
 
     from omegaconf import OmegaConf
 
-    from glmlight.cli import run_with_one_line_errors, setup_logging
     from glmlight.config import validate
 
     setup_logging()

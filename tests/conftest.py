@@ -5,7 +5,6 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -25,6 +24,17 @@ def tiny_model(tokenizer):
     return load_causal_lm(None, tokenizer, preset="test", seed=0).eval()
 
 
+def load_script(name: str):
+    """A script of scripts/ as a module (scripts are not a package; nothing touches sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"script_{name}", os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
 def encode(tokenizer, text: str) -> list[int]:
     from glmlight.models.tokenizer import encode_chat
 
@@ -37,7 +47,8 @@ def overrides_for_tests(tmp_path, *extra: str) -> list[str]:
         "model.preset=test", "model.warm_start.steps=0", "logger=csv", f"trainer.default_root_dir={tmp_path}",
         "trainer.max_steps=2", "trainer.enable_progress_bar=false", "rollout.rollout_batch_size=4",
         "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4", "task.num_eval_prompts=8",
-        "trainer.checkpoint_every_n_steps=0", "task.reward._target_=tests.conftest.digit_fraction_reward", *extra,
+        "trainer.checkpoint_every_n_steps=0", "task.reward._target_=tests.conftest.digit_fraction_reward",
+        "logger.report=false", *extra,
     ]
 
 

@@ -17,7 +17,7 @@ from glmlight.rollout.base import SamplingParams
 from glmlight.rollout.local import LocalEngine
 from glmlight.sample import Status
 from tests.conftest import overrides_for_tests
-from train import compose
+from glmlight import compose
 
 
 class ScriptedEnv:

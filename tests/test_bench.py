@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-import bench
+from tests.conftest import load_script
+
+bench = load_script("bench")
 
 TINY = bench.Sizes(preset="test", batch=2, prompt=4, new_tokens=3, reps=1, group=2, prompts=1, completion=3,
                    steps=1, flops_preset="test", flops_batch=2, flops_seq=16, flops_steps=1, matmul_n=64)

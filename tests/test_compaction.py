@@ -10,6 +10,7 @@ from torch.testing import assert_close
 import glmlight
 from glmlight.agents import StepResult, encode_observation, generation_prompt
 from glmlight.agents.compaction import CompactingAgentLoop
+from glmlight.agents.loop import episode_to_samples
 from glmlight.algorithms.compaction import CompactionConfig, CompactionRL
 from glmlight.data.sources import Prompt
 from glmlight.models.tokenizer import encode_chat, stop_token_ids
@@ -17,17 +18,19 @@ from glmlight.ops.reduce import aggregate_loss
 from glmlight.rollout.base import Generation, SamplingParams
 from glmlight.sample import Experience, Sample, Status
 from tests.conftest import overrides_for_tests
-from train import compose
+from glmlight import compose
 
 
 class ScriptedPolicy:
     """A RolloutEngine whose answers are scripted: actions 'a1', 'a2', ...; summaries 'S1', 'S2', ...
-    (it answers a summary request when the context ends with the request ids)."""
+    (it answers a summary request when the context ends with the request ids). `summary_finish`:
+    the finish reason of summary answers (e.g. "error": the engine failed after retries)."""
 
-    def __init__(self, tokenizer, request_ids):
+    def __init__(self, tokenizer, request_ids, summary_finish="stop"):
         self.tok, self.request_ids = tokenizer, request_ids
         self.actions = self.summaries = 0
         self.version = 0
+        self.summary_finish = summary_finish
 
     def generate(self, prompts, params):
         out = []
@@ -39,7 +42,10 @@ class ScriptedPolicy:
                 self.actions += 1
                 text = f"a{self.actions}"
             ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
-            out.append(Generation(ids, [-0.5] * len(ids), "stop", [0] * len(ids)))
+            finish = self.summary_finish if text.startswith("S") else "stop"
+            if finish == "error":
+                ids = []
+            out.append(Generation(ids, [-0.5] * len(ids), finish, [0] * len(ids)))
         return out
 
 
@@ -57,9 +63,9 @@ class Echo:
         return StepResult(None, reward=1.0, done=True) if self.t >= self.n else StepResult(f"o{self.t}")
 
 
-def _loop(tokenizer, max_context=60, threshold=26, k=2):
+def _loop(tokenizer, max_context=60, threshold=26, k=2, summary_finish="stop"):
     request = encode_observation(tokenizer, "Summarize.", role="user") + generation_prompt(tokenizer)
-    policy = ScriptedPolicy(tokenizer, request)
+    policy = ScriptedPolicy(tokenizer, request, summary_finish)
     stops = stop_token_ids(tokenizer)
     loop = CompactingAgentLoop(policy, tokenizer, lambda: Echo(6),
                                lambda ctx: SamplingParams(max_new_tokens=4, stop_token_ids=stops),
@@ -104,6 +110,17 @@ def test_segmentation_masks_and_resume_prompt(tokenizer):
     assert second_prompt == head + _ids(tokenizer, "S1") + tail + gen
 
 
+@pytest.mark.parametrize("finish, status", [("error", Status.FAILED), ("abort", Status.ABORTED)])
+def test_a_failed_summary_ends_the_episode_and_is_never_resumed_from(tokenizer, finish, status):
+    loop, policy = _loop(tokenizer, summary_finish=finish)
+    ep = loop.run([Prompt(messages=[{"role": "user", "content": "go"}])])[0]
+    assert policy.summaries == 1 and ep.status is status and ep.done
+    assert ep.segments == []  # no segment was closed on a summary that does not exist
+    (sample,) = episode_to_samples(ep, group_id=0, rollout_id=0)
+    assert sample.status is status
+    assert sample.reward is None if status is Status.FAILED else True
+
+
 def test_tail_shrinks_until_the_prompt_fits(tokenizer):
     loop, _ = _loop(tokenizer, max_context=60, threshold=26, k=5)
     ep = loop.run([Prompt(messages=[{"role": "user", "content": "go"}])])[0]
@@ -134,6 +151,27 @@ def test_cross_trajectory_gae_by_hand(tokenizer, tiny_model):
     module.compute_advantages(exp)
     l0, l1 = 2 / 3, 7 / 9
     assert_close(exp.advantages, torch.tensor([[l1 * l1, l1, 1.0], [l0 * 8 / 27, 8 / 27, 0.0]]))
+
+
+def test_normalisation_keeps_the_cross_trajectory_discount(tiny_model):
+    # 4 trajectories x 2 segments x 100 action tokens, 3 succeed (R = 1), V = 0. The first segment of a
+    # success is discounted by (γλ)^100 ≈ 0.51; whitening that centres the batch made its early tokens
+    # negative (below the batch mean). Normalisation must keep them positive and keep the discount.
+    cfg = CompactionConfig(whiten_advantages=True, critic_freeze_attention=False)
+    module = CompactionRL(cfg, tiny_model)
+    segs = [_segment(100, r, s, reward=1.0 if r < 3 else 0.0) for r in range(4) for s in (0, 1)]
+    exp = Experience.collate(segs, pad_token_id=0)
+    exp.values = torch.zeros_like(exp.loss_mask)
+    module.compute_advantages(exp)
+    adv = exp.advantages
+    first_success = [i for i, s in enumerate(segs) if s.rollout_id == 0 and s.segment == 0][0]
+    last_success = [i for i, s in enumerate(segs) if s.rollout_id == 0 and s.segment == 1][0]
+    assert adv[first_success, 0] > 0  # the earliest token of a successful trajectory
+    assert (adv[[i for i, s in enumerate(segs) if s.rollout_id < 3]] > 0).all()
+    assert (adv[[i for i, s in enumerate(segs) if s.rollout_id == 3]] == 0).all()
+    lam = 1 - 1 / (1.5 * 100)
+    # the discount between the same position of the two segments is (γλ)^N_after, N_after = 100
+    assert_close(adv[first_success, 50] / adv[last_success, 50], torch.tensor(lam ** 100), rtol=1e-4, atol=0)
 
 
 def test_token_level_loss_differs_from_per_segment_mean():

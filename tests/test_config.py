@@ -48,3 +48,10 @@ def test_validate_in_python():
         validate({"rollout": {"rollout_batch_size": 0}})
     with pytest.raises(ConfigError, match="rollout.compile is for the embedded engine"):
         validate({"rollout": {"backend": "sglang", "compile": True}})
+
+
+def test_dual_clip_with_dis_is_refused():
+    # dual clip bounds PPO's loss for negative advantages; DIS has no such branch, so the key was ignored
+    with pytest.raises(ConfigError, match="dual_clip_c applies to algo.policy_loss=ppo"):
+        validate({"algo": {"name": "sao", "dual_clip_c": 3.0}})
+    assert validate({"algo": {"name": "grpo", "dual_clip_c": 3.0}}).algo.dual_clip_c == 3.0

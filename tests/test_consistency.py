@@ -15,7 +15,7 @@ from glmlight.rollout.base import SamplingParams
 from glmlight.rollout.local import LocalEngine
 from glmlight.sample import Experience, Sample
 from tests.conftest import encode, overrides_for_tests
-from train import compose
+from glmlight import compose
 
 
 def _batch(ratios, mask=None):
@@ -106,7 +106,7 @@ def _build(tmp_path, *extra):
 def test_sync_makes_engine_greedy_equal_trainer_greedy(tmp_path, tokenizer):
     run = _build(tmp_path, "trainer.max_steps=2", "~callbacks.held_out_eval", "~callbacks.sample_table",
                  "algo.lr=0.01")
-    run.fit()
+    run.fit(close=False)  # the engine answers below
     engine, policy = run.datamodule.engine, run.module.policy.eval()
     p = encode(tokenizer, "3+4=")
     synced = engine.generate([p], SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids
@@ -153,7 +153,8 @@ def test_consistency_demo_logs_real_mismatch(tmp_path):
 
     run = _build(tmp_path, "callbacks=consistency", "trainer.max_steps=2", "~callbacks.held_out_eval",
                  "~callbacks.sample_table", "callbacks.mismatch.probe_every_n_steps=1",
-                 "callbacks.index_agreement.every_n_steps=1", "rollout.max_new_tokens=12")
+                 "callbacks.index_agreement.every_n_steps=1", "callbacks.routing_agreement.every_n_steps=1",
+                 "rollout.max_new_tokens=12")
     run.fit()
     path = glob.glob(os.path.join(str(tmp_path), "csv", "*", "metrics.csv"))[0]
     rows = [r for r in csv.DictReader(open(path)) if r.get("mismatch/mismatch_kl")]
@@ -161,7 +162,7 @@ def test_consistency_demo_logs_real_mismatch(tmp_path):
     kl = [float(r["mismatch/mismatch_kl"]) for r in rows]
     assert all(math.isfinite(v) for v in kl) and any(abs(v) > 0 for v in kl)  # bf16 engine vs fp32 trainer
     for key in ("icepop/popped_frac", "mismatch/chi2_token", "mismatch/trusted_token_ratio",
-                "mismatch/token_agreement", "index_agreement/mean"):
+                "mismatch/token_agreement", "index_agreement/mean", "routing_agreement/mean"):
         assert any(r.get(key) not in (None, "") for r in rows), key
     agreement = [float(r["mismatch/token_agreement"]) for r in rows if r.get("mismatch/token_agreement")]
     assert all(0.0 <= a <= 1.0 for a in agreement)
@@ -172,3 +173,22 @@ def test_max_mismatch_kl_stops_the_run(tmp_path):
                  "~callbacks.sample_table", "callbacks.mismatch.max_mismatch_kl=1e-12")
     with pytest.raises(RuntimeError, match="exceeds max_mismatch_kl"):
         run.fit()
+
+
+def test_top_k_top_p_engine_and_trainer_log_probs_are_the_same_quantity(tmp_path):
+    # Identical fp32 weights on both sides: with top-k / top-p filtering the engine reports the
+    # log-prob of the filtered, renormalised distribution; the trainer must compute the same one,
+    # else log k = log π_train − log π_rollout ≤ 0 on every token and every correction is biased.
+    import csv
+
+    run = _build(tmp_path, "trainer.max_steps=2", "~callbacks.held_out_eval", "~callbacks.sample_table",
+                 "+callbacks.mismatch={_target_:callbacks.MismatchMonitor,probe_every_n_steps:0}",
+                 "rollout.top_p=0.9", "rollout.top_k=5", "rollout.temperature=0.7", "rollout.max_new_tokens=8")
+    run.fit()
+    path = glob.glob(os.path.join(str(tmp_path), "csv", "*", "metrics.csv"))[0]
+    rows = [r for r in csv.DictReader(open(path)) if r.get("mismatch/mismatch_kl")]
+    assert len(rows) == 2
+    for r in rows:
+        assert abs(float(r["mismatch/mismatch_kl"])) < 1e-6, r["mismatch/mismatch_kl"]
+        assert abs(float(r["mismatch/log_ppl_diff"])) < 1e-5
+        assert float(r["train/outside_kept_set_frac"]) == 0.0

@@ -252,7 +252,7 @@ def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer, monkeypatc
 
 @pytest.mark.parametrize("form", ["dense", "grouped", "model's own"])
 def test_glm_runner_moe_forms_equal_the_model(tokenizer, tiny_model, monkeypatch, form):
-    from glmlight.rollout import glm_moe
+    from glmlight.models.glm5 import moe as glm_moe
     from glmlight.rollout.glm_runner import GlmDsaRunner
 
     if form == "model's own":  # experts too large for the dense form: no stacked copy at all
@@ -341,7 +341,7 @@ def test_compile_on_cpu_needs_a_cxx_compiler(tiny_model, monkeypatch):
 def test_compiled_decode_with_the_model_s_own_moe(tokenizer, tiny_model, monkeypatch):
     """Experts too large for the dense form: the compiled step runs the MoE eagerly (a graph break)
     and still computes the eager runner's logits."""
-    from glmlight.rollout import glm_moe
+    from glmlight.models.glm5 import moe as glm_moe
     from glmlight.rollout.glm_runner import GlmDsaRunner
 
     monkeypatch.setattr(glm_moe, "DENSE_MOE_MAX_WASTED_FLOPS", 0.0)

@@ -1,4 +1,4 @@
-"""glmlight.models.glm_forward against the model's own forward (transformers' GlmMoeDsaForCausalLM).
+"""glmlight.models.glm5.forward against the model's own forward (transformers' GlmMoeDsaForCausalLM).
 
 Every comparison is at the real (attention_mask = 1) positions of batches whose rows are padded on
 both sides (left-padded prompt, right-padded response), in fp32, where the two must agree up to
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from glmlight.models.glm_forward import forward_logits, supports
+from glmlight.models.glm5.forward import forward_logits, supports
 from glmlight.models.loading import load_causal_lm
 
 PROMPT = 12  # prompt columns: the response starts at position 12

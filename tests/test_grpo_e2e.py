@@ -11,7 +11,7 @@ import glmlight
 from glmlight.algorithms.grpo import GRPO
 from glmlight.errors import ConfigError
 from tests.conftest import overrides_for_tests
-from train import compose
+from glmlight import compose
 
 
 def _build(tmp_path, *extra):
@@ -27,7 +27,7 @@ def _metrics(tmp_path):
 def test_grpo_steps_update_policy_and_engine(tmp_path):
     run = _build(tmp_path, "trainer.max_steps=3")
     before = {k: v.clone() for k, v in run.module.policy.state_dict().items()}
-    run.fit()
+    run.fit(close=False)  # the engine is inspected below
     after = run.module.policy.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert run.trainer.global_step == 3 and run.module.rl_step == 3
@@ -38,7 +38,7 @@ def test_grpo_steps_update_policy_and_engine(tmp_path):
     rows = _metrics(tmp_path)
     keys = set().union(*(r.keys() for r in rows))
     for k in ("rollout/reward_mean", "rollout/pass_rate", "rollout/response_length", "train/clip_frac",
-              "train/entropy", "train/grad_norm", "rollout/tokens_per_s", "policy_version", "eval/reward",
+              "train/entropy", "train/grad_norm", "rollout/tokens_per_s", "policy_version", "eval/heldout/pass@1",
               "sync/seconds"):
         assert k in keys, k
     totals = run.datamodule.totals
@@ -78,7 +78,7 @@ def test_checkpoint_and_resume(tmp_path):
 def _params_after(tmp_path, *extra):
     run = _build(tmp_path, "trainer.max_steps=2", "~callbacks.held_out_eval", "~callbacks.sample_table",
                  "trainer.deterministic=true", *extra)
-    run.fit()
+    run.fit(close=False)  # callers inspect the engine
     return run, {k: v.clone() for k, v in run.module.policy.state_dict().items()}
 
 
@@ -150,7 +150,7 @@ def test_only_data_parallel_ranks_may_skip_rows(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from glmlight.build import hardware_kwargs
+    from glmlight.builder import hardware_kwargs
 
     module = _build(tmp_path).module
     assert module.ranks_may_skip_rows()  # no trainer attached: one process

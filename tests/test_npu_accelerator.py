@@ -413,7 +413,7 @@ def test_sao_on_npu_config_trains_through_the_plugin(standin: Any, tmp_path: Pat
     """`algo=sao accelerator=npu`: the real SAO module, embedded engine and Trainer on the plugin."""
     import glmlight
     from tests.conftest import overrides_for_tests
-    from train import compose
+    from glmlight import compose
 
     run = glmlight.build(compose(overrides_for_tests(
         tmp_path, "algo=sao", "accelerator=npu", "trainer.devices=1", "trainer.max_steps=2",

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from train import compose
+from glmlight import compose
 
 import glmlight
 from glmlight.algorithms.opd import OPD
@@ -58,9 +58,9 @@ def engine_from_checkpoint(path: str):
     return LocalEngine(load_causal_lm(path, None), pad_token_id=0)
 
 
-def _module(tiny_model, **algo):
+def _module(tiny_model, temperature=1.0, **algo):
     cfg = validate({"algo": {"name": "opd", **algo}}).algo
-    return OPD(cfg, tiny_model, temperature=1.0, max_new_tokens=4, pad_token_id=0)
+    return OPD(cfg, tiny_model, temperature=temperature, max_new_tokens=4, pad_token_id=0)
 
 
 def _batch(tokenizer, domains, rewards=None, group_size=1):
@@ -74,12 +74,12 @@ def _batch(tokenizer, domains, rewards=None, group_size=1):
     return Experience.collate(samples, pad_token_id=tokenizer.pad_token_id)
 
 
-def _forward_logprobs(model, sample):
+def _forward_logprobs(model, sample, temperature=1.0):
     """The teacher's log-probs of one sample's response tokens: a plain forward pass, no padding."""
     ids = torch.tensor([sample.prompt_ids + sample.response_ids])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(sample.prompt_ids) - 1 : -1]
-    return logprobs_from_logits(logits.unsqueeze(0), torch.tensor([sample.response_ids]))[0]
+    return logprobs_from_logits(logits.unsqueeze(0), torch.tensor([sample.response_ids]), temperature)[0]
 
 
 # ------------------------------------------------------------------------------------------ routing / prefill
@@ -163,6 +163,36 @@ def test_orm_coef_mixes_group_advantages(tokenizer, tiny_model, teacher_dirs):
     plain.prepare_experience(batch)
     plain.compute_advantages(batch)
     assert torch.allclose(batch.advantages, (batch.teacher_logprobs - batch.old_logprobs) * batch.loss_mask)
+
+
+@pytest.mark.parametrize("serve", ["trainer", "engine"])
+def test_teacher_scores_at_the_student_temperature(tokenizer, tiny_model, teacher_dirs, serve):
+    # The student's log-probs are taken at the rollout temperature; the teacher's must be too (by
+    # default), so the advantage compares the same distribution. teacher_temperature overrides it.
+    teacher = load_causal_lm(teacher_dirs["A"], None).eval()
+    batch = _batch(tokenizer, ["math", "math"])
+    for setting, expected_t in ((None, 0.7), (1.0, 1.0)):
+        module = _module(tiny_model, temperature=0.7, teacher_temperature=setting,
+                         teachers={"A": {"path": teacher_dirs["A"], "serve": serve}})
+        module.prepare_experience(batch)
+        for i, s in enumerate(batch.samples):
+            n = s.response_length
+            assert torch.allclose(batch.teacher_logprobs[i, :n], _forward_logprobs(teacher, s, expected_t), atol=1e-4)
+            assert not torch.allclose(batch.teacher_logprobs[i, :n],
+                                      _forward_logprobs(teacher, s, 1.7 - expected_t), atol=1e-3)
+        module.teardown("fit")
+
+
+def test_orm_term_with_one_sample_per_prompt_is_the_raw_reward(tokenizer, tiny_model, teacher_dirs):
+    # GLM-5's OPD group size is 1: a centred reward would be 0 for every sample (a silent no-op).
+    module = _module(tiny_model, teachers={"A": {"path": teacher_dirs["A"]}}, orm_coef=0.5)
+    batch = _batch(tokenizer, ["math"] * 3, rewards=[1.0, 0.0, 0.25], group_size=1)
+    module.prepare_experience(batch)
+    module.compute_advantages(batch)
+    opd = (batch.teacher_logprobs - batch.old_logprobs) * batch.loss_mask
+    expected = opd + 0.5 * torch.tensor([1.0, 0.0, 0.25]).unsqueeze(-1) * batch.loss_mask
+    assert torch.allclose(batch.advantages, expected, atol=1e-5)
+    assert batch.stats["opd/orm_advantage_abs_mean"] > 0
 
 
 # ------------------------------------------------------------------------------------------ the real loop

@@ -11,6 +11,7 @@ from glmlight.ops.gae import (
     cross_trajectory_gae,
     explained_variance,
     gae,
+    masked_scale,
     masked_whiten,
     segment_lambda,
     skip_observation_gae,
@@ -138,6 +139,8 @@ def test_masked_whiten():
         masked_whiten(x, mask, shift_mean=False),
         t([[3 - 2 / s, 3 - 1 / s, 3.0, 0.0], [3 + 3 / s, 0.0, 0.0, 0.0]]),
     )
+    # std only: x / s, signs and ratios kept
+    assert_close(masked_scale(x, mask), t([[1 / s, 2 / s, 3 / s, 0.0], [6 / s, 0.0, 0.0, 0.0]]))
 
 
 def test_explained_variance():

@@ -119,3 +119,61 @@ def test_logprobs_and_entropy_by_hand():
                  torch.tensor([[math.log(0.25 / 0.375)]]))
     h = -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25))
     assert_close(entropy_from_logits(logits), torch.tensor([[h]]))
+
+
+def test_k3_survives_a_very_negative_log_ratio_and_k1_k2_are_not_clamped():
+    # lr = -100 (e.g. a padding position, or a token the reference finds far likelier): exp(-lr)
+    # overflows float32; k3's value and gradient must stay finite.
+    lp = torch.tensor([-100.0, -1.0], requires_grad=True)
+    ref = torch.tensor([0.0, -1.0])
+    kl = kl_penalty(lp, ref, "k3")
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(lp.grad).all()
+    assert kl[0] == 10.0 and kl[1] == 0.0
+    # k1 / k2 have no exp: their values are not capped (a cap at 10 would cut the gradient)
+    lp2, ref2 = torch.tensor([30.0]), torch.tensor([0.0])
+    assert_close(kl_penalty(lp2, ref2, "k1"), torch.tensor([30.0]))
+    assert_close(kl_penalty(lp2, ref2, "k2"), torch.tensor([450.0]))
+    assert_close(kl_penalty(lp2, ref2, "k2", clamp=10.0), torch.tensor([10.0]))
+
+
+def test_k2_gradient_is_the_reverse_kl_gradient():
+    # Exact expectation over y ~ π_θ of ∇ k2 = Σ_y π(y)·lr(y)·∇log π(y) equals ∇KL(π ‖ π_ref).
+    theta = torch.tensor([0.3, -0.2, 0.9], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.5, -0.5], dtype=torch.float64), -1)
+    logp = torch.log_softmax(theta, -1)
+    p = logp.exp().detach()
+    surrogate = (p * kl_penalty(logp, ref, "k2")).sum()  # samples' distribution held fixed
+    (g_k2,) = torch.autograd.grad(surrogate, theta, retain_graph=True)
+    (g_kl,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)
+    assert_close(g_k2, g_kl)
+
+
+def test_logprobs_of_confident_tokens_are_exact_to_float32_rounding():
+    # Large logits: x[label] - logsumexp(x) subtracts two numbers near 100 (float32 ulp 7.6e-6);
+    # the max-subtracted form computes the small result directly.
+    g = torch.Generator().manual_seed(0)
+    logits = 100.0 + torch.randn(4, 8, 512, generator=g)
+    logits[..., 7] += 12.0  # token 7 near-certain
+    labels = torch.full((4, 8), 7)
+    exact = torch.log_softmax(logits.double(), -1)[..., 7]
+    err = (logprobs_from_logits(logits, labels).double() - exact).abs().max().item()
+    assert err < 5e-7, err
+    err_t = (logprobs_from_logits(logits, labels, temperature=0.7).double()
+             - torch.log_softmax(logits.double() / 0.7, -1)[..., 7]).abs().max().item()
+    assert err_t < 1e-6, err_t
+
+
+def test_top_k_top_p_log_probs_are_the_renormalised_kept_set():
+    # p = [0.5, 0.3, 0.15, 0.05]: top_p = 0.8 keeps {0.5, 0.3} (mass before 0.15 is 0.8 >= 0.8)
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
+    lp = logprobs_from_logits(logits.expand(1, 4, 4), torch.tensor([[0, 1, 2, 3]]), top_p=0.8)
+    assert_close(lp[0, :2], torch.log(torch.tensor([0.5 / 0.8, 0.3 / 0.8])))
+    assert lp[0, 2] == -math.inf and lp[0, 3] == -math.inf
+    # top_k = 3: renormalised over 0.95
+    lp = logprobs_from_logits(logits.expand(1, 4, 4), torch.tensor([[0, 1, 2, 3]]), top_k=3)
+    assert_close(lp[0, :3], torch.log(torch.tensor([0.5, 0.3, 0.15]) / 0.95))
+    assert lp[0, 3] == -math.inf
+    # entropy of the kept set
+    h = -(0.625 * math.log(0.625) + 0.375 * math.log(0.375))
+    assert_close(entropy_from_logits(logits, top_p=0.8), torch.tensor([[h]]))

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from pipeline import load_config, run_pipeline, stage_config
+from glmlight.pipeline import load_config, run_pipeline, stage_config
 
 from glmlight.errors import ConfigError
 from glmlight.models.loading import load_causal_lm, load_tokenizer

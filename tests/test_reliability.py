@@ -23,7 +23,7 @@ from glmlight.rollout.base import Generation
 from glmlight.rollout.local import LocalEngine
 from glmlight.sample import Status
 from tests.conftest import REPO, overrides_for_tests
-from train import compose
+from glmlight import compose
 
 KEYS = ["rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm", "train/entropy",
         "policy_version"]
@@ -44,6 +44,28 @@ def _rows(root):
     return out
 
 
+def _kill_after_checkpoints(root, overrides, n):
+    """Run scripts/train.py in a subprocess and SIGKILL it once `n` periodic checkpoints exist and
+    last.ckpt has caught up with the newest."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.Popen([sys.executable, "scripts/train.py", *overrides], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckpts = os.path.join(str(root), "checkpoints")
+    periodic = lambda: glob.glob(os.path.join(ckpts, "*step=*.ckpt"))  # noqa: E731
+    deadline = time.time() + 300
+    last = os.path.join(ckpts, "last.ckpt")
+
+    def ready():
+        found = periodic()
+        return len(found) >= n and os.path.exists(last) and os.path.getmtime(last) >= max(map(os.path.getmtime, found))
+
+    while time.time() < deadline and not ready() and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert len(periodic()) >= n, err.decode()[-2000:]
+
+
 def test_kill_dash_nine_then_resume_gives_the_same_metrics(tmp_path):
     straight = tmp_path / "straight"
     glmlight.build(compose(_overrides(straight))).fit()
@@ -51,16 +73,7 @@ def test_kill_dash_nine_then_resume_gives_the_same_metrics(tmp_path):
     assert sorted(expected) == [1, 2, 3, 4]
 
     killed = tmp_path / "killed"
-    args = [sys.executable, "scripts/train.py", *_overrides(killed)]
-    env = {**os.environ, "PYTHONPATH": REPO}
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    ckpts = os.path.join(str(killed), "checkpoints")
-    deadline = time.time() + 240
-    while time.time() < deadline and not glob.glob(os.path.join(ckpts, "*step=2.ckpt")):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate()
-    assert glob.glob(os.path.join(ckpts, "*step=2.ckpt")), err.decode()[-2000:]
+    _kill_after_checkpoints(killed, _overrides(killed), 2)
 
     resumed = glmlight.build(compose(_overrides(killed, "trainer.resume=last")))
     resumed.fit()
@@ -69,6 +82,67 @@ def test_kill_dash_nine_then_resume_gives_the_same_metrics(tmp_path):
     for step in sorted(got):
         assert got[step] == expected[step], (step, got[step], expected[step])
     assert max(got) == 4
+
+
+def _is_timing(key):
+    return key.endswith(("seconds", "per_s"))
+
+
+def _logged(csv_path):
+    """Every value the run logged (timings aside), by logger step: {step: sorted [(key, value)]}."""
+    out = {}
+    for r in csv.DictReader(open(csv_path)):
+        step = int(r.pop("step"))
+        out.setdefault(step, []).extend((k, v) for k, v in r.items() if v not in ("", None) and not _is_timing(k))
+    return {step: sorted(kv) for step, kv in out.items()}
+
+
+def _csv_versions(root):
+    paths = glob.glob(os.path.join(str(root), "csv", "version_*", "metrics.csv"))
+    return sorted(paths, key=lambda p: int(p.split("version_")[-1].split(os.sep)[0]))
+
+
+# The default callback set (weight sync, version gate, held-out evaluation, sample table), evaluation
+# every 3 RL steps, checkpoints every 2: the run is killed after the RL-step-4 checkpoint, so it resumes
+# at a step that is no multiple of the evaluation interval and evaluates again at step 6.
+RESUME_CASES = {
+    "grpo": [],
+    "sao_async": ["algo=sao"],
+    "calculator_agent": ["task=calculator_agent", "rollout.max_new_tokens=6", "task.agent.max_turns=2"],
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "calculator_agent" else c
+                                  for c in sorted(RESUME_CASES)])  # (the agent case is slow: -m slow)
+def test_resume_with_the_default_callbacks_logs_exactly_the_uninterrupted_metrics(tmp_path, case):
+    def overrides(root, *extra):
+        return overrides_for_tests(root, *RESUME_CASES[case], "trainer.max_steps=6",
+                                   "trainer.checkpoint_every_n_steps=2", "eval.every_n_steps=3", "algo.lr=0.01",
+                                   "trainer.deterministic=true", *extra)
+
+    straight = tmp_path / "straight"
+    glmlight.build(compose(overrides(straight))).fit()
+    [straight_csv] = _csv_versions(straight)
+    expected = _logged(straight_csv)
+
+    killed = tmp_path / "killed"
+    _kill_after_checkpoints(killed, overrides(killed), 2)
+    ckpt = torch.load(os.path.join(str(killed), "checkpoints", "last.ckpt"), weights_only=False, map_location="cpu")
+    resumed = glmlight.build(compose(overrides(killed, "trainer.resume=last")))
+    steps_per_rl = resumed.module.optimizer_steps_per_rl_step
+    resumed_at = ckpt["global_step"] // steps_per_rl
+    assert resumed_at % 3 != 0 and resumed_at < 6, resumed_at
+    resumed.fit()
+    assert resumed.module.rl_step == 6
+    got = _logged(_csv_versions(killed)[-1])  # what the resumed run itself logged
+
+    # logger steps count RL steps done before the one in progress: the resumed run logs from resumed_at on
+    want = {step: kv for step, kv in expected.items() if step >= resumed_at}
+    for step in sorted(want):
+        diff = sorted(set(got.get(step, [])) ^ set(want[step]))
+        assert got.get(step) == want[step], (step, diff)
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))  # nothing logged twice or left out
+    assert any(k.startswith("eval/") for kv in want.values() for k, _ in kv)  # an evaluation ran after the resume
 
 
 def test_corrupt_checkpoint_is_named_and_the_previous_one_offered(tmp_path):

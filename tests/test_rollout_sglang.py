@@ -1,6 +1,7 @@
-"""SGLangEngine against a loopback server speaking SGLang's native protocol (tests/protocol_servers.py),
-backed by the embedded engine: answers must equal what the embedded engine computes for the
-same requests, exactly once and in order, also under injected faults."""
+"""SGLangEngine against the SGLang 0.5.23 stand-in (tests/standin_sglang.py), backed by the embedded
+engine: answers must equal what the embedded engine computes for the same requests, exactly once
+and in order, also under injected faults. (SGLang itself needs CUDA: scripts/gpu_check.sh runs
+tests/test_real_servers.py against it.)"""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 
 import pytest
 import torch
 
-from glmlight.errors import EngineError
+from glmlight.errors import ConfigError, EngineError
+from glmlight.rollout.base import SamplingParams
+from glmlight.rollout.factory import build_server_engine
 from glmlight.rollout.http import HttpSettings
+from glmlight.rollout.launch import free_port, server_processes
 from glmlight.rollout.local import LocalEngine
-from glmlight.rollout.servers import build_server_engine, free_port
 from glmlight.rollout.sglang import SGLangEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
     SGLangServer, assert_same, expected, greedy, launch_config, model, prompts, ref, standin_script)
@@ -35,51 +39,93 @@ def make(url_or_urls, tmp_path, **kw) -> SGLangEngine:
                         sync_backend="gloo", **kw)
 
 
+def perturbed(model, scale=0.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(k, v + scale * torch.randn(v.shape, generator=g)) for k, v in model.state_dict().items()]
+
+
+def answers_of(model, named, ps, sp):
+    engine = LocalEngine(model)
+    engine.update_weights(named, version=1)
+    try:
+        return expected(engine, ps, sp)
+    finally:
+        engine.close()
+
+
+def _generate_calls(server, start=0):
+    return [c for c in server.calls("/generate")[start:] if c.body.get("sampling_params", {}).get("max_new_tokens")]
+
+
 def test_generate_equals_embedded_engine_in_order(server, ref, tokenizer, tmp_path):
     ps, sp = prompts(tokenizer, 6), greedy(tokenizer)
     with make(server.url, tmp_path) as eng:
+        start = len(server.calls("/generate"))
         got = eng.generate(ps, sp)
-    calls = server.calls("/generate")
+    calls = server.calls("/generate")[start:]
     assert len(calls) == 6 and len({c.body["rid"] for c in calls}) == 6
     rid_of = {tuple(c.body["input_ids"]): c.body["rid"] for c in calls}
     assert_same(got, expected(ref, ps, sp), served=[server.answers[rid_of[tuple(p)]] for p in ps])
     assert all(g.versions == [0] * len(g.token_ids) for g in got)
     body = calls[0].body
-    assert body["return_logprob"] is True and body["sampling_params"]["top_k"] == -1
+    assert body["return_logprob"] is True and body["sampling_params"]["top_k"] == -1 and "return_sampling_mask" not in body
     assert body["sampling_params"]["no_stop_trim"] is True and body["sampling_params"]["skip_special_tokens"] is False
     assert "Authorization" not in calls[0].headers
 
 
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (5, 0.9), (1, 1.0)])
+def test_topk_topp_logprobs_are_the_renormalised_ones(server, ref, tokenizer, tmp_path, top_k, top_p):
+    """SGLang's output_token_logprobs are before top-k/top-p; the client asks for the sampling
+    mask's renormalised log-probs, which equal the embedded engine's."""
+    ps = prompts(tokenizer, 3)
+    sp = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, max_new_tokens=6, seed=4)
+    with make(server.url, tmp_path) as eng:
+        got = eng.generate(ps, sp)
+    assert all(c.body["return_sampling_mask"] for c in _generate_calls(server)[-3:])
+    assert_same(got, expected(ref, ps, sp))
+
+
+def test_top_p_without_top_k_is_refused_at_start(tmp_path):
+    from glmlight.config import validate
+
+    cfg = validate({"rollout": {"backend": "sglang", "top_p": 0.9, "server": {"urls": ["http://127.0.0.1:1"]}}})
+    with pytest.raises(ConfigError) as err:
+        build_server_engine(cfg)
+    assert "\n" not in str(err.value) and "rollout.top_k" in str(err.value) and "return_sampling_mask" in str(err.value)
+
+
 def test_faults_every_prompt_answered_once_in_order(server, ref, tokenizer, tmp_path):
-    """500s, a timeout, a dropped connection and a restart mid-run: nothing lost, nothing doubled."""
+    """500s, a timeout, a dropped connection and a restart mid-run: nothing lost, nothing doubled;
+    every retry has its own rid (SGLang refuses a rid it still holds)."""
     ps, sp = prompts(tokenizer, 8), greedy(tokenizer)
     want = expected(ref, ps, sp)
-    server.inject("/generate", "status", status=500, times=2)
-    server.inject("/generate", "delay", seconds=3.0)
-    server.inject("/generate", "drop")
-    server.inject("/generate", "restart", seconds=0.2)
     with make(server.url, tmp_path, http=HttpSettings(timeout_s=2.0, max_retries=6, backoff_s=0.1, max_in_flight=3)) as eng:
+        start = len(server.calls("/generate"))
+        server.inject("/generate", "status", status=500, times=2)
+        server.inject("/generate", "delay", seconds=3.0)
+        server.inject("/generate", "drop")
+        server.inject("/generate", "restart", seconds=0.2)
         got = eng.generate(ps, sp)
-    calls = server.calls("/generate")
-    rids = [c.body["rid"] for c in calls]
-    assert len(set(rids)) == len(ps)  # a retry is the same request: same rid
-    rid_of = {tuple(c.body["input_ids"]): c.body["rid"] for c in calls}
+    calls = server.calls("/generate")[start:]
+    logical = {c.body["rid"].rsplit("-", 1)[0] for c in calls}
+    assert len(logical) == len(ps) and len({c.body["rid"] for c in calls}) == len(calls)
+    rid_of = {tuple(c.body["input_ids"]): c.body["rid"] for c in calls if not c.fault}
     assert_same(got, want, served=[server.answers[rid_of[tuple(p)]] for p in ps])
-    faulted = [(i, c) for i, c in enumerate(calls) if c.fault]
-    assert sorted(c.fault for _, c in faulted) == ["delay", "drop", "restart", "status", "status"]
-    for i, c in faulted:
-        assert c.body["rid"] in rids[i + 1:], f"request hit by {c.fault} was not retried under the same rid"
+    assert sorted(c.fault for c in calls if c.fault) == ["delay", "drop", "restart", "status", "status"]
     assert server.restarts == 1 and eng.http.num_retries >= 5
 
 
-def test_timed_out_request_is_aborted_then_retried(server, ref, tokenizer, tmp_path):
+def test_a_retry_while_the_first_attempt_is_still_held_gets_a_fresh_rid(server, ref, tokenizer, tmp_path):
+    """The first attempt times out on the client but is still running on the server: resending the
+    same rid would be answered 400 "Duplicate request ID" (a 4xx, never retried)."""
     ps, sp = prompts(tokenizer, 1), greedy(tokenizer)
-    server.inject("/generate", "delay", seconds=3.0)
-    with make(server.url, tmp_path, http=HttpSettings(timeout_s=2.0, max_retries=2, backoff_s=0.01)) as eng:
+    with make(server.url, tmp_path, http=HttpSettings(timeout_s=1.0, max_retries=2, backoff_s=0.01)) as eng:
+        start = len(server.calls("/generate"))
+        server.inject("/generate", "slow", seconds=2.5)
         assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
-    rid = server.calls("/generate")[0].body["rid"]
-    assert [c.body["rid"] for c in server.calls("/generate")] == [rid, rid]
-    assert [c.body for c in server.calls("/abort_request")] == [{"rid": rid}]
+    rids = [c.body["rid"] for c in server.calls("/generate")[start:]]
+    assert len(rids) == 2 and rids[0] != rids[1] and rids[0][:-3] == rids[1][:-3]
+    assert [c.body for c in server.calls("/abort_request")] == [{"rid": rids[0]}]
 
 
 def test_sync_facade_works_inside_a_running_event_loop_and_closes(server, ref, tokenizer, tmp_path):
@@ -104,28 +150,24 @@ def test_score_equals_embedded_engine(server, ref, tokenizer, tmp_path):
     comps = [g.token_ids for g in expected(ref, ps, greedy(tokenizer))] + [[]]
     ps = ps + [ps[0]]
     with make(server.url, tmp_path) as eng:
+        start = len(server.calls("/generate"))
         got = eng.score(ps, comps)
-    rid_of = {tuple(c.body["input_ids"]): c.body["rid"] for c in server.calls("/generate")}
+    calls = server.calls("/generate")[start:]
+    rid_of = {tuple(c.body["input_ids"]): c.body["rid"] for c in calls}
     assert got[:3] == [server.scores[rid_of[tuple(p + c)]][0] for p, c in zip(ps[:3], comps)]  # exact transport
     assert got[3] == []  # an empty completion needs no request
     want = ref.score(ps, comps)
-    assert [len(g) for g in got] == [len(w) for w in want]
     assert [x for g in got for x in g] == pytest.approx([x for w in want for x in w], abs=1e-5)
-    body = server.calls("/generate")[0].body
-    assert body["logprob_start_len"] == len(ps[0]) - 1 and body["sampling_params"]["max_new_tokens"] == 0
+    assert calls[0].body["logprob_start_len"] == len(ps[0]) - 1 and calls[0].body["sampling_params"]["max_new_tokens"] == 0
 
 
 @pytest.mark.parametrize("mode", ["disk", "tensor", "distributed"])
-def test_weight_sync_handshake_and_new_version(mode, model, server, tokenizer, tmp_path):
+def test_weight_sync_in_a_session_and_new_version(mode, model, server, tokenizer, tmp_path):
     ps, sp = prompts(tokenizer, 3), greedy(tokenizer)
-    new = [(k, v + 0.05 * torch.randn_like(v)) for k, v in model.state_dict().items()]
-    want_engine = LocalEngine(model)
-    want_engine.update_weights(new, version=1)
-    want = expected(want_engine, ps, sp)
-    want_engine.close()
+    new = perturbed(model)
+    want = answers_of(model, new, ps, sp)
     server.version_lag_s = 0.2 if mode == "disk" else 0.0
     with make(server.url, tmp_path, weight_sync=mode) as eng:
-        eng.generate(ps[:1], sp)
         start = len(server.calls())
         eng.update_weights(new, version=1)
         assert eng.version == 1
@@ -134,27 +176,92 @@ def test_weight_sync_handshake_and_new_version(mode, model, server, tokenizer, t
         if mode == "distributed":  # the group is set up once; a second sync reuses it
             eng.update_weights(new, version=2)
             assert eng.version == 2 and len(server.calls("/init_weights_update_group")) == 1
-    update = {"disk": ["/update_weights_from_disk"], "tensor": ["/get_server_info", "/update_weights_from_tensor"],
-              "distributed": ["/get_server_info", "/init_weights_update_group", "/update_weights_from_distributed"]}[mode]
-    assert sync == ["/pause_generation", *update, "/flush_cache", "/continue_generation"]
-    assert server.paths()[start + len(sync)] == "/model_info"
+    update = {"disk": ["/update_weights_from_disk"],
+              "tensor": ["/server_info", "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"],
+              "distributed": ["/server_info", "/begin_weight_update", "/init_weights_update_group",
+                              "/update_weights_from_distributed", "/end_weight_update"]}[mode]
+    assert sync[: len(update) + 3] == ["/pause_generation", *update, "/flush_cache", "/continue_generation"]
     assert_same(got, want)
     assert all(g.versions == [1] * len(g.token_ids) for g in got)
     if mode == "disk":
         assert len(server.calls("/model_info")) >= 2  # polled until the server reported the new version
         assert os.path.isfile(tmp_path / "w" / "v1" / "model.safetensors")
-        assert sorted(os.listdir(tmp_path / "w")) == ["v1"]
         assert server.calls("/update_weights_from_disk")[0].body["weight_version"] == "1"
 
 
+def test_tensor_payloads_open_in_a_separately_started_server_process(model, server, tokenizer, tmp_path):
+    """The stand-in unpickles with SGLang's restricted unpickler in a process of its own: the shared
+    memory the payload names must be openable there (file_system strategy), and nothing outside
+    SGLang's allow-list may be referenced."""
+    ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+    new = perturbed(model, seed=3)
+    with make(server.url, tmp_path, weight_sync="tensor", bucket_bytes=1 << 14) as eng:
+        eng.update_weights(new, version=1)
+        assert_same(eng.generate(ps, sp), answers_of(model, new, ps, sp))
+    assert len(server.calls("/update_weights_from_tensor")) > 3 and server._decoder.pid != os.getpid()
+
+
+@pytest.mark.parametrize("path", ["/update_weights_from_tensor", "/update_weights_from_distributed"])
+def test_updates_outside_a_session_are_refused_like_sglang(server, path):
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {"serialized_named_tensors": [""], "names": [], "dtypes": [], "shapes": []}
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400
+    assert json.loads(err.value.read())["message"] == f"{path[1:]} must run between begin_weight_update() and end_weight_update()"
+
+
+def test_a_failed_update_on_one_server_puts_the_other_back(model, tokenizer, tmp_path):
+    a, b = SGLangServer(LocalEngine(model)).start(), SGLangServer(LocalEngine(model)).start()
+    ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+    before = expected(LocalEngine(model), ps, sp)
+    try:
+        with make([a.url, b.url], tmp_path, update_retries=1, model_path=None) as eng:
+            eng.update_weights(list(model.state_dict().items()), version=1)  # v1 = the initial weights
+            b.inject("/update_weights_from_disk", "status", status=400, times=2,
+                     body={"success": False, "message": "Failed to update weights: injected"})
+            with pytest.raises(EngineError) as err:
+                eng.update_weights(perturbed(model), version=2)
+            assert eng.version == 1 and a.weight_version == b.weight_version == "1"
+            assert_same(eng.generate(ps * 2, sp), before * 2)
+        loads = [c.body["model_path"].rsplit("/", 1)[-1] for c in a.calls("/update_weights_from_disk")]
+        assert loads == ["v1", "v2", "v1", "v2", "v1"]  # each failed try put a back on v1
+    finally:
+        a.close()
+        b.close()
+    assert "\n" not in str(err.value) and "every server still serves version 1" in str(err.value)
+
+
 def test_failed_update_keeps_version_and_resumes(server, model, tmp_path):
-    server.inject("/update_weights_from_disk", "status", status=400)
-    with make(server.url, tmp_path) as eng:
+    server.inject("/update_weights_from_disk", "status", status=400, times=10)
+    with make(server.url, tmp_path, update_retries=0, model_path=str(tmp_path)) as eng:
         with pytest.raises(EngineError, match="rejected /update_weights_from_disk with HTTP 400"):
             eng.update_weights(list(model.state_dict().items()), version=1)
         assert eng.version == 0
     assert server.paths()[-1] == "/continue_generation" and server.running.is_set()
-    assert len(server.calls("/update_weights_from_disk")) == 1  # a 4xx is not retried
+
+
+def test_pause_aborts_in_flight_generation_with_its_partial_answer(server, ref, tokenizer, tmp_path):
+    """SGLang's /pause_generation (abort) ends a running request early: its partial tokens come
+    back with finish_reason abort and the log-probs they were sampled with."""
+    ps = prompts(tokenizer, 1)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=400, seed=2)
+    with make(server.url, tmp_path) as eng:
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("g", eng.generate(ps, sp)[0]))
+        t.start()
+        while server.in_flight == 0:
+            pass
+        eng.http.run(eng._pause(server.url))
+        t.join(30)
+        eng.http.run(eng._resume(server.url))
+    g = box["g"]
+    assert g.finish_reason == "abort" and 0 < len(g.token_ids) < 400
+    assert g.logprobs == pytest.approx(ref.score(ps, [g.token_ids])[0], abs=1e-5)
 
 
 def test_api_key_sent_as_bearer(model, tokenizer, tmp_path, monkeypatch):
@@ -181,8 +288,8 @@ def test_malformed_body_names_url_and_field(server, tokenizer, tmp_path):
         del body["meta_info"]["output_token_logprobs"]
         return body
 
-    server.inject("/generate", "malform", mutate=strip)
     with make(server.url, tmp_path) as eng:
+        server.inject("/generate", "malform", mutate=strip)
         with pytest.raises(EngineError) as err:
             eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
     msg = str(err.value)
@@ -218,18 +325,19 @@ def test_two_servers_share_the_load_and_router_needs_workers(model, ref, tokeniz
 
 def test_managed_launch_with_standin_executable(tokenizer, tmp_path):
     cmd = [sys.executable, standin_script(tmp_path, "sglang")]
-    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd), tokenizer)
+    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd))
     try:
-        proc = eng.launcher.proc
         got = eng.generate(prompts(tokenizer, 2), greedy(tokenizer))
         assert len(got) == 2 and all(g.token_ids for g in got)
-        os.kill(proc.pid, signal.SIGKILL)  # the server dies mid-run: the next call says so
-        proc.wait(10)
-        with pytest.raises(EngineError, match="exited with code -9"):
+        guard = eng.launcher.proc.pid
+        server = [p for p in server_processes(eng.launcher.server_id) if p != guard][0]
+        os.kill(server, signal.SIGKILL)  # the server dies mid-run: the next call says so
+        eng.launcher.proc.wait(10)
+        with pytest.raises(EngineError, match="exited with signal 9"):
             eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
     finally:
         eng.close()
-    assert proc.poll() is not None
+    assert server_processes(eng.launcher.server_id) == []  # the server's own child went too
     with open(eng.launcher.spec.log_path) as f:
         assert "stand-in sglang server ready" in f.read()
 
@@ -237,6 +345,84 @@ def test_managed_launch_with_standin_executable(tokenizer, tmp_path):
 def test_managed_launch_exit_is_reported_with_log_tail(tokenizer, tmp_path):
     cmd = [sys.executable, standin_script(tmp_path, "sglang", exit_code=3, message="RuntimeError: no GPU found")]
     with pytest.raises(EngineError) as err:
-        build_server_engine(launch_config(tmp_path, "sglang", cmd), tokenizer)
+        build_server_engine(launch_config(tmp_path, "sglang", cmd))
     msg = str(err.value)
     assert "\n" not in msg and "exited with code 3" in msg and "no GPU found" in msg
+
+
+def test_a_server_that_comes_back_with_other_weights_is_resynced_first(model, tokenizer, tmp_path):
+    """One of two servers restarts (its initial weights, weight_version "default"): its answers are
+    never returned; it gets version 1 again before it answers; nothing is lost or doubled."""
+    a, b = SGLangServer(LocalEngine(model)).start(), SGLangServer(LocalEngine(model)).start()
+    ps, sp = prompts(tokenizer, 4), greedy(tokenizer)
+    new = perturbed(model)
+    want = answers_of(model, new, ps, sp)
+    try:
+        with make([a.url, b.url], tmp_path) as eng:
+            eng.update_weights(new, version=1)
+            b.reset_state()  # what a restart leaves behind, without a dropped connection to notice
+            assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert eng.num_resyncs == 1 and eng.num_stale_answers >= 1 and b.weight_version == "1"
+            b.restart(fresh=True)  # and a real restart: the pooled connections break
+            assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert eng.num_resyncs == 2 and b.weight_version == "1" and eng.version == 1
+            late = len(b.calls("/generate"))
+            eng.generate(ps * 2, sp)
+            assert len(b.calls("/generate")) > late  # back in rotation
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dropped_tensor_bucket_puts_the_server_back_and_tries_again(model, server, tokenizer, tmp_path):
+    """A tensor bucket whose answer is lost (the server loaded it; shared-memory handles are never
+    sent twice): the half-updated server goes back to the previous weights, then the update runs
+    again and completes."""
+    ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+    new = perturbed(model, seed=6)
+    with make(server.url, tmp_path, weight_sync="tensor", bucket_bytes=1 << 14, model_path=None) as eng:
+        eng.update_weights(list(model.state_dict().items()), version=1)
+        server.inject("/update_weights_from_tensor", "drop_after", after=2)
+        eng.update_weights(new, version=2)
+        assert eng.version == 2 and server.weight_version == "2"
+        assert_same(eng.generate(ps, sp), answers_of(model, new, ps, sp))
+
+
+def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model, server, tokenizer, tmp_path):
+    from glmlight.rollout.servers import FleetFailed
+
+    with make(server.url, tmp_path) as eng:
+        eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
+        eng.update_weights(perturbed(model, seed=1), version=1)
+        server.inject("/update_weights_from_disk", "lie")
+        with pytest.raises(FleetFailed) as err:
+            eng.update_weights(perturbed(model, scale=0.3, seed=2), version=2)
+    assert "\n" not in str(err.value) and "did not load the new weights" in str(err.value)
+
+
+def test_a_server_without_sampling_masks_serves_plain_sampling_and_refuses_top_k(model, ref, tokenizer, tmp_path):
+    """SGLang before 0.5.18 cannot report top-k/top-p log-probs: it passes the start-up check (the
+    temperature part), serves sampling without top-k/top-p, and a top-k request stops the run."""
+    from glmlight.rollout.sglang import FilteredLogprobsMissing
+
+    srv = SGLangServer(LocalEngine(model), sampling_mask=False).start()
+    try:
+        with make(srv.url, tmp_path) as eng:
+            ps, sp = prompts(tokenizer, 2), SamplingParams(temperature=0.8, max_new_tokens=5, seed=1)
+            assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
+            with pytest.raises(FilteredLogprobsMissing, match="0.5.18"):
+                eng.generate(ps, SamplingParams(temperature=0.8, top_k=5, max_new_tokens=5, seed=1))
+    finally:
+        srv.close()
+
+
+def test_a_server_reporting_log_probs_before_temperature_is_refused(model, tokenizer, tmp_path):
+    srv = SGLangServer(LocalEngine(model), original_logprob=True).start()
+    try:
+        with pytest.raises(EngineError) as err:
+            make(srv.url, tmp_path)
+    finally:
+        srv.close()
+    msg = str(err.value)
+    assert "\n" not in msg and "before temperature" in msg and "SGLANG_RETURN_ORIGINAL_LOGPROB" in msg

@@ -1,22 +1,29 @@
-"""VLLMEngine against a loopback server speaking vLLM's OpenAI-compatible protocol and its dev-mode
-endpoints (tests/protocol_servers.py), with glmlight's real worker extension behind /collective_rpc.
-The in-process engine (`vllm.LLM`) needs vLLM and an accelerator and is not exercised here."""
+"""VLLMEngine against the vLLM stand-in (tests/standin_vllm.py: vLLM 0.33.0 and 0.32.0 behaviour, the
+real worker extension behind /collective_rpc), backed by the embedded engine. The same client against
+a real vLLM server: tests/test_real_servers.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
 from glmlight.config import validate
 from glmlight.errors import EngineError
+from glmlight.rollout.factory import build_server_engine
 from glmlight.rollout.http import HttpSettings
+from glmlight.rollout.launch import PACKAGE_ROOT, free_port, server_processes
 from glmlight.rollout.local import LocalEngine
-from glmlight.rollout.servers import build_server_engine, free_port
 from glmlight.rollout.vllm import EXTENSION, VLLMEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
     VLLMServer, assert_same, expected, greedy, launch_config, model, prompts, ref, standin_script)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture()
@@ -28,20 +35,66 @@ def server(model):
 
 def make(url, tmp_path, **kw) -> VLLMEngine:
     http = kw.pop("http", HttpSettings(timeout_s=5, max_retries=3, backoff_s=0.01))
-    return VLLMEngine([url], http=http, ready_timeout_s=5, weight_sync_dir=str(tmp_path / "w"),
+    urls = [url] if isinstance(url, str) else url
+    return VLLMEngine(urls, http=http, ready_timeout_s=5, weight_sync_dir=str(tmp_path / "w"),
                       sync_backend="gloo", **kw)
+
+
+def perturbed(model, scale=0.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(k, v + scale * torch.randn(v.shape, generator=g)) for k, v in model.state_dict().items()]
+
+
+def answers_of(model, named, ps, sp):
+    engine = LocalEngine(model)
+    engine.update_weights(named, version=1)
+    try:
+        return expected(engine, ps, sp)
+    finally:
+        engine.close()
 
 
 def test_generate_equals_embedded_engine_in_order(server, ref, tokenizer, tmp_path):
     ps, sp = prompts(tokenizer, 6), greedy(tokenizer)
     with make(server.url, tmp_path) as eng:
+        start = len(server.calls())
         got = eng.generate(ps, sp)
-    calls = server.calls("/v1/completions")
+    calls = server.calls("/v1/completions")[-6:]
     rid_of = {tuple(c.body["prompt"]): c.body["request_id"] for c in calls}
     assert_same(got, expected(ref, ps, sp), served=[server.answers[rid_of[tuple(p)]] for p in ps])
     body = calls[0].body
-    assert body["model"] == "tiny-glm5" and body["prompt"] == ps[0] and body["logprobs"] == 0
+    assert body["model"] == "tiny-glm5" and body["logprobs"] == 0 and body["return_weight_versions"] is True
     assert body["return_token_ids"] is True and body["top_k"] == -1 and body["request_id"].startswith("glm-")
+    assert [c.path for c in server.calls()[start:]] == ["/v1/completions"] * 6
+
+
+def test_version_032_gets_no_return_weight_versions_and_holds_requests_while_paused(model, ref, tokenizer, tmp_path):
+    srv = VLLMServer(LocalEngine(model), version="0.32.0").start()
+    try:
+        with make(srv.url, tmp_path) as eng:
+            ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+            assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
+            assert "return_weight_versions" not in srv.calls("/v1/completions")[-1].body
+            srv.paused = True
+            srv.resumed.clear()
+            threading.Timer(0.5, lambda: (setattr(srv, "paused", False), srv.resumed.set())).start()
+            t0 = time.monotonic()
+            assert_same(eng.generate(ps, sp), expected(ref, ps, sp))  # held by the server, then answered
+            assert time.monotonic() - t0 >= 0.4 and eng.http.num_retries == 0
+    finally:
+        srv.close()
+
+
+def test_requests_answered_503_while_paused_wait_without_spending_retries(server, ref, tokenizer, tmp_path):
+    """vLLM 0.33 answers 503 "Generation is paused" while paused: the client waits for the resume
+    (longer than its whole retry budget here) instead of failing."""
+    ps, sp = prompts(tokenizer, 3), greedy(tokenizer)
+    with make(server.url, tmp_path, http=HttpSettings(timeout_s=5, max_retries=1, backoff_s=0.05)) as eng:
+        server.paused = True
+        threading.Timer(1.0, lambda: setattr(server, "paused", False)).start()
+        assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
+        assert eng.http.num_retries == 0
+    assert sum(1 for c in server.calls("/v1/completions")) > 3  # the 503s were answered and waited out
 
 
 def test_token_ids_from_tokens_when_server_lacks_return_token_ids(server, ref, tokenizer, tmp_path):
@@ -50,21 +103,22 @@ def test_token_ids_from_tokens_when_server_lacks_return_token_ids(server, ref, t
         return body
 
     ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
-    server.inject("/v1/completions", "malform", mutate=older_server, times=2)
     with make(server.url, tmp_path) as eng:
+        server.inject("/v1/completions", "malform", mutate=older_server, times=2)
         assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
 
 
 def test_faults_every_prompt_answered_once_in_order(server, ref, tokenizer, tmp_path):
     ps, sp = prompts(tokenizer, 8), greedy(tokenizer)
     want = expected(ref, ps, sp)
-    server.inject("/v1/completions", "status", status=503)
-    server.inject("/v1/completions", "delay", seconds=3.0)
-    server.inject("/v1/completions", "drop")
-    server.inject("/v1/completions", "restart", seconds=0.2)
     with make(server.url, tmp_path, http=HttpSettings(timeout_s=2.0, max_retries=6, backoff_s=0.1, max_in_flight=3)) as eng:
+        start = len(server.calls("/v1/completions"))
+        server.inject("/v1/completions", "status", status=503)
+        server.inject("/v1/completions", "delay", seconds=3.0)
+        server.inject("/v1/completions", "drop")
+        server.inject("/v1/completions", "restart", seconds=0.2)
         got = eng.generate(ps, sp)
-    calls = server.calls("/v1/completions")
+    calls = server.calls("/v1/completions")[start:]
     rids = [c.body["request_id"] for c in calls]
     assert len(set(rids)) == len(ps)
     rid_of = {tuple(c.body["prompt"]): c.body["request_id"] for c in calls}
@@ -75,12 +129,24 @@ def test_faults_every_prompt_answered_once_in_order(server, ref, tokenizer, tmp_
     assert server.restarts == 1
 
 
+@pytest.mark.parametrize("reason,expect", [("repetition", "length"), ("error", "error")])
+def test_finish_reasons_repetition_and_error(server, tokenizer, tmp_path, reason, expect):
+    def set_reason(body):
+        body["choices"][0]["finish_reason"] = reason
+        return body
+
+    with make(server.url, tmp_path) as eng:
+        server.inject("/v1/completions", "malform", mutate=set_reason)
+        g = eng.generate(prompts(tokenizer, 1), greedy(tokenizer))[0]
+    assert g.finish_reason == expect and (g.token_ids == [] if expect == "error" else len(g.token_ids) > 0)
+
+
 def test_score_uses_prompt_logprobs(server, ref, tokenizer, tmp_path):
     ps = prompts(tokenizer, 3)
     comps = [g.token_ids for g in expected(ref, ps, greedy(tokenizer))]
     with make(server.url, tmp_path) as eng:
         got = eng.score(ps, comps)
-    calls = server.calls("/v1/completions")
+    calls = server.calls("/v1/completions")[-3:]
     rid_of = {tuple(c.body["prompt"]): c.body["request_id"] for c in calls}
     assert got == [server.scores[rid_of[tuple(p + c)]][0][len(p) - 1:] for p, c in zip(ps, comps)]  # exact
     want = ref.score(ps, comps)
@@ -88,28 +154,117 @@ def test_score_uses_prompt_logprobs(server, ref, tokenizer, tmp_path):
     assert calls[0].body["prompt_logprobs"] == 0
 
 
-@pytest.mark.parametrize("mode", ["disk", "tensor", "distributed"])
-def test_weight_sync_through_worker_extension(mode, model, server, tokenizer, tmp_path):
+@pytest.mark.parametrize("mode,bucket_bytes", [("disk", 1 << 28), ("tensor", 1), ("tensor", 1 << 28),
+                                               ("distributed", 1), ("distributed", 1 << 28)])
+def test_weight_sync_stage_commit_and_new_version(mode, bucket_bytes, model, server, tokenizer, tmp_path):
     ps, sp = prompts(tokenizer, 3), greedy(tokenizer)
-    new = [(k, v + 0.05 * torch.randn_like(v)) for k, v in model.state_dict().items()]
-    want_engine = LocalEngine(model)
-    want_engine.update_weights(new, version=1)
-    want = expected(want_engine, ps, sp)
-    want_engine.close()
-    with make(server.url, tmp_path, weight_sync=mode) as eng:
+    new = perturbed(model)
+    want = answers_of(model, new, ps, sp)
+    with make(server.url, tmp_path, weight_sync=mode, bucket_bytes=bucket_bytes) as eng:
         start = len(server.calls())
         eng.update_weights(new, version=1)
         assert eng.version == 1
         sync = [(c.path, c.body.get("method") if isinstance(c.body, dict) else None) for c in server.calls()[start:]]
         got = eng.generate(ps, sp)
-    load = {"disk": [("/collective_rpc", "glmlight_load_path")],
-            "tensor": [("/collective_rpc", "glmlight_load_payload")],
-            "distributed": [("/collective_rpc", "glmlight_init_group"), ("/collective_rpc", "glmlight_update_distributed")]}
-    assert sync == [("/pause", None), *load[mode], ("/reset_prefix_cache", None), ("/resume", None),
-                    ("/collective_rpc", "glmlight_weight_version")]
+    stage = {"disk": ["glmlight_load_path"], "tensor": ["glmlight_load_payload"],
+             "distributed": ["glmlight_init_group", "glmlight_update_distributed"]}[mode]
+    methods = [m for p, m in sync if p == "/collective_rpc"]
+    buckets = len(new) if bucket_bytes == 1 else 1
+    assert sync[0] == ("/pause", None)
+    assert methods[:-1] == stage[:-1] + [stage[-1]] * buckets + ["glmlight_commit", "glmlight_release"]
+    tail = [p for p, _ in sync if p != "/collective_rpc"]
+    assert tail[1:4] == ["/update_weight_version", "/reset_prefix_cache", "/resume"]
+    assert methods[-1] == "glmlight_weight_version"
     assert_same(got, want)
     assert all(g.versions == [1] * len(g.token_ids) for g in got)
-    assert server.worker.glmlight_weight_version()["weight_version"] == "1"
+    assert server.worker.glmlight_weight_version()["weight_version"] == "1" and server.weight_version == "1"
+
+
+def test_a_failed_bucket_leaves_the_previous_version_serving(model, server, tokenizer, tmp_path):
+    """The third bucket fails for good: nothing was loaded, the stage is dropped, the update is tried
+    again (update_retries) and then the run gets one line; generation goes on with version 0."""
+    ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+    before = expected(LocalEngine(model), ps, sp)
+    failed = {"error": {"message": "Call to collective_rpc method failed: Worker failed with error 'bad bucket'",
+                        "type": "InternalServerError", "param": None, "code": 500}}
+    with make(server.url, tmp_path, weight_sync="tensor", bucket_bytes=1, update_retries=1) as eng:
+        server.inject("/collective_rpc", "status", after=2, times=100, body=failed,
+                      when=lambda b: b.get("method") == "glmlight_load_payload")
+        with pytest.raises(EngineError) as err:
+            eng.update_weights(perturbed(model), version=1)
+        server.faults.clear()
+        assert eng.version == 0
+        assert_same(eng.generate(ps, sp), before)
+        methods = [c.body["method"] for c in server.calls("/collective_rpc") if c.body.get("method") != "glmlight_weight_version"]
+    msg = str(err.value)
+    assert "\n" not in msg and "failed 2 times" in msg and "every server still serves version 0" in msg
+    assert methods.count("glmlight_abort_update") == 2 and "glmlight_commit" not in methods
+    assert server.worker.__dict__.get("_gl_staged") is None  # nothing left staged
+
+
+def test_commit_failure_on_one_server_reverts_the_other(model, tokenizer, tmp_path):
+    """Two servers; the second cannot load the update (a shape its model does not have): the first,
+    which committed, goes back to the previous weights, so both keep serving version 0."""
+    a, b = VLLMServer(LocalEngine(model)).start(), VLLMServer(LocalEngine(model)).start()
+    ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+    before = expected(LocalEngine(model), ps, sp)
+    try:
+        b.worker._gl_expected_shapes = lambda: {k: tuple(v.shape) + (1,) for k, v in model.state_dict().items()}
+        with make([a.url, b.url], tmp_path, weight_sync="tensor", update_retries=0) as eng:
+            with pytest.raises(EngineError, match="wrong shape"):
+                eng.update_weights(perturbed(model), version=1)
+            assert eng.version == 0
+            assert [c.body["method"] for c in a.calls("/collective_rpc")][-3:] == [
+                "glmlight_load_payload", "glmlight_commit", "glmlight_revert"]
+            assert_same(eng.generate(ps * 2, sp), before * 2)
+            assert a.worker.glmlight_weight_version()["weight_version"] is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_reset_prefix_cache_success_false_is_retried(model, server, tokenizer, tmp_path):
+    server.cache_busy = 3
+    with make(server.url, tmp_path, weight_sync="tensor") as eng:
+        eng.update_weights(perturbed(model), version=1)
+    assert [c.path for c in server.calls("/reset_prefix_cache")].count("/reset_prefix_cache") == 4
+
+
+def test_permanent_rpc_errors_are_not_retried(server, tmp_path):
+    from glmlight.rollout.http import ServerFailed
+
+    with make(server.url, tmp_path, http=HttpSettings(timeout_s=5, max_retries=5, backoff_s=0.2)) as eng:
+        n = len(server.calls("/collective_rpc"))
+        with pytest.raises(ServerFailed, match="has no attribute 'no_such_method'"):
+            eng.http.run(eng._rpc(server.url, "no_such_method", None))
+        assert len(server.calls("/collective_rpc")) == n + 1 and eng.http.num_retries == 0
+
+
+def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model, server, tokenizer, tmp_path):
+    from glmlight.rollout.servers import FleetFailed
+
+    with make(server.url, tmp_path, weight_sync="tensor") as eng:
+        eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
+        eng.update_weights(perturbed(model, seed=1), version=1)
+        server.inject("/collective_rpc", "lie", when=lambda b: b.get("method") == "glmlight_commit")
+        with pytest.raises(FleetFailed) as err:
+            eng.update_weights(perturbed(model, scale=0.3, seed=2), version=2)
+        with pytest.raises(FleetFailed):
+            eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
+    assert "\n" not in str(err.value) and "did not load the new weights" in str(err.value)
+
+
+def test_raw_logprobs_server_is_refused_at_start(model, tokenizer, tmp_path):
+    srv = VLLMServer(LocalEngine(model), logprobs_mode="raw").start()
+    try:
+        with pytest.raises(EngineError) as err:
+            make(srv.url, tmp_path)
+        eng = make(srv.url, tmp_path, check_logprobs=False)  # the check can be switched off
+        eng.close()
+    finally:
+        srv.close()
+    msg = str(err.value)
+    assert "\n" not in msg and "--logprobs-mode processed_logprobs" in msg and "top_k=1" in msg
 
 
 @pytest.mark.parametrize("dev_mode,extension,hint", [(False, True, "VLLM_SERVER_DEV_MODE=1"),
@@ -128,8 +283,9 @@ def test_update_without_dev_endpoints_says_what_to_add(model, tokenizer, tmp_pat
     assert "\n" not in msg and srv.url in msg and hint in msg and EXTENSION in msg
 
 
-def test_api_key_bearer_and_refusal(model, tokenizer, tmp_path, monkeypatch):
+def test_api_key_bearer_refusal_and_unset_variable(model, tokenizer, tmp_path, monkeypatch):
     srv = VLLMServer(LocalEngine(model), api_key="k-123").start()
+    plain = VLLMServer(LocalEngine(model)).start()
     monkeypatch.setenv("TEST_VLLM_KEY", "k-123")
     settings = HttpSettings(api_key_env="TEST_VLLM_KEY", timeout_s=5, backoff_s=0.01)
     try:
@@ -141,12 +297,26 @@ def test_api_key_bearer_and_refusal(model, tokenizer, tmp_path, monkeypatch):
         with pytest.raises(EngineError) as err:
             make(srv.url, tmp_path, http=settings)
         monkeypatch.delenv("TEST_VLLM_KEY")
-        with pytest.raises(EngineError, match=r"\$TEST_VLLM_KEY, but that environment variable is not set"):
+        with make(plain.url, tmp_path, http=settings) as eng:  # unset: no key, and a keyless server is fine
+            assert len(eng.generate(prompts(tokenizer, 1), greedy(tokenizer))) == 1
+        assert not any("Authorization" in c.headers for c in plain.calls())
+        with pytest.raises(EngineError, match=r"requires an API key .*\$TEST_VLLM_KEY is not set"):
             make(srv.url, tmp_path, http=settings)
     finally:
         srv.close()
+        plain.close()
     msg = str(err.value)
     assert "\n" not in msg and srv.url in msg and "refused the API key" in msg and "bad" not in msg
+
+
+@pytest.mark.parametrize("kind,words", [("html", "not JSON"), ("empty", "empty body")])
+def test_a_200_of_another_shape_is_one_line(server, tokenizer, tmp_path, kind, words):
+    with make(server.url, tmp_path) as eng:
+        server.inject("/v1/completions", kind)
+        with pytest.raises(EngineError) as err:
+            eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
+    msg = str(err.value)
+    assert "\n" not in msg and server.url in msg and words in msg and "proxy" in msg
 
 
 def test_malformed_body_and_missing_server_are_one_line(server, tokenizer, tmp_path):
@@ -154,8 +324,8 @@ def test_malformed_body_and_missing_server_are_one_line(server, tokenizer, tmp_p
         del body["choices"][0]["logprobs"]["token_logprobs"]
         return body
 
-    server.inject("/v1/completions", "malform", mutate=strip)
     with make(server.url, tmp_path) as eng:
+        server.inject("/v1/completions", "malform", mutate=strip)
         with pytest.raises(EngineError) as err:
             eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
     assert "\n" not in str(err.value) and server.url in str(err.value)
@@ -170,12 +340,11 @@ def test_build_validates_config(server, tokenizer):
     from glmlight.errors import ConfigError
 
     with pytest.raises(ConfigError, match="needs rollout.server.urls"):
-        build_server_engine(validate({"rollout": {"backend": "vllm"}}), tokenizer)
+        build_server_engine(validate({"rollout": {"backend": "vllm"}}))
     with pytest.raises(ConfigError, match="weight_sync='nccl'"):
         build_server_engine(validate({"rollout": {"backend": "vllm", "server": {"urls": [server.url],
-                                                                                  "weight_sync": "nccl"}}}), tokenizer)
-    eng = build_server_engine(validate({"rollout": {"backend": "vllm_ascend", "server": {"urls": [server.url]}}}),
-                              tokenizer)
+                                                                                  "weight_sync": "nccl"}}}))
+    eng = build_server_engine(validate({"rollout": {"backend": "vllm_ascend", "server": {"urls": [server.url]}}}))
     try:
         assert isinstance(eng, VLLMEngine) and eng.name == "vLLM-Ascend" and eng.sync_backend == "hccl"
     finally:
@@ -184,10 +353,12 @@ def test_build_validates_config(server, tokenizer):
 
 def test_managed_launch_vllm_ascend_with_standin_executable(tokenizer, tmp_path):
     cmd = [sys.executable, standin_script(tmp_path, "vllm")]
-    eng = build_server_engine(launch_config(tmp_path, "vllm_ascend", cmd, weight_sync="tensor"), tokenizer)
+    eng = build_server_engine(launch_config(tmp_path, "vllm_ascend", cmd, weight_sync="tensor"))
     try:
         spec = eng.launcher.spec
         assert EXTENSION in spec.command and spec.env["VLLM_SERVER_DEV_MODE"] == "1"
+        assert spec.command[spec.command.index("--logprobs-mode") + 1] == "processed_logprobs"
+        assert spec.env["PYTHONPATH"].split(os.pathsep)[0] == PACKAGE_ROOT
         assert spec.env.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn") == "spawn"
         got = eng.generate(prompts(tokenizer, 2), greedy(tokenizer))
         assert len(got) == 2 and all(g.token_ids for g in got)
@@ -195,7 +366,61 @@ def test_managed_launch_vllm_ascend_with_standin_executable(tokenizer, tmp_path)
 
         eng.update_weights(list(load_causal_lm(None, tokenizer, preset="test", seed=1).state_dict().items()), version=1)
         assert eng.version == 1
-        proc = eng.launcher.proc
+        server_id = eng.launcher.server_id
+        assert len(server_processes(server_id)) >= 3  # the guard, the server and the server's own child
     finally:
         eng.close()
-    assert proc.poll() is not None
+    assert server_processes(server_id) == []
+
+
+def test_worker_extension_imports_with_torch_and_safetensors_alone(tmp_path):
+    """What a vLLM server's environment must provide for the extension: torch, safetensors,
+    glmlight on the path; Lightning, Hydra, OmegaConf, transformers and aiohttp made unimportable."""
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text("import sys\nfor name in ('lightning', 'hydra', 'omegaconf', 'transformers', 'aiohttp', "
+                       "'torchmetrics', 'lightning_utilities'):\n    sys.modules[name] = None\n")
+    code = ("import sys, glmlight.rollout.vllm_worker as w; assert w.WeightLoaderExtension; "
+            "print(sorted(m for m in sys.modules if m.startswith('glmlight')))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-1500:]
+    assert out.stdout.strip() == str(['glmlight', 'glmlight.dtypes', 'glmlight.rollout', 'glmlight.rollout.transport',
+                                      'glmlight.rollout.vllm_worker', 'glmlight.sample'])
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_a_server_that_comes_back_with_other_weights_is_resynced_first(model, tokenizer, tmp_path, version):
+    """vLLM 0.33 labels every answer with its weight version; 0.32 does not, so the client asks each
+    server for its version before every call. Either way a server that lost its weights is given
+    the current ones before it answers."""
+    a, b = VLLMServer(LocalEngine(model), version=version).start(), VLLMServer(LocalEngine(model), version=version).start()
+    ps, sp = prompts(tokenizer, 4), greedy(tokenizer)
+    new = perturbed(model)
+    want = answers_of(model, new, ps, sp)
+    try:
+        with make([a.url, b.url], tmp_path, weight_sync="tensor") as eng:
+            eng.update_weights(new, version=1)
+            b.reset_state()
+            assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert eng.num_resyncs == 1 and b.worker.glmlight_weight_version()["weight_version"] == "1"
+            b.restart(fresh=True)
+            for _ in range(2):
+                assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert eng.num_resyncs == 2 and eng.version == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_connection_dropped_after_a_bucket_was_staged_restarts_the_update(model, server, tokenizer, tmp_path):
+    """The answer to the third bucket is lost although the worker staged it: the resent bucket is out
+    of order, the worker drops the stage, and the update starts again from the first bucket."""
+    ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+    new = perturbed(model, seed=5)
+    with make(server.url, tmp_path, weight_sync="tensor", bucket_bytes=1) as eng:
+        server.inject("/collective_rpc", "drop_after", after=2, when=lambda b: b.get("method") == "glmlight_load_payload")
+        eng.update_weights(new, version=1)
+        assert eng.version == 1
+        assert_same(eng.generate(ps, sp), answers_of(model, new, ps, sp))
+    methods = [c.body["method"] for c in server.calls("/collective_rpc")]
+    assert methods.count("glmlight_abort_update") == 1 and methods.count("glmlight_commit") == 1

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from glmlight.rewards import sandbox
+from glmlight.rewards.sandbox import probe as sandbox_probe
 from glmlight.rewards.base import score_samples
 from glmlight.rewards.code import CodeReward, extract_code, outputs_match
 from glmlight.rewards.sandbox import (
@@ -226,9 +226,9 @@ def test_broken_sandbox_raises():
 
 
 def test_unavailable_isolation_falls_back_with_one_warning(monkeypatch, caplog):
-    monkeypatch.setattr(sandbox, "NAMESPACE_CANDIDATES", (("net", "no-such-namespace"), ()))
-    monkeypatch.setattr(sandbox, "_probe_cache", {})
-    monkeypatch.setattr(sandbox, "_warned", False)
+    monkeypatch.setattr(sandbox_probe, "NAMESPACE_CANDIDATES", (("net", "no-such-namespace"), ()))
+    monkeypatch.setattr(sandbox_probe, "_probe_cache", {})
+    monkeypatch.setattr(sandbox_probe, "_warned", False)
     python = fallback_overrides()["python"] if IS_ROOT else None  # reachable without a mount namespace
     with caplog.at_level(logging.WARNING, logger="glmlight.rewards.sandbox"):
         assert available_namespaces(dataclasses.replace(HOSTILE, python=python)) == frozenset()

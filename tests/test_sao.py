@@ -8,7 +8,7 @@ import glmlight
 from glmlight.algorithms.sao import RunningMeanStd, SAO
 from glmlight.ops.value import terminal_rewards, value_loss
 from tests.conftest import overrides_for_tests
-from train import compose
+from glmlight import compose
 
 
 def test_terminal_rewards_on_last_action_token():

@@ -1,7 +1,6 @@
 """Scale-out on this machine: two-process data-parallel GRPO over gloo; DeepSpeed / FSDP selection."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -10,11 +9,11 @@ import pytest
 import glmlight
 from glmlight.errors import ConfigError
 from tests.conftest import REPO, overrides_for_tests
-from train import compose
+from glmlight import compose
 
 
 def test_two_process_ddp_grpo_keeps_ranks_identical(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "scripts", "ddp_grpo.py"), str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "tests.scripts.ddp_grpo", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = []

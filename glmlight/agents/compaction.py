@@ -59,7 +59,13 @@ class CompactingAgentLoop(AgentLoop):
             params.append(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                          max_new_tokens=max(budget, 1), stop_token_ids=p.stop_token_ids))
         for e, g in zip(room, self.engine.generate([e.context for e in room], params)):
+            if g.finish_reason == "error":  # no summary to resume from: the episode fails, as any failed turn does
+                e.finish(Status.FAILED, "summary: engine failed after retries")
+                continue
             e.add_action(g)  # the summary is the policy's own output: trained on
+            if g.finish_reason == "abort":  # a weight update cut the summary short: generated again, never resumed from
+                e.finish(Status.ABORTED)
+                continue
             self.resume(e, g.token_ids)
 
     def resume_prompt(self, ep: Episode, summary_ids: list[int], k: int) -> list[int]:
@@ -73,13 +79,16 @@ class CompactingAgentLoop(AgentLoop):
 
     def resume(self, ep: Episode, summary_ids: list[int]) -> None:
         """Close the current segment and continue from the resume prompt."""
-        ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions))
+        ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
+                                   ep.routed_experts, ep.indexer_topk))
         k = min(self.keep_last_steps, len(ep.steps))
         prompt = self.resume_prompt(ep, summary_ids, k)
         while k > 0 and len(prompt) + self.threshold > self.max_context:
             k -= 1
             prompt = self.resume_prompt(ep, summary_ids, k)
         ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions = prompt, [], [], [], []
+        ep.routed_experts = ep.indexer_topk = None  # the new segment's records start with its prompt
+        ep.records_lost, ep.record_turns = False, 0
         ep.steps = ep.steps[len(ep.steps) - k:] if k else []
         ep.info["compactions"] = ep.info.get("compactions", 0) + 1
         if len(prompt) + 1 >= self.max_context:

@@ -31,7 +31,7 @@ import hashlib
 import re
 
 from glmlight.agents.env import StepResult
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 
 CALC_SYSTEM = "Use 'calc: <expr>', then 'answer: <n>'."
 

@@ -22,7 +22,7 @@ import re
 from collections import Counter
 from typing import Any, Callable
 
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.models.warm_start import Example, ExampleFn
 from glmlight.rollout.base import Generation, SamplingParams, normalize_requests
 from glmlight.sample import Status

@@ -6,6 +6,10 @@ then only the environment's new observation is tokenized with the chat template
 and appended (loss_mask 0, log-prob 0, version -1). Nothing already in the
 context is ever re-tokenized. Episodes of a batch advance turn by turn together,
 so each turn is one batched engine call.
+
+Replay records (`Sample.routed_experts` / `.indexer_topk`), when the engine returns them: each turn's
+records cover the whole context it ran; a position keeps the record of the turn that ran it first
+(what a prefix-caching server reports too), so an action's record is the one it was produced with.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from glmlight.agents.env import Environment
-from glmlight.data.sources import Prompt
+import torch
+
+from glmlight.agents.env import Environment, step_result_problem
+from glmlight.errors import DataError
 from glmlight.models.tokenizer import encode_chat
+from glmlight.prompt import Prompt
 from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
 from glmlight.sample import Sample, Status
 
@@ -62,6 +69,11 @@ class Episode:
     steps: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (action ids, observation ids)
     awaiting_prompt: bool = False  # the context ends with an observation: open an assistant turn first
     segments: list["Segment"] = field(default_factory=list)  # closed segments (context compaction)
+    action_lengths: list[int] = field(default_factory=list)  # tokens of each action turn (max_new_tokens bounds each)
+    routed_experts: Any = None  # replay records of the current segment (module docstring)
+    indexer_topk: Any = None
+    records_lost: bool = False  # a turn came without the records the others have: the segment has none
+    record_turns: int = 0  # turns of the current segment whose records were added
 
     @property
     def context(self) -> list[int]:
@@ -72,6 +84,19 @@ class Episode:
         self.loss_mask += [1] * len(g.token_ids)
         self.logprobs += g.logprobs
         self.versions += g.versions
+        self.add_records(g)
+
+    def add_records(self, g: Generation) -> None:
+        """Extend the segment's replay records by the positions `g`'s turn ran first."""
+        new, old = (g.routed_experts, g.indexer_topk), (self.routed_experts, self.indexer_topk)
+        self.record_turns += 1
+        if self.record_turns == 1:
+            self.routed_experts, self.indexer_topk = new
+        elif self.records_lost or [r is None for r in new] != [r is None for r in old]:
+            self.records_lost, self.routed_experts, self.indexer_topk = True, None, None
+        else:
+            self.routed_experts, self.indexer_topk = (
+                o if n is None or len(n) <= len(o) else torch.cat([o, n[len(o):]]) for o, n in zip(old, new))
 
     def add_observation(self, ids: list[int]) -> None:
         self.response_ids += ids
@@ -92,6 +117,8 @@ class Segment:
     loss_mask: list[int]
     logprobs: list[float]
     versions: list[int]
+    routed_experts: Any = None  # replay records (Episode)
+    indexer_topk: Any = None
 
 
 class AgentLoop:
@@ -108,6 +135,9 @@ class AgentLoop:
         ep = Episode(prompt=prompt, env=env, prompt_ids=[])
         try:
             ep.messages = env.reset(prompt)
+            if not isinstance(ep.messages, list):
+                raise TypeError(f"reset returned {type(ep.messages).__name__}, expected a list of "
+                                "{role, content} messages")
             ep.prompt_ids = encode_chat(self.tokenizer, ep.messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - an environment crash fails the sample, not the run
             ep.prompt_ids = [self.tokenizer.eos_token_id]
@@ -142,6 +172,7 @@ class AgentLoop:
             return
         ep.add_action(g)
         ep.turns += 1
+        ep.action_lengths.append(len(g.token_ids))
         if g.finish_reason == "abort":
             ep.finish(Status.ABORTED)
             return
@@ -152,6 +183,11 @@ class AgentLoop:
             ep.finish(Status.FAILED, f"step: {type(e).__name__}: {e}")
             log.warning("environment crashed: %s: %s", type(e).__name__, e)
             return
+        problem = step_result_problem(result)
+        if problem is not None:  # a malformed answer fails this episode (counted), never the run
+            ep.finish(Status.FAILED, f"step: {problem}")
+            log.warning("environment %s: %s", type(ep.env).__name__, problem)
+            return
         ep.reward += float(result.reward)
         ep.info.update(result.info)
         if result.done:
@@ -159,7 +195,12 @@ class AgentLoop:
         elif ep.turns >= self.max_turns:
             ep.finish(Status.TRUNCATED)
         else:
-            obs = encode_observation(self.tokenizer, result.observation or "")
+            try:
+                obs = encode_observation(self.tokenizer, result.observation or "")
+            except DataError as e:  # e.g. characters the tokenizer has no token for
+                ep.finish(Status.FAILED, f"step: observation: {e}")
+                log.warning("environment %s: observation cannot be encoded: %s", type(ep.env).__name__, e)
+                return
             if len(ep.context) + len(obs) + len(self.gen_prompt) >= self.max_context:
                 ep.finish(Status.TRUNCATED)
             else:
@@ -172,12 +213,15 @@ def episode_to_samples(ep: Episode, group_id: int, rollout_id: int) -> list[Samp
     """One Sample per segment (one for an uncompacted episode); all share the rollout id,
     the terminal reward and the status of the episode."""
     meta = {"label": ep.prompt.label, "domain": ep.prompt.domain, "turns": ep.turns, **ep.prompt.metadata,
-            **{f"env/{k}": v for k, v in ep.info.items()}, "num_segments": len(ep.segments) + 1}
+            **{f"env/{k}": v for k, v in ep.info.items()}, "num_segments": len(ep.segments) + 1,
+            "action_lengths": list(ep.action_lengths)}
     if ep.error:
         meta["env_error"] = ep.error
-    parts = ep.segments + [Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions)]
+    parts = ep.segments + [Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
+                                   ep.routed_experts, ep.indexer_topk)]
     reward = None if ep.status is Status.FAILED else ep.reward
     return [Sample(prompt_ids=p.prompt_ids, response_ids=p.response_ids, loss_mask=p.loss_mask,
                    rollout_logprobs=p.logprobs, versions=p.versions, reward=reward, status=ep.status,
-                   group_id=group_id, rollout_id=rollout_id, segment=i, metadata=dict(meta))
+                   group_id=group_id, rollout_id=rollout_id, segment=i, metadata=dict(meta),
+                   routed_experts=p.routed_experts, indexer_topk=p.indexer_topk)
             for i, p in enumerate(parts)]

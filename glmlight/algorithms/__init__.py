@@ -1,16 +1,11 @@
-"""Algorithms: each a LightningModule on top of RLModule, registered by config name."""
+"""The built-in algorithms. Each module defines its LightningModule and config dataclass and
+registers both (glmlight.registry); importing this package registers all four."""
 
 from glmlight.algorithms.base import RLModule
 from glmlight.algorithms.compaction import CompactionConfig, CompactionRL
-from glmlight.algorithms.grpo import GRPO
+from glmlight.algorithms.grpo import GRPO, GRPOConfig
 from glmlight.algorithms.opd import OPD, OPDConfig
 from glmlight.algorithms.sao import SAO, SAOConfig
-from glmlight.config import GRPOConfig, register_algo_schema
 
-ALGORITHMS: dict[str, type[RLModule]] = {"grpo": GRPO, "sao": SAO, "opd": OPD, "compaction": CompactionRL}
-register_algo_schema("grpo", GRPOConfig)
-register_algo_schema("opd", OPDConfig)
-register_algo_schema("sao", SAOConfig)
-register_algo_schema("compaction", CompactionConfig)
-
-__all__ = ["ALGORITHMS", "CompactionRL", "GRPO", "OPD", "RLModule", "SAO"]
+__all__ = ["GRPO", "OPD", "SAO", "CompactionConfig", "CompactionRL", "GRPOConfig", "OPDConfig", "RLModule",
+           "SAOConfig"]

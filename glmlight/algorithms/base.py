@@ -24,17 +24,24 @@ from typing import Any, Callable, Iterator
 import lightning.pytorch as pl
 import torch
 
+from glmlight.algorithms import replay as replay_
 from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients
-from glmlight.models import glm_forward
+from glmlight.metrics import log_metrics
+from glmlight.models.glm5 import forward as glm_forward
+from glmlight.models.glm5.replay import transformers_replay
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from glmlight.ops.policy_loss import ppo_clip_loss
 from glmlight.ops.reduce import aggregate_loss, masked_mean
+from glmlight.ops.schedule import lr_lambda
 from glmlight.sample import Experience
 
 log = logging.getLogger(__name__)
+
+
+LOGPROB_FLOOR = -1e4  # the trainer's log-prob of a token outside its top-k / top-p kept set
 
 
 class NonFiniteLossError(RuntimeError):
@@ -45,18 +52,23 @@ class RLModule(pl.LightningModule):
     # Whether compute_advantages reads batch.old_logprobs (then they are computed before the update).
     advantages_read_old_logprobs = False
 
-    def __init__(self, cfg: AlgoConfig, policy: torch.nn.Module, *, temperature: float = 1.0,
-                 max_new_tokens: int = 64, pad_token_id: int = 0, use_glm_forward: bool = False):
+    def __init__(self, cfg: AlgoConfig, policy: torch.nn.Module, *, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, max_new_tokens: int = 64, pad_token_id: int = 0, use_glm_forward: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.use_glm_forward = use_glm_forward  # logits through glmlight.models.glm_forward (model.forward)
+        self.use_glm_forward = use_glm_forward  # logits through glmlight.models.glm5.forward (model.forward)
         self.policy = policy.train()
+        # The sampling distribution (glmlight.ops.logprobs): the trainer's log-probs are taken under the
+        # same temperature / top-k / top-p processing as the engine's, so both are the same quantity.
         self.temperature = temperature if temperature > 0 else 1.0
+        self.top_k, self.top_p = top_k, top_p
         self.max_new_tokens = max_new_tokens
         self.pad_token_id = pad_token_id
         self.automatic_optimization = False
         self.policy_version = 0
         self._nonfinite_streak = 0
+        self.replay_mode = getattr(cfg, "replay", "none")  # algo.replay (glmlight/algorithms/replay.py)
+        replay_.check_model(policy, self.replay_mode)
         # The frozen reference lives outside the module's parameters: never trained, never checkpointed.
         self._reference: list[torch.nn.Module] = []
         if cfg.kl_coef > 0:
@@ -74,7 +86,9 @@ class RLModule(pl.LightningModule):
         return self.global_step // self.optimizer_steps_per_rl_step
 
     def training_step(self, dataloader_iter: Iterator[Experience]) -> None:
+        t_wait = time.perf_counter()
         item = next(dataloader_iter)  # Lightning yields (batch, batch_idx, dataloader_idx)
+        t_batch = time.perf_counter()
         batch = (item[0] if isinstance(item, tuple) else item).to(self.device)
         self.prepare_experience(batch)
         self.run_experience_hooks(batch)
@@ -84,17 +98,16 @@ class RLModule(pl.LightningModule):
         trained_tokens = float(batch.loss_mask.sum()) * self.cfg.ppo_epochs
         metrics["train/tokens_per_s"] = trained_tokens / max(time.perf_counter() - t0, 1e-9)
         metrics.update(batch.stats)
+        metrics["rollout/wait_seconds"] = t_batch - t_wait  # the trainer waiting for this batch
+        metrics["train/seconds"] = time.perf_counter() - t_batch  # old log-probs, hooks, advantages, update
         metrics["policy_version"] = float(self.policy_version)
         staleness = [self.policy_version - s.first_version for s in batch.samples if s.first_version >= 0]
         if staleness:
             metrics["rollout/staleness_max"] = float(max(staleness))
             metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness)
         metrics["rl_step"] = float(self.rl_step)
-        self.log_dict(metrics, on_step=True, batch_size=batch.batch_size)
-        for key in ("rollout/reward_mean", "eval/reward"):
-            if key in metrics:
-                self.log(key.split("/")[-1], metrics[key], prog_bar=True, on_step=True, logger=False,
-                         batch_size=batch.batch_size)
+        if self._trainer is not None:
+            log_metrics(self.trainer, metrics)
 
     def compute_advantages(self, batch: Experience) -> None:
         raise NotImplementedError
@@ -105,23 +118,46 @@ class RLModule(pl.LightningModule):
         return logprobs.new_zeros(()), {}
 
     # ----------------------------------------------------------------- log-probs
-    def forward_logits(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
-        """Logits predicting each response token: [B, T, V]."""
+    def forward_logits(self, model: torch.nn.Module, exp: Experience, capture: dict | None = None) -> torch.Tensor:
+        """Logits predicting each response token: [B, T, V]. With `algo.replay`, the engine's recorded
+        experts / DSA keys replace the model's own choices; `capture` receives the choices used."""
         P = exp.prompt_length
+        replay = replay_.replay_for(self.replay_mode, model, exp, capture)
         if self.use_glm_forward and glm_forward.supports(model):
             return glm_forward.forward_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids,
-                                              start=P - 1)[:, :-1]
-        out = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
-                    use_cache=False)
+                                              start=P - 1, replay=replay)[:, :-1]
+        with transformers_replay(model, replay):
+            out = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
+                        use_cache=False)
         return out.logits[:, P - 1 : -1]
+
+    def on_fit_start(self) -> None:
+        replay_.start(self, self.replay_mode)  # the engine records what is replayed
 
     @torch.no_grad()
     def compute_logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
         chunks = []
         for idx in self._micro_batches(torch.arange(exp.batch_size)):
             mb = exp.select(idx)
-            chunks.append(logprobs_from_logits(self.forward_logits(model, mb), mb.response_ids, self.temperature))
+            chunks.append(self.logprobs(self.forward_logits(model, mb), mb.response_ids))
         return torch.cat(chunks)
+
+    def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Log-probs [B, T] of `labels` under the sampling distribution the engine used. With top-k /
+        top-p a token outside the trainer's kept set (its logits differ from the engine's) has
+        probability 0: it gets LOGPROB_FLOOR instead of −inf, so ratios stay finite (IcePop pops
+        it, DIS masks it) and no gradient flows through it."""
+        lp = logprobs_from_logits(logits, labels, self.temperature, self.top_k, self.top_p)
+        return lp.clamp(min=LOGPROB_FLOOR) if self.top_k > 0 or self.top_p < 1 else lp
+
+    def entropy(self, logits: torch.Tensor, mask: torch.Tensor, with_grad: bool) -> torch.Tensor:
+        """Entropy [B, T] of the sampling distribution on mask positions (0 elsewhere), computed over
+        those positions only; without gradient unless `with_grad` (an entropy loss term)."""
+        out = logits.new_zeros(mask.shape, dtype=torch.float32)
+        keep = mask.bool()
+        with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+            values = entropy_from_logits(logits[keep], self.temperature, self.top_k, self.top_p)
+        return out.masked_scatter(keep, values) if with_grad else out.masked_scatter(keep, values.detach())
 
     def old_logprob_readers(self) -> list[str]:
         """What reads batch.old_logprobs before the update: the algorithm's advantages, and every
@@ -155,6 +191,9 @@ class RLModule(pl.LightningModule):
         self.policy.eval()
         from_update = self.old_logprobs_from_update()
         batch.old_logprobs = None if from_update else self.compute_logprobs(self.policy, batch)
+        if batch.old_logprobs is not None and (self.top_k > 0 or self.top_p < 1):
+            outside = (batch.old_logprobs <= LOGPROB_FLOOR).float()
+            batch.stats["train/outside_kept_set_frac"] = float(masked_mean(outside, batch.loss_mask))
         batch.stats["train/old_logprobs_from_update"] = float(from_update)
         if self._reference:
             ref = self._reference[0].to(self.device)
@@ -286,18 +325,9 @@ class RLModule(pl.LightningModule):
     def micro_batch_loss(self, mb: Experience, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         logits = self.forward_logits(self.policy, mb)
-        logprobs = logprobs_from_logits(logits, mb.response_ids, self.temperature)
+        logprobs = self.logprobs(logits, mb.response_ids)
         mask = mb.loss_mask
-        if cfg.policy_loss == "dis":
-            pg, kept = dis_loss_per_token(logprobs, mb.rollout_logprobs, mb.advantages, cfg.dis_eps_low, cfg.dis_eps_high)
-            stats = {"train/dis_masked_frac": 1.0 - masked_mean(kept.float(), mask)}
-        else:
-            old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # θ_old = θ (see above)
-            out = ppo_clip_loss(logprobs, old, mb.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
-            pg = out.loss
-            stats = {"train/clip_frac": masked_mean(out.clipped, mask),
-                     "train/dual_clip_frac": masked_mean(out.dual_clipped, mask),
-                     "train/ratio_mean": masked_mean(out.ratio, mask)}
+        pg, stats = self.policy_loss(mb, logprobs)
         if mb.token_weights is not None:
             pg = pg * mb.token_weights
         per_token = pg
@@ -305,16 +335,37 @@ class RLModule(pl.LightningModule):
             kl = kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_estimator)
             per_token = per_token + cfg.kl_coef * kl
             stats["train/kl"] = masked_mean(kl.detach(), mask)
-        entropy = entropy_from_logits(logits if cfg.entropy_coef else logits.detach(), self.temperature)
-        if cfg.entropy_coef:
-            per_token = per_token - cfg.entropy_coef * entropy
-        stats["train/entropy"] = masked_mean(entropy.detach(), mask)
+        if cfg.entropy_coef or cfg.log_entropy:
+            entropy = self.entropy(logits, mask, with_grad=bool(cfg.entropy_coef))
+            if cfg.entropy_coef:
+                per_token = per_token - cfg.entropy_coef * entropy
+            stats["train/entropy"] = masked_mean(entropy.detach(), mask)
         loss = aggregate_loss(per_token, mask, cfg.loss_agg, constant=cfg.loss_agg_constant or self.max_new_tokens,
                               num_sequences=int(scale["num_sequences"]), total_tokens=scale["total_tokens"])
         extra, extra_stats = self.extra_loss(mb, logits, logprobs, mask, scale)
         stats.update(extra_stats)
         stats["train/pg_loss"] = loss.detach()
         return loss + extra, {k: torch.as_tensor(v).detach().float() for k, v in stats.items()}
+
+    def policy_loss(self, mb: Experience, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token policy-gradient loss [B, T] (before token weights and aggregation) and its
+        statistics: `ppo_loss` or `dis_loss` by `algo.policy_loss`. Override to use another loss."""
+        return getattr(self, f"{self.cfg.policy_loss}_loss")(mb, logprobs)
+
+    def ppo_loss(self, mb: Experience, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """PPO clip with clip-higher and optional dual clip, against θ_old (`glmlight.ops.policy_loss`)."""
+        cfg, mask = self.cfg, mb.loss_mask
+        old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # θ_old = θ (see above)
+        out = ppo_clip_loss(logprobs, old, mb.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+        return out.loss, {"train/clip_frac": masked_mean(out.clipped, mask),
+                          "train/dual_clip_frac": masked_mean(out.dual_clipped, mask),
+                          "train/ratio_mean": masked_mean(out.ratio, mask)}
+
+    def dis_loss(self, mb: Experience, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """GLM-5's DIS: a double-sided trust window on π_θ / π_rollout (`glmlight.ops.dis`)."""
+        cfg = self.cfg
+        pg, kept = dis_loss_per_token(logprobs, mb.rollout_logprobs, mb.advantages, cfg.dis_eps_low, cfg.dis_eps_high)
+        return pg, {"train/dis_masked_frac": 1.0 - masked_mean(kept.float(), mb.loss_mask)}
 
     # ----------------------------------------------------------------- optim
     def configure_optimizers(self) -> Any:
@@ -358,19 +409,3 @@ def _as_tuple(x: Any) -> Any:
 
 def _grads_finite(model: torch.nn.Module) -> bool:
     return all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-
-
-def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
-    """Linear warm-up, then constant, cosine or linear decay to min_ratio."""
-
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(total - warmup, 1))
-        if schedule == "cosine":
-            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        return min_ratio + (1 - min_ratio) * (1 - progress)
-
-    return f

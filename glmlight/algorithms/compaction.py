@@ -5,7 +5,8 @@ reward). The loss is a token mean over every trainable token of every segment in
 the batch (loss_agg=token_mean: Σ m·ℓ / Σ m), not a mean per segment. Advantages
 use cross-trajectory GAE: local GAE inside each segment with λ_s = 1 − 1/(1.5·L_s),
 scaled by (γ·λ_s)^N_after(s), N_after(s) = trainable tokens in later segments.
-The critic is SAO's.
+The critic is SAO's. With whiten_advantages, the advantages are divided by their std over the
+batch but not centred, so the discount between segments and every advantage's sign survive.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from glmlight.algorithms.sao import SAO, SAOConfig
 from glmlight.data.groups import trajectories
 from glmlight.ops.gae import cross_trajectory_gae, segment_lambda, skip_observation_gae
 from glmlight.ops.value import terminal_rewards
+from glmlight.ranges import ranges
+from glmlight.registry import register_algorithm
 from glmlight.sample import Experience
 
 
@@ -29,6 +32,10 @@ class CompactionConfig(SAOConfig):
     segment_alpha: float = 1.5  # λ_s = 1 − 1/(α·L_s)
 
 
+ranges(CompactionConfig, segment_alpha="> 0")
+
+
+@register_algorithm("compaction", CompactionConfig)
 class CompactionRL(SAO):
     cfg: CompactionConfig
 
@@ -53,5 +60,7 @@ class CompactionRL(SAO):
                 adv[r] = a
         for i, s in enumerate(batch.samples):
             adv[i] = adv[first_row[id(s)]]
-        self.set_targets(batch, adv, returns, values, mask)
+        # Normalised by the std only: centring would undo the cross-trajectory discount (an early segment
+        # of a successful trajectory, discounted by (γλ_s)^N_after, falls below the batch mean).
+        self.set_targets(batch, adv, returns, values, mask, center=False)
         batch.stats["train/segments"] = float(len(batch.samples))

@@ -3,14 +3,27 @@ outcome advantages broadcast to every action token."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from glmlight.algorithms.base import RLModule
-from glmlight.config import GRPOConfig
+from glmlight.config import AlgoConfig
 from glmlight.ops.advantages import group_advantages
+from glmlight.registry import register_algorithm
 from glmlight.sample import Experience
 
 
+@dataclass
+class GRPOConfig(AlgoConfig):
+    name: str = "grpo"
+    normalize_std: bool = True  # False = Dr.GRPO
+    # Rows whose advantages are all 0 (groups with equal rewards) have exactly zero loss and gradient
+    # when no KL or entropy term is on: skip their forward and backward (same update, less compute).
+    skip_zero_advantage_rows: bool = True
+
+
+@register_algorithm("grpo", GRPOConfig)
 class GRPO(RLModule):
     cfg: GRPOConfig
 

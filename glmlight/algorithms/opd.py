@@ -26,6 +26,7 @@ and are loaded when fitting starts (`setup`).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -48,6 +49,8 @@ from glmlight.ops.advantages import group_advantages
 from glmlight.ops.distill import mix_outcome_advantages, opd_advantages, reverse_kl
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.ops.reduce import masked_mean
+from glmlight.ranges import ranges
+from glmlight.registry import register_algorithm
 from glmlight.sample import Experience, Sample
 
 log = logging.getLogger(__name__)
@@ -76,8 +79,14 @@ class OPDConfig(AlgoConfig):
     teachers: dict[str, Any] = field(default_factory=dict)
     default_teacher: Optional[str] = None  # serves domains no teacher lists; None = unknown domains are an error
     opd_coef: float = 1.0  # scale of the reverse-KL advantage
-    orm_coef: float = 0.0  # α: add α·(group-normalised outcome advantage)
+    # The temperature of the teachers' log-probs; None = the rollout temperature, the student's (both
+    # sides then score the same tempered distribution; top-k / top-p apply to the student's sampling only).
+    teacher_temperature: Optional[float] = None
+    orm_coef: float = 0.0  # α: add α·(group-normalised outcome advantage); a group of one keeps its raw R
     orm_normalize_std: bool = True  # outcome advantage: GRPO (true) or Dr.GRPO (false)
+
+
+ranges(OPDConfig, opd_coef=">= 0", orm_coef=">= 0", teacher_temperature="> 0")
 
 
 # ---------------------------------------------------------------------------------------------- teachers
@@ -97,7 +106,7 @@ class ModelTeacher:
         for idx in module._micro_batches(torch.arange(exp.batch_size)):
             mb = exp.select(idx)
             logits = module.forward_logits(self.model, mb)
-            chunks.append(logprobs_from_logits(logits, mb.response_ids, 1.0))
+            chunks.append(logprobs_from_logits(logits, mb.response_ids, module.teacher_temperature))
         return torch.cat(chunks)
 
     def close(self) -> None:
@@ -105,18 +114,27 @@ class ModelTeacher:
 
 
 class EngineTeacher:
-    """A teacher behind any RolloutEngine: log-probs from `engine.score(prompts, completions)`."""
+    """A teacher behind any RolloutEngine: log-probs from `engine.score(prompts, completions)` (at
+    the teacher temperature when the engine's score takes one; servers score at T = 1)."""
 
-    def __init__(self, name: str, engine: Any):
-        if not callable(getattr(engine, "score", None)):
+    def __init__(self, name: str, engine: Any, temperature: float = 1.0):
+        score = getattr(engine, "score", None)
+        if not callable(score):
             raise ConfigError(f"config error: algo.teachers.{name}.engine: {type(engine).__name__} has no score() method")
+        self.takes_temperature = "temperature" in inspect.signature(score).parameters
+        if temperature != 1.0 and not self.takes_temperature:
+            raise ConfigError(f"config error: algo.teachers.{name}: {type(engine).__name__}.score() scores at "
+                              f"temperature 1 only, but the teacher temperature is {temperature:g} (the rollout "
+                              "temperature); set algo.teacher_temperature=1.0 to distil from the untempered teacher")
         self.name = name
         self.engine = engine
+        self.temperature = temperature
 
     def logprobs(self, module: OPD, exp: Experience) -> torch.Tensor:
         prompts = [list(s.prompt_ids) for s in exp.samples]
         completions = [list(s.response_ids) for s in exp.samples]
-        rows = self.engine.score(prompts, completions)
+        kwargs = {"temperature": self.temperature} if self.takes_temperature else {}
+        rows = self.engine.score(prompts, completions, **kwargs)
         if len(rows) != len(completions):
             raise EngineError(f"teacher {self.name!r}: engine scored {len(rows)} sequences, expected {len(completions)}")
         out = torch.zeros(exp.batch_size, exp.response_length, dtype=torch.float32)
@@ -138,6 +156,7 @@ class EngineTeacher:
 
 
 # ---------------------------------------------------------------------------------------------- module
+@register_algorithm("opd", OPDConfig)
 class OPD(RLModule):
     cfg: OPDConfig
     advantages_read_old_logprobs = True  # the distillation advantage is teacher − student log-probs
@@ -149,6 +168,9 @@ class OPD(RLModule):
         # A plain dict of plain objects: never a registered submodule, never checkpointed.
         self._teachers: dict[str, Any] | None = None
         self._noted_group_size = False
+        self.teacher_temperature = cfg.teacher_temperature if cfg.teacher_temperature is not None else self.temperature
+        if self.teacher_temperature <= 0:
+            raise ConfigError(f"config error: algo.teacher_temperature={self.teacher_temperature:g} must be > 0")
 
     # ----------------------------------------------------------------- teachers
     def setup(self, stage: str) -> None:
@@ -172,7 +194,7 @@ class OPD(RLModule):
                 engine = instantiate(tc.engine, _convert_="all")
             except Exception as e:  # noqa: BLE001
                 raise ConfigError(f"config error: {where}.engine: cannot build {tc.engine['_target_']} ({e})") from None
-            return EngineTeacher(name, engine)
+            return EngineTeacher(name, engine, self.teacher_temperature)
         if tc.path is not None:
             model = load_causal_lm(tc.path, None, dtype=tc.dtype)
         else:
@@ -182,7 +204,7 @@ class OPD(RLModule):
             from glmlight.rollout.local import LocalEngine
 
             return EngineTeacher(name, LocalEngine(model, dtype=tc.dtype, device=self._target_device(),
-                                                   pad_token_id=self.pad_token_id))
+                                                   pad_token_id=self.pad_token_id), self.teacher_temperature)
         return ModelTeacher(name, model)
 
     def _target_device(self) -> torch.device:
@@ -263,7 +285,10 @@ class OPD(RLModule):
         batch.stats["opd/advantage_abs_mean"] = masked_mean(adv.abs(), batch.loss_mask).item()
         if self.cfg.orm_coef:
             group_ids = torch.tensor([s.group_id for s in batch.samples])
-            orm = group_advantages(batch.rewards.cpu(), group_ids, normalize_std=self.cfg.orm_normalize_std)
+            # A group of one (GLM-5's OPD group size) has no baseline: its raw reward is the outcome term
+            # (verl's convention, mean 0 and std 1); centring would make the term silently 0.
+            orm = group_advantages(batch.rewards.cpu(), group_ids, normalize_std=self.cfg.orm_normalize_std,
+                                   singleton="raw")
             adv = mix_outcome_advantages(adv, orm.to(adv.device), batch.loss_mask, self.cfg.orm_coef)
             batch.stats["opd/orm_advantage_abs_mean"] = orm.abs().mean().item()
         batch.advantages = adv

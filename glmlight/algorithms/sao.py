@@ -19,9 +19,11 @@ from torch import nn
 
 from glmlight.algorithms.base import RLModule
 from glmlight.config import AlgoConfig
-from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_whiten, skip_observation_gae
+from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_scale, masked_whiten, skip_observation_gae
 from glmlight.ops.reduce import masked_mean
-from glmlight.ops.value import terminal_rewards, value_loss
+from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
+from glmlight.ranges import ranges
+from glmlight.registry import register_algorithm
 from glmlight.sample import Experience
 
 
@@ -39,9 +41,13 @@ class SAOConfig(AlgoConfig):
     value_normalization: bool = False  # running mean/std of returns
     value_clip: Optional[float] = None
     gamma: float = 1.0
-    lambda_alpha: float = 1.5  # λ_policy = 1 − 1/(α·l)
+    lambda_alpha: float = 1.5  # λ_policy = 1 − 1/(α·l): SAO's α (VAPO's is 0.05; see ops.gae.adaptive_lambda)
     lambda_critic: float = 1.0
     whiten_advantages: bool = True
+
+
+ranges(SAOConfig, critic_lr=">= 0", critic_updates=">= 1", critic_warmup_steps=">= 0", value_clip="> 0",
+       gamma="[0, 1]", lambda_alpha="> 0", lambda_critic="[0, 1]")
 
 
 class ValueModel(nn.Module):
@@ -91,18 +97,15 @@ class RunningMeanStd(nn.Module):
 
     def update(self, x: torch.Tensor) -> None:
         x = x.double()
-        n, m, v = x.numel(), x.mean(), x.var(unbiased=False)
-        total = self.count + n
-        delta = m - self.mean
-        self.mean += delta * n / total
-        self.var = (self.var * self.count + v * n + delta**2 * self.count * n / total) / total
-        self.count = total
+        self.mean, self.var, self.count = merge_moments(self.mean, self.var, self.count, x.mean(),
+                                                        x.var(unbiased=False), x.numel())
 
     @property
     def std(self) -> torch.Tensor:
         return self.var.sqrt().clamp(min=1e-6)
 
 
+@register_algorithm("sao", SAOConfig)
 class SAO(RLModule):
     cfg: SAOConfig
 
@@ -150,14 +153,20 @@ class SAO(RLModule):
         batch.stats["train/lambda_policy_mean"] = float(lam.mean())
 
     def set_targets(self, batch: Experience, adv: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
-                    mask: torch.Tensor) -> None:
-        """Critic targets (normalised when value normalisation is on), advantages, and their statistics."""
+                    mask: torch.Tensor, center: bool = True) -> None:
+        """Critic targets (normalised when value normalisation is on), advantages, and their statistics.
+        With whiten_advantages the advantages are whitened over the batch's action tokens; `center=False`
+        only divides by their std (signs and ratios kept)."""
         if self.value_norm is not None:
             self.value_norm.update(returns[mask.bool()])
             batch.returns = (returns - self.value_norm.mean.float()) / self.value_norm.std.float()
         else:
             batch.returns = returns
-        batch.advantages = (masked_whiten(adv, mask) if self.cfg.whiten_advantages else adv) * mask
+        if self.cfg.whiten_advantages:
+            adv_out = masked_whiten(adv, mask) if center else masked_scale(adv, mask)
+        else:
+            adv_out = adv
+        batch.advantages = adv_out * mask
         adv_mean = masked_mean(adv, mask)
         batch.stats.update({
             "critic/explained_variance": float(explained_variance(values, returns, mask)),
@@ -171,10 +180,9 @@ class SAO(RLModule):
     def critic_loss(self, mb: Experience, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         values = self.critic_values(mb)
         mask = mb.action_mask
-        # The critic minibatch loss is a token mean over the whole minibatch (micro-batches add up).
-        share = mask.sum() / max(scale["critic_tokens"], 1.0)
-        vl = value_loss(values, mb.values, mb.returns, mask, self.cfg.value_clip)
-        return vl * share, {"critic/value_loss": vl.detach()}
+        # A token mean over the whole minibatch: the micro-batches' losses add up to it.
+        vl = value_loss(values, mb.values, mb.returns, mask, self.cfg.value_clip, total_tokens=scale["critic_tokens"])
+        return vl, {"critic/value_loss": vl.detach() * scale["critic_tokens"] / mask.sum().clamp(min=1.0)}
 
     def minibatch_update(self, batch: Experience, rows: torch.Tensor) -> dict[str, float]:
         warming_up = self.rl_step < self.cfg.critic_warmup_steps

@@ -23,19 +23,31 @@ def trajectories(group: list[Sample]) -> list[list[Sample]]:
 
 
 def pad_or_drop_group(group: list[Sample], is_valid: Callable[[list[Sample]], bool], counts: Counter,
-                      reason: str) -> list[Sample] | None:
+                      reason: str, reason_of: Callable[[list[Sample]], str] | None = None) -> list[Sample] | None:
     """Returns the repaired group (as samples), or None if it is dropped. Counts samples:
-    dropped/<reason> for invalid ones, dropped/group_<reason> for valid ones of a dropped group,
-    padded/<reason> for repeats added."""
+    dropped/<reason> for invalid ones (dropped/<reason_of(trajectory)> when given),
+    dropped/group_<reason> for valid ones of a dropped group, padded/<reason> for repeats added.
+    Dropped samples get metadata["drop_reason"] (the sample table shows it)."""
     trajs = trajectories(group)
     valid = [t for t in trajs if is_valid(t)]
     invalid = [t for t in trajs if not is_valid(t)]
     if not invalid:
         return group
-    counts[f"dropped/{reason}"] += sum(len(t) for t in invalid)
+    for t in invalid:
+        why = reason_of(t) if reason_of else reason
+        counts[f"dropped/{why}"] += len(t)
+        tag_dropped(t, why)
     if len(valid) * 2 <= len(trajs):
         counts[f"dropped/group_{reason}"] += sum(len(t) for t in valid)
+        tag_dropped([s for t in valid for s in t], f"group_{reason}")
         return None
     repeats = [valid[i % len(valid)] for i in range(len(invalid))]
     counts[f"padded/{reason}"] += sum(len(t) for t in repeats)
     return [s for t in valid + repeats for s in t]
+
+
+def tag_dropped(samples: list[Sample], reason: str) -> list[Sample]:
+    """Mark samples as dropped for `reason` (metadata["drop_reason"]); returns them."""
+    for s in samples:
+        s.metadata["drop_reason"] = reason
+    return samples

@@ -2,31 +2,30 @@
 
 A source is an indexable sequence of `Prompt`s. The data module walks it in a
 seeded, reshuffled-every-epoch order and remembers its position (for resume).
+
+A JSONL file is read once, whole, at start-up; a run trains on that snapshot. If the
+file changes on disk while the run goes on, the run keeps its snapshot and says so
+once per change (`JsonlSource.changes_seen` counts them). Its `fingerprint` (sha256
+and prompt count) goes into every checkpoint, and resuming from a checkpoint taken on
+other contents stops with one line: the saved position would point at other prompts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+import threading
+import time
+from typing import Any, Sequence
 
 from glmlight.errors import DataError
+from glmlight.prompt import Prompt, PromptSource  # noqa: F401  (re-exported: the sources yield Prompts)
 
-
-@dataclass
-class Prompt:
-    messages: list[dict[str, str]]  # chat messages rendered with the tokenizer's chat template
-    label: Any = None
-    domain: str = "default"
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-class PromptSource(Protocol):
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> Prompt: ...
+log = logging.getLogger(__name__)
+CHANGE_CHECK_S = 10.0  # how often a file-backed source looks at its file's size and mtime
 
 
 def _as_messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict[str, str]]:
@@ -36,6 +35,8 @@ def _as_messages(prompt: Any, system_prompt: str | None, where: str) -> list[dic
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
         messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+        if not any(m["content"].strip() for m in messages):
+            raise DataError(f"{where}: empty prompt (every message's content is empty)")
     else:
         raise DataError(f"{where}: prompt must be a non-empty string or a list of {{role, content}} messages")
     if system_prompt and messages[0]["role"] != "system":
@@ -74,22 +75,70 @@ class JsonlSource(ListSource):
                  domain_key: str = "domain", system_prompt: str | None = None):
         if not os.path.isfile(path):
             raise DataError(f"prompt file {path} does not exist")
+        self.path = path
+        data, self._stat = _read_stable(path)
         prompts = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-                prompts.append(_row_to_prompt(row, where, prompt_key, label_key, domain_key, system_prompt))
+        for lineno, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            prompts.append(_row_to_prompt(row, where, prompt_key, label_key, domain_key, system_prompt))
         if not prompts:
             raise DataError(f"prompt file {path} holds no prompts")
         super().__init__(prompts)
+        self.fingerprint = {"path": path, "sha256": hashlib.sha256(data).hexdigest(), "prompts": len(prompts)}
+        self.changes_seen = 0
+        self._checked = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __getitem__(self, index: int) -> Prompt:
+        self.check_file()
+        return self.prompts[index]
+
+    def check_file(self, force: bool = False) -> bool:
+        """Whether the file on disk still is what was read (size, mtime); a change is logged once."""
+        now = time.monotonic()
+        if not force and now - self._checked < CHANGE_CHECK_S:
+            return True
+        with self._lock:
+            self._checked = now
+            stat = _stat(self.path)
+            if stat == self._stat:
+                return True
+            self._stat = stat
+            self.changes_seen += 1
+        log.warning("prompt file %s changed on disk while the run reads it; the run keeps the %d prompts it read "
+                    "at start-up (sha256 %s...). Restart with a new run to train on the new file",
+                    self.path, len(self.prompts), self.fingerprint["sha256"][:12])
+        return False
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def _read_stable(path: str, attempts: int = 5) -> tuple[bytes, tuple[int, int] | None]:
+    """The file's bytes, read while it did not change (a writer may be rewriting it)."""
+    for _ in range(attempts):
+        before = _stat(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        after = _stat(path)
+        if before == after and (after is None or after[0] == len(data)):
+            return data, after
+        time.sleep(0.2)
+    raise DataError(f"prompt file {path} kept changing while it was read ({attempts} attempts); "
+                    "wait until it is written completely")
 
 
 class HFDatasetSource(ListSource):

@@ -3,36 +3,63 @@
 `model.path` names a local Hugging Face checkpoint (weights as safetensors);
 without it the tiny GLM-5 default is built, randomly initialised from `seed`,
 with the local character tokenizer. Nothing is downloaded.
+
+A checkpoint directory that cannot serve (no tokenizer, no or an unreadable config.json,
+no safetensors weights, weights whose shapes or names disagree with config.json) stops the
+run with one line naming the directory and what is wrong; a model is never trained from
+randomly initialised tensors that the checkpoint was supposed to provide.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import json
+import logging
 import os
+import re
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GlmMoeDsaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from glmlight.dtypes import resolve_dtype
 from glmlight.errors import ConfigError
-from glmlight.models.fast_indexer import install_fast_indexer
+from glmlight.models.glm5.indexer import install_fast_indexer
 from glmlight.models.tiny import tiny_glm5_config
 from glmlight.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
-from glmlight.rollout.local import resolve_dtype
+
+log = logging.getLogger(__name__)
+
+# Files of which at least one makes a directory hold a tokenizer transformers can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model")
 
 
-def load_tokenizer(path: str | None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | None, trust_remote_code: bool = False, key: str = "model.path"
+                   ) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local checkpoint (`key` names the config key in errors), or the character tokenizer."""
     if path is None:
         return build_char_tokenizer()
-    _check_local(path)
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    _check_local(path, key)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES) and not trust_remote_code:
+        raise ConfigError(f"config error: {key}={path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                          "copy the checkpoint's tokenizer files into it")
+    try:
+        with _quiet_transformers():
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds, often naming neither file nor directory
+        raise ConfigError(f"config error: {key}={path!r}: the tokenizer cannot be loaded ({_first_line(e)}); "
+                          f"files there: {_listing(path)}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if tok.chat_template is None:
+        log.warning("the tokenizer in %s has no chat template; prompts are rendered with glmlight's GLM-style one "
+                    "(<|role|>content ... <|assistant|>), whose role markers may not be tokens of this tokenizer", path)
         tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
 def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, preset: str = "tiny",
-                   dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
+                   dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False, key: str = "model.path",
                    **tiny_overrides) -> PreTrainedModel:
     """A local checkpoint (safetensors only), or the tiny GLM-5 initialised from `seed`."""
     torch_dtype = resolve_dtype(dtype)
@@ -45,11 +72,86 @@ def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, pres
             model = GlmMoeDsaForCausalLM(config)
         install_fast_indexer(model)
         return model.to(torch_dtype)
-    _check_local(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True,
-                                                 trust_remote_code=trust_remote_code, local_files_only=True)
+    config = check_checkpoint(path, key)
+    try:
+        with _quiet_transformers():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
+                local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"config error: {key}={path!r}: the model cannot be built from config.json and its weights "
+                          f"({_first_line(e)})") from None
+    _check_loading_info(path, key, config, info)
     install_fast_indexer(model)
     return model
+
+
+def check_checkpoint(path: str, key: str = "model.path") -> dict:
+    """config.json (a JSON object with a model_type) and safetensors weights are there; returns the config."""
+    _check_local(path, key)
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ConfigError(f"config error: {key}={path!r} has no config.json (files there: {_listing(path)})")
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config error: {key}={path!r}: config.json is not readable JSON ({_first_line(e)})") from None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ConfigError(f"config error: {key}={path!r}: config.json has no model_type (it names the architecture, "
+                          "e.g. \"glm_moe_dsa\"); is it the checkpoint's own config.json?")
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        bins = glob.glob(os.path.join(path, "*.bin"))
+        extra = " (only .bin weights, which are never loaded: convert them to safetensors)" if bins else ""
+        raise ConfigError(f"config error: {key}={path!r} has no safetensors weights{extra}")
+    return config
+
+
+def _check_loading_info(path: str, key: str, config: dict, info: dict) -> None:
+    """Weights and config.json must describe the same model: nothing missing or of another shape."""
+    mismatched, missing = list(info.get("mismatched_keys") or []), sorted(info.get("missing_keys") or [])
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    where = f"config error: {key}={path!r}: config.json and the weights disagree"
+    if mismatched:
+        name, ckpt, model = mismatched[0]
+        raise ConfigError(f"{where}: {name} is {list(ckpt)} in the weights but {list(model)} by config.json "
+                          f"({len(mismatched)} of another shape)")
+    if missing:
+        raise ConfigError(f"{where}: the weights lack tensors the model needs ({len(missing)}), e.g. {missing[0]}")
+    layers = config.get("num_hidden_layers")
+    beyond = [k for k in unexpected if isinstance(layers, int) and (m := re.search(r"\blayers\.(\d+)\.", k))
+              and int(m.group(1)) >= layers]
+    if beyond:
+        raise ConfigError(f"{where}: the weights hold layers beyond num_hidden_layers={layers}, e.g. {beyond[0]}")
+    if unexpected:
+        log.warning("%s: %d tensors in the weights have no place in the model and are ignored, e.g. %s",
+                    path, len(unexpected), unexpected[0])
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' load report and warnings off: the checks here say what matters in one line."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[-1].strip() if text else ''}".rstrip(": ")
+
+
+def _listing(path: str, limit: int = 8) -> str:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return "?"
+    return (", ".join(names[:limit]) + (", ..." if len(names) > limit else "")) or "none"
 
 
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str) -> str:
@@ -65,7 +167,7 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     return path
 
 
-def _check_local(path: str) -> None:
+def _check_local(path: str, key: str = "model.path") -> None:
     if not os.path.isdir(path):
-        raise ConfigError(f"config error: model.path={path!r} is not a local directory "
+        raise ConfigError(f"config error: {key}={path!r} is not a local directory "
                           "(checkpoints are never downloaded; point model.path at a local Hugging Face checkpoint)")

@@ -9,6 +9,16 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from glmlight.errors import ConfigError, DataError
+
+
+class PromptEncodingError(DataError):
+    """One prompt the chat template cannot turn into a usable prompt; `reason` is its drop-count name."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 
 # GLM-style role markers; the assistant turn ends with <eos>, which is the stop token.
@@ -35,11 +45,39 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 def encode_chat(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True
 ) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    """Token ids of `messages` rendered by the tokenizer's chat template.
+
+    A tokenizer without a chat template is a ConfigError; messages the template or the tokenizer
+    cannot encode (a template error, characters outside the vocabulary) raise PromptEncodingError."""
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ConfigError(f"config error: the tokenizer {name!r} has no chat template; set tokenizer.chat_template, "
+                          "or use a checkpoint whose tokenizer_config.json (or chat_template.jinja) has one")
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as e:  # noqa: BLE001 - jinja, the tokenizers library and transformers raise many kinds
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise PromptEncodingError("unencodable_prompt", f"the chat template cannot encode the prompt "
+                                  f"{_preview(messages)} ({type(e).__name__}: {first})") from None
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return [int(i) for i in out]
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
+    """`encode_chat` with the generation prompt, for a prompt the policy answers: raises
+    PromptEncodingError("empty_prompt") when it renders to no tokens or its text decodes to nothing
+    (only template and special tokens left, e.g. every character outside the vocabulary)."""
+    ids = encode_chat(tokenizer, messages, add_generation_prompt=True)
+    if not ids or not tokenizer.decode(ids, skip_special_tokens=True).strip():
+        raise PromptEncodingError("empty_prompt", f"the prompt {_preview(messages)} decodes to nothing after the "
+                                  f"chat template ({len(ids)} tokens, all of them template or special tokens)")
+    return ids
+
+
+def _preview(messages: list[dict[str, Any]]) -> str:
+    text = " | ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+    return repr(text[:60] + ("..." if len(text) > 60 else ""))
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

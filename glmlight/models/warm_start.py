@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glmlight.config import WarmStartConfig
-from glmlight.data.sources import Prompt, PromptSource
+from glmlight.prompt import Prompt, PromptSource
 from glmlight.models.tokenizer import encode_chat
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """Train/inference mismatch corrections: per-token weights and keep masks.
 
-Notation (ALGORITHMS.md, "Train/inference mismatch"): for every response token,
+Notation (GLM-5, arXiv 2602.15763, Eq. 1; Yao et al. 2025, "Your Efficient RL Framework Secretly
+Brings You Off-Policy RL Training", blog): for every response token,
 ``k = π_old / π_rollout = exp(old_logprobs − rollout_logprobs)``, the ratio of the
 trainer's probability (same weights as the engine, trainer numerics) to the
 engine's probability of the sampled token.
@@ -42,15 +43,6 @@ class CorrectionResult(NamedTuple):
     stats: dict[str, float]
 
 
-def log_ratio(old_logprobs: Tensor, rollout_logprobs: Tensor, clamp: float = 20.0) -> Tensor:
-    """log k = old_logprobs − rollout_logprobs clamped to [−clamp, clamp]; shapes [B, T] -> [B, T].
-
-    The clamp keeps exp() finite (exp(20) ≈ 4.9e8).
-    """
-    # Safety bound before exp: slime mismatch helper / verl rollout_corr (impl), ALGORITHMS.md.
-    return (old_logprobs.detach().float() - rollout_logprobs.detach().float()).clamp(-clamp, clamp)
-
-
 def icepop(
     old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, low: float, high: float
 ) -> CorrectionResult:
@@ -60,7 +52,7 @@ def icepop(
     tokens in the loss denominator (divide by the loss mask, not keep_mask);
     stats add "popped_frac" (equal to "removed_frac").
     """
-    # GLM-5 Eq. 1 pop(ρ, 1/β, β), β = 2; Ring-1T IcePop M(k) = k·1[α ≤ k ≤ β] (paper).
+    # GLM-5 (arXiv 2602.15763) Eq. 1 pop(ρ, 1/β, β), β = 2; Ring-1T (arXiv 2510.18855) IcePop M(k) = k·1[α ≤ k ≤ β].
     result = _band(_token_ratio(old_logprobs, rollout_logprobs, mask), mask, low, high)
     result.stats["popped_frac"] = result.stats["removed_frac"]
     return result
@@ -78,7 +70,7 @@ def truncated_is(
     No token is removed (keep_mask equals mask). stats add "clipped_frac", the
     fraction of mask tokens whose k fell outside [clip_low, clip_high].
     """
-    # TIS (Yao et al., paper): min(k, C), C = 2; slime: clamp(k, clip_low=0, clip_high=2) (impl).
+    # TIS (Yao et al. 2025, blog): min(k, C), C = 2; as slime's clamp(k, 0, 2).
     mask = mask.float()
     ratio = _token_ratio(old_logprobs, rollout_logprobs, mask)
     weights = _on_mask(ratio.clamp(clip_low, clip_high), mask)
@@ -98,7 +90,7 @@ def masked_is(
     (aggregate with keep_mask), IcePop keeps them there (aggregate with the
     loss mask).
     """
-    # MIS, token level, mode "mask": slime mismatch helper / verl rollout_corr (impl).
+    # MIS (Liu et al. 2025, "When Speed Kills Stability", blog), token level, mode "mask".
     return rejection_sampling(old_logprobs, rollout_logprobs, mask, "token", low, high, "mask")
 
 
@@ -153,7 +145,7 @@ def rejection_sampling(
     "veto_seq_frac" (fraction of sequences with mask tokens that were vetoed,
     with veto_threshold) and "batch_norm_factor" (with batch_normalize).
     """
-    # MIS / rejection sampling: slime mismatch helper, verl rollout_corr (impl), ALGORITHMS.md.
+    # MIS / rejection sampling (Liu et al. 2025, "When Speed Kills Stability", blog); settings as in verl and slime.
     mask = mask.float()
     raw = _masked_raw_log_ratio(old_logprobs, rollout_logprobs, mask)
     ratio = _level_log_ratio(raw, mask, level).clamp(-20.0, 20.0).exp()

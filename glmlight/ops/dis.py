@@ -19,7 +19,7 @@ def dis_mask(logprobs: Tensor, rollout_logprobs: Tensor, eps_low: float, eps_hig
     logprobs, rollout_logprobs: [B, T]; r = exp(logprobs − rollout_logprobs),
     computed detached. Returns float32 [B, T] 0/1 (NaN log-probs give 0).
     """
-    # GLM-5 Eq. 3–5 (paper), f-window of DIS.
+    # GLM-5 (arXiv 2602.15763) Eq. 3–5: the f-window of DIS.
     r = _ratio(logprobs, rollout_logprobs)
     return ((r > 1.0 - eps_low) & (r < 1.0 + eps_high)).float()
 
@@ -34,7 +34,7 @@ def dis_loss_per_token(
     d loss / d logprobs = −r·Â inside the window and 0 outside. Aggregation
     over tokens (and the loss mask) is left to the caller.
     """
-    # GLM-5 Eq. 3–5 (paper); f detached as in implementations (ALGORITHMS.md).
+    # GLM-5 (arXiv 2602.15763) Eq. 3–5; f(r) detached, so the gradient inside the window is −r·Â·∇log π_θ.
     window = dis_mask(logprobs, rollout_logprobs, eps_low, eps_high)
     r = _ratio(logprobs, rollout_logprobs)
     f = torch.where(window.bool(), r, torch.zeros_like(r))

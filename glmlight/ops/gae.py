@@ -22,7 +22,7 @@ def gae(
     tokens, 0 elsewhere. A mask with holes is treated as in
     :func:`skip_observation_gae`.
     """
-    # GAE (Schulman et al. 2016, Eq. 16); reverse scan as in verl/TRL (impl).
+    # GAE (Schulman et al. 2016, arXiv 1506.02438, Eq. 16), a reverse scan.
     return _scan(rewards, values, mask, gamma, lam)
 
 
@@ -38,19 +38,23 @@ def skip_observation_gae(
     are ignored (put the reward on an action token); outputs are 0 on
     non-action tokens. lam: float or [B] tensor.
     """
-    # SAO Skip-Observation GAE (Hou et al. 2026; ALGORITHMS.md).
+    # SAO Skip-Observation GAE (Hou et al. 2026, arXiv 2607.07508, §4).
     return _scan(rewards, values, action_mask, gamma, lam)
 
 
 def adaptive_lambda(lengths: Tensor, alpha: float = 1.5) -> Tensor:
-    """λ = 1 − 1/(α·l) per sequence; lengths [B] (clamped to l >= 1) -> float32 [B]."""
-    # VAPO length-adaptive GAE λ; SAO policy λ (ALGORITHMS.md).
+    """λ = 1 − 1/(α·l) per sequence; lengths [B] (clamped to l >= 1) -> float32 [B].
+
+    Length-adaptive GAE from VAPO (Yue et al. 2025, arXiv 2504.05118, §3.2), whose α is 0.05; SAO
+    (Hou et al. 2026, arXiv 2607.07508, §4) uses it for the policy's advantages with α = 1.5 (the
+    default here) and λ = 1 for the critic's targets. A larger α puts λ closer to 1.
+    """
     return 1.0 - 1.0 / (alpha * lengths.float().clamp(min=1.0))
 
 
 def segment_lambda(length: int | float, alpha: float = 1.5) -> float:
     """λ_s = 1 − 1/(α·L_s) for a segment of L_s response tokens (clamped to L_s >= 1)."""
-    # CompactionRL cross-trajectory GAE λ_s (Li et al. 2026; ALGORITHMS.md).
+    # CompactionRL cross-trajectory GAE λ_s (Li et al. 2026, arXiv 2607.05378).
     return 1.0 - 1.0 / (alpha * max(float(length), 1.0))
 
 
@@ -64,7 +68,7 @@ def cross_trajectory_gae(
     trajectory order; lambdas[s] = λ_s (see :func:`segment_lambda`). Returns one
     float32 [T_s] tensor per segment, 0 where its mask is 0.
     """
-    # CompactionRL cross-trajectory GAE (Li et al. 2026; ALGORITHMS.md).
+    # CompactionRL cross-trajectory GAE (Li et al. 2026, arXiv 2607.05378).
     if not len(segment_advantages) == len(segment_masks) == len(lambdas):
         raise ValueError(
             "cross_trajectory_gae: need one mask and one lambda per segment, got "
@@ -84,7 +88,7 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     Mean and (population) variance are taken over all mask tokens of the batch,
     so the whitened mask tokens have mean 0 and variance ≈ 1. 0 where mask is 0.
     """
-    # Advantage whitening as in TRL/verl masked_whiten (impl), population variance.
+    # Advantage whitening (as TRL and verl do it), population variance.
     mask = mask.float()
     x = torch.where(mask.bool(), x.float(), torch.zeros_like(x, dtype=torch.float32))
     mean, var = _masked_mean_var(x, mask)
@@ -94,13 +98,26 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return whitened * mask
 
 
+def masked_scale(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """x / sqrt(var + eps) over mask tokens, without the mean shift; [B, T] -> [B, T], 0 where mask is 0.
+
+    Normalises the scale of advantages while keeping every sign and every ratio between them:
+    CompactionRL's cross-trajectory discount (γλ_s)^N_after must survive normalisation, which
+    centring would undo (an early segment of a successful trajectory would turn negative).
+    """
+    mask = mask.float()
+    x = torch.where(mask.bool(), x.float(), torch.zeros_like(x, dtype=torch.float32))
+    _, var = _masked_mean_var(x, mask)
+    return x * torch.rsqrt(var + eps) * mask
+
+
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """1 − Var[returns − values] / Var[returns] over mask tokens; [B, T] inputs -> float32 scalar.
 
     1 is a perfect critic, 0 no better than a constant, negative worse; NaN when
     Var[returns] is 0.
     """
-    # Critic diagnostic, as logged by PPO implementations (impl).
+    # The critic diagnostic PPO implementations log.
     mask = mask.float()
     valid = mask.bool()
     returns = torch.where(valid, returns.float(), torch.zeros_like(returns, dtype=torch.float32))

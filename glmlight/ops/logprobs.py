@@ -1,27 +1,82 @@
-"""Token log-probabilities and entropy from logits."""
+"""Token log-probabilities and entropy of the sampling distribution.
+
+The probability contract: the log-prob of a token is its log-prob under the distribution it is
+sampled from, softmax(logits / T) restricted to the top-k / top-p kept set and renormalised.
+The embedded engine samples and reports with `processed_logits`, and the trainer recomputes its
+log-probs with the same function on its own logits, so with equal logits both sides compute the
+same number (and the same kept set). With top_k = 0 and top_p = 1 this is softmax(logits / T).
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature)[label], float32.
+def processed_logits(logits: Tensor, temperature: float | Tensor = 1.0, top_k: int | Tensor = 0,
+                     top_p: float | Tensor = 1.0, *, use_top_k: bool | None = None,
+                     use_top_p: bool | None = None) -> Tensor:
+    """float32 logits / T with every token outside the top-k / top-p kept set at −inf; [..., V] -> [..., V].
 
-    logits [B, T, V], labels [B, T] -> [B, T]. Computed as logit[label] - logsumexp(logits)
-    so that the full [B, T, V] log-softmax is never materialised.
+    temperature, top_k, top_p: numbers, or tensors of shape [...] (one per row). T ≤ 0 (greedy)
+    counts as T = 1. top_k = 0 and top_p = 1 filter nothing. Top-p (Holtzman et al. 2020, arXiv
+    1904.09751, §3.1) keeps the smallest set of most likely tokens whose mass reaches top_p: a
+    token is dropped once the mass of the tokens strictly more likely than it already reaches
+    top_p (ties broken by sort order). `use_top_k` / `use_top_p` say whether any row filters (None:
+    look at the arguments, which costs a device synchronisation for tensors).
     """
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    scaled = logits.float()
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=scaled.device)
+    temp = torch.where(temp > 0, temp, torch.ones_like(temp))
+    if temp.dim() or float(temp) != 1.0:
+        scaled = scaled / temp.unsqueeze(-1) if temp.dim() else scaled / temp
+    V = scaled.shape[-1]
+    top_k = torch.as_tensor(top_k, device=scaled.device)
+    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=scaled.device)
+    if use_top_k is None:
+        use_top_k = bool((top_k > 0).any())
+    if use_top_p is None:
+        use_top_p = bool((top_p < 1).any())
+    if use_top_k:
+        k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V)).expand(scaled.shape[:-1])
+        kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if use_top_p:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p.expand(scaled.shape[:-1]).unsqueeze(-1)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per position: [B, T, V] -> [B, T]."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def log_softmax(logits: Tensor) -> Tensor:
+    """Max-subtracted log-softmax in float32: (x − max) − log Σ exp(x − max); [..., V] -> [..., V].
+
+    Subtracting the max first keeps the log-prob of a near-certain token exact to float32
+    rounding of a number near 0 (x − logsumexp(x) computed from two large numbers is not).
+    """
+    z = logits.float()
+    z = z - z.amax(-1, keepdim=True).detach()
+    return z - z.exp().sum(-1, keepdim=True).log()
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0, top_k: int = 0,
+                         top_p: float = 1.0) -> Tensor:
+    """log of the sampling distribution's probability of `labels`: logits [B, T, V], labels [B, T] -> [B, T].
+
+    The sampling distribution is `processed_logits(logits, temperature, top_k, top_p)`; a label
+    outside the kept set gets −inf. Computed as (z[label] − log Σ exp z) with z = x − max(x),
+    so the full [B, T, V] log-softmax is never materialised.
+    """
+    z = processed_logits(logits, temperature, top_k, top_p)
+    z = z - z.amax(-1, keepdim=True).detach()
+    picked = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - z.exp().sum(-1).log()
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Entropy of the sampling distribution per position: [..., V] -> [...]."""
+    logp = log_softmax(processed_logits(logits, temperature, top_k, top_p))
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)

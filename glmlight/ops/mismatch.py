@@ -37,7 +37,8 @@ def mismatch_sums(
       trusted_token_sum = Σ m·1[low <= k <= high] (only when low and high are given).
     r is clamped to ±20 before exp in k3_kl and chi2_token.
     """
-    # Mismatch metrics as in slime's mismatch helper (impl), ALGORITHMS.md.
+    # Train/inference mismatch metrics (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    # Off-Policy RL Training"; Liu et al. 2025, "When Speed Kills Stability"; both blog posts).
     mask = mask.float()
     valid = mask.bool()
     train = _zero_off_mask(train_logprobs, valid)
@@ -57,7 +58,7 @@ def mismatch_sums(
         "kl_sum": (-r * mask).sum(),
         # k3 = e^r − r − 1 with r = log(π_train/π_rollout): under tokens sampled from π_rollout,
         # E[e^r] = 1 and E[−r] = KL(rollout‖train), so this is an unbiased, non-negative
-        # estimate of the same KL as kl_sum. ALGORITHMS.md's sign is the right one.
+        # estimate of the same KL as kl_sum (Schulman 2020's k3 with π_rollout as the sampling distribution).
         "k3_kl_sum": ((k - r_clamped - 1.0) * mask).sum(),
         "chi2_token_sum": (k.square() * mask).sum(),
         "train_log_ppl_sum": _per_seq(-(train * mask).sum(-1) / per_seq_count, has_tokens),
@@ -78,7 +79,7 @@ def reduce_mismatch_sums(sums: dict[str, Tensor]) -> dict[str, Tensor]:
     sampled text less likely than the engine did); chi2_token = E[k²] − 1;
     chi2_seq = mean over sequences of (Π k)² − 1; trusted_token_ratio when present.
     """
-    # Mismatch metrics: slime mismatch helper (impl), ALGORITHMS.md.
+    # Mismatch metrics (Yao et al. 2025; Liu et al. 2025, blog posts): ratios of the sums above.
     tokens, seqs = sums["token_count"], sums["seq_count"]
     train_ppl = _div(sums["train_log_ppl_sum"], seqs)
     rollout_ppl = _div(sums["rollout_log_ppl_sum"], seqs)
@@ -110,7 +111,7 @@ def mismatch_metrics(
     mask tokens with low <= k <= high) when low and high are given. See
     :func:`mismatch_sums` and :func:`reduce_mismatch_sums` for the formulas.
     """
-    # Mismatch metrics: slime mismatch helper (impl), ALGORITHMS.md.
+    # Mismatch metrics (Yao et al. 2025; Liu et al. 2025, blog posts).
     return reduce_mismatch_sums(mismatch_sums(train_logprobs, rollout_logprobs, mask, low, high))
 
 
@@ -120,7 +121,7 @@ def token_agreement(train_argmax: Tensor, engine_tokens: Tensor, mask: Tensor) -
     train_argmax, engine_tokens: [B, T] integer; mask: [B, T] 0/1. Returns a
     float32 scalar (NaN without mask positions).
     """
-    # Token agreement, validation contract (DESIGN.md).
+    # Token agreement, validation contract (docs/contracts.md).
     mask = mask.float()
     return _div(((train_argmax == engine_tokens).float() * mask).sum(), mask.sum())
 
@@ -137,7 +138,7 @@ def topk_agreement(indices_a: Tensor, indices_b: Tensor) -> Tensor:
     (NaN when no position has a valid entry). Sort + searchsorted, O(k log k)
     per position.
     """
-    # Sparse contract: DSA indexer top-k agreement (DESIGN.md).
+    # Sparse contract: DSA indexer top-k agreement (docs/contracts.md).
     if indices_a.shape != indices_b.shape:
         raise ValueError(
             f"topk_agreement: shapes differ, {tuple(indices_a.shape)} vs {tuple(indices_b.shape)}"
@@ -151,6 +152,20 @@ def topk_agreement(indices_a: Tensor, indices_b: Tensor) -> Tensor:
     valid = torch.maximum((a >= 0).sum(-1), (indices_b.reshape(-1, k) >= 0).sum(-1)).float()
     scored = valid > 0
     return _div((overlap[scored] / valid[scored]).sum(), scored.float().sum())
+
+
+def set_agreement(choices_a: Tensor, choices_b: Tensor) -> Tensor:
+    """Fraction of positions whose two choices [..., k] are the same set (order ignored), e.g. the
+    experts a MoE router picked for a token in the engine and in the trainer. Each side is assumed
+    to hold distinct entries. Returns a float32 scalar (NaN for no positions)."""
+    # Model contract: routing agreement (docs/contracts.md).
+    if choices_a.shape != choices_b.shape:
+        raise ValueError(f"set_agreement: shapes differ, {tuple(choices_a.shape)} vs {tuple(choices_b.shape)}")
+    k = choices_a.shape[-1]
+    a = choices_a.reshape(-1, k).sort(dim=-1).values
+    b = choices_b.reshape(-1, k).sort(dim=-1).values
+    same = (a == b).all(-1).float()
+    return _div(same.sum(), torch.tensor(float(same.numel())))
 
 
 def _zero_off_mask(logprobs: Tensor, valid: Tensor) -> Tensor:

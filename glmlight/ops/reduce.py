@@ -5,10 +5,6 @@ from __future__ import annotations
 import torch
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, eps: float = 1e-8) -> torch.Tensor:
     if dim is None:
         return (x * mask).sum() / mask.sum().clamp(min=eps)

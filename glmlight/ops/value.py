@@ -20,11 +20,26 @@ def terminal_rewards(rewards: torch.Tensor, action_mask: torch.Tensor) -> torch.
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float | None = None) -> torch.Tensor:
-    """Masked value loss ½·E[(V − R)²]; with clip c (PPO, Schulman et al. 2017 impl.):
-    ½·E[max((V − R)², (V_old + clip(V − V_old, −c, c) − R)²)]."""
+               clip: float | None = None, total_tokens: float | None = None) -> torch.Tensor:
+    """Masked value loss ½·Σ m·(V − R)² / N, N = Σ m (or `total_tokens`: the token count of the
+    whole minibatch, so that the losses of its micro-batches add up to the minibatch's token mean);
+    with clip c (PPO, Schulman et al. 2017 impl.): ½·Σ m·max((V − R)², (V_old + clip(V − V_old, −c, c) − R)²) / N.
+    All tensors [B, T]; returns a scalar."""
     err = (values - returns) ** 2
     if clip is not None:
         clipped = old_values + (values - old_values).clamp(-clip, clip)
         err = torch.maximum(err, (clipped - returns) ** 2)
-    return 0.5 * (err * mask).sum() / mask.sum().clamp(min=1.0)
+    total = mask.sum() if total_tokens is None else torch.as_tensor(total_tokens, dtype=err.dtype)
+    return 0.5 * (err * mask).sum() / total.clamp(min=1.0)
+
+
+def merge_moments(mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor, batch_mean: torch.Tensor,
+                  batch_var: torch.Tensor, batch_count: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Running mean / population variance of a stream after one more batch (Chan et al. 1979,
+    parallel variance): with n = count + n_b and δ = mean_b − mean,
+    mean' = mean + δ·n_b / n,  var' = (var·count + var_b·n_b + δ²·count·n_b / n) / n,  count' = n."""
+    total = count + batch_count
+    delta = batch_mean - mean
+    new_mean = mean + delta * batch_count / total
+    new_var = (var * count + batch_var * batch_count + delta**2 * count * batch_count / total) / total
+    return new_mean, new_var, total

@@ -1,4 +1,8 @@
-"""Rewards: the protocol, verifiers, and building a reward from config."""
+"""Rewards: the protocol, verifiers, and building a reward from config.
+
+`task.reward` names the reward (`_target_` and its keyword arguments); how it runs (per-sample
+timeout, concurrency, thread or process workers) is `task.reward_options` (glmlight.config.RewardOptions,
+applied by glmlight.rewards.base.RewardRunner)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,9 @@ from typing import Any, Mapping
 from hydra.utils import get_object, instantiate
 
 from glmlight.errors import ConfigError
-from glmlight.rewards.base import RewardFn, score_samples
+from glmlight.rewards.base import RewardFn, RewardRunner, score_samples
+
+_OPTION_KEYS = ("timeout_s", "max_concurrency", "executor")  # task.reward_options, not reward arguments
 
 
 def build_reward(spec: Mapping[str, Any]) -> RewardFn:
@@ -25,6 +31,7 @@ def build_reward(spec: Mapping[str, Any]) -> RewardFn:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise ConfigError(f"config error: task.reward._target_={target!r} cannot be imported ({reason})") from None
     kwargs = {k: v for k, v in spec.items() if k != "_target_"}
+    _check_arguments(target, obj, {k: v for k, v in kwargs.items() if not k.startswith("_")})
     if inspect.isclass(obj):
         try:
             fn = instantiate(spec, _convert_="all")
@@ -39,4 +46,19 @@ def build_reward(spec: Mapping[str, Any]) -> RewardFn:
     return fn
 
 
-__all__ = ["RewardFn", "build_reward", "score_samples"]
+def _check_arguments(target: str, obj: Any, kwargs: dict[str, Any]) -> None:
+    """Keyword arguments the reward does not take are a config error now, not a failure on every sample."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind_partial(**kwargs)
+    except TypeError as e:
+        hint = ""
+        if set(kwargs) & set(_OPTION_KEYS) and not any(k in sig.parameters for k in _OPTION_KEYS):
+            hint = "; the per-sample timeout, concurrency and executor are task.reward_options.*"
+        raise ConfigError(f"config error: task.reward ({target}): {e}{hint}") from None
+
+
+__all__ = ["RewardFn", "RewardRunner", "build_reward", "score_samples"]

@@ -2,81 +2,236 @@
 
 A reward function that raises marks its sample FAILED; the failure is counted
 and logged and never stops the run. A non-finite reward is a failure too.
+
+`RewardRunner` scores a batch under `RewardOptions` (`task.reward_options`): every
+sample's call has `timeout_s` seconds, at most `max_concurrency` calls run at once.
+Synchronous rewards run in worker threads (`executor="thread"`) or worker processes
+(`executor="process"`, glmlight/rewards/workers.py); async rewards run on an event loop
+of their own. A call past its timeout fails its sample with metadata["reward_timeout"]
+and is cancelled (async), abandoned (a thread: Python cannot stop one) or killed (a
+process). Hung threads are bounded: when `max_concurrency` of them are still running,
+the run stops with one line instead of leaking more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import inspect
 import logging
-import math
+import threading
+import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any, Awaitable, Callable, Union
 
+from glmlight.config import RewardOptions
+from glmlight.errors import ConfigError
+from glmlight.rewards.workers import ProcessWorkers, RewardError, ThreadWorkers, call_reward, unpack
 from glmlight.sample import Sample, Status
 
 log = logging.getLogger(__name__)
 
 RewardOutput = Union[float, tuple[float, dict[str, Any]]]
 RewardFn = Callable[[Sample], Union[RewardOutput, Awaitable[RewardOutput]]]
+_unpack = unpack
+_PENDING = object()
+WATCHDOG_GRACE_S = 5.0  # past timeout_s + this, an unfinished call means its event loop is blocked
 
 
-def _unpack(out: RewardOutput) -> tuple[float, dict[str, Any]]:
-    if isinstance(out, tuple):
-        value, info = out
-    else:
-        value, info = out, {}
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"reward is not finite: {value}")
-    return value, dict(info)
+class RewardTimeout(Exception):
+    """A sample's reward call ran past task.reward_options.timeout_s."""
 
 
-async def _score_one(fn: RewardFn, sample: Sample) -> tuple[float, dict[str, Any]]:
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def reward_options(options: RewardOptions | Mapping[str, Any] | None) -> RewardOptions:
+    """`options` as a checked RewardOptions (a config node or dict is accepted)."""
+    if options is None:
+        return RewardOptions()
+    if not isinstance(options, RewardOptions):
+        try:
+            options = RewardOptions(**dict(options))
+        except TypeError as e:
+            raise ConfigError(f"config error: task.reward_options: {e}") from None
+    if options.executor not in ("thread", "process"):
+        raise ConfigError(f"config error: task.reward_options.executor={options.executor!r} is not one of "
+                          "['thread', 'process']")
+    if not options.timeout_s > 0:
+        raise ConfigError(f"config error: task.reward_options.timeout_s must be > 0, got {options.timeout_s!r}")
+    if isinstance(options.max_concurrency, bool) or not isinstance(options.max_concurrency, int) \
+            or options.max_concurrency < 1:
+        raise ConfigError(f"config error: task.reward_options.max_concurrency must be >= 1, got "
+                          f"{options.max_concurrency!r}")
+    return options
+
+
+class RewardRunner:
+    """Scores batches of samples with the reward `fn` under `options`; callable on one sample as `fn` is."""
+
+    def __init__(self, fn: RewardFn, options: RewardOptions | Mapping[str, Any] | None = None):
+        if isinstance(fn, RewardRunner):
+            fn = fn.fn
+        if not callable(fn):
+            raise ConfigError(f"config error: task.reward is not callable ({type(fn).__name__})")
+        self.fn, self.options = fn, reward_options(options)
+        self.is_async = _is_async(fn)
+        self._threads = ThreadWorkers()
+        self._stuck_loops: list[threading.Thread] = []
+        self._procs: ProcessWorkers | None = None
+        if self.options.executor == "process":
+            try:
+                self._procs = ProcessWorkers(fn, self.options.max_concurrency)
+            except Exception as e:  # noqa: BLE001 - pickling can fail in many ways
+                raise ConfigError(f"config error: task.reward_options.executor=process: the reward "
+                                  f"({type(fn).__name__}) cannot be sent to a worker process ({type(e).__name__}: "
+                                  f"{e}); use executor=thread") from None
+
+    def __call__(self, sample: Sample) -> Any:
+        return self.fn(sample)
+
+    @property
+    def hung(self) -> int:
+        """Reward calls past their timeout that are still running (threads cannot be stopped)."""
+        self._stuck_loops = [t for t in self._stuck_loops if t.is_alive()]
+        return self._threads.abandoned + len(self._stuck_loops)
+
+    def threads(self) -> list[threading.Thread]:
+        return self._threads.threads() + [t for t in self._stuck_loops if t.is_alive()]
+
+    def pids(self) -> list[int]:
+        return self._procs.pids() if self._procs is not None else []
+
+    def close(self) -> None:
+        self._threads.close()
+        if self._procs is not None:
+            self._procs.close()
+
+    # ------------------------------------------------------------------------------------------ scoring
+    def score(self, samples: list[Sample]) -> Counter:
+        """Set `sample.reward` for each sample not already FAILED. Returns counts: "scored", "failed"
+        (the reward raised or returned a non-finite value) and "timeout"."""
+        counts: Counter = Counter()
+        todo = [s for s in samples if s.status is not Status.FAILED]
+        if not todo:
+            return counts
+        hung = self.hung
+        if hung >= self.options.max_concurrency:
+            raise RewardError(
+                f"the reward hangs: {hung} calls are still running past task.reward_options.timeout_s="
+                f"{self.options.timeout_s:g}, and threads cannot be stopped; fix the reward, or set "
+                "task.reward_options.executor=process (hung calls are killed)")
+        results = self._run_batch(todo)
+        for s, r in zip(todo, results):
+            if isinstance(r, RewardTimeout):
+                s.status, s.reward = Status.FAILED, None
+                s.metadata["reward_error"] = str(r)
+                s.metadata["reward_timeout"] = True
+                counts["timeout"] += 1
+            elif isinstance(r, BaseException):
+                s.status, s.reward = Status.FAILED, None
+                s.metadata["reward_error"] = f"{type(r).__name__}: {r}"
+                counts["failed"] += 1
+                log.warning("reward failed for rollout %s: %s: %s", s.rollout_id, type(r).__name__, r)
+            else:
+                s.reward, info = r
+                s.metadata.setdefault("reward_info", {}).update(info)
+                counts["scored"] += 1
+        if counts["timeout"]:
+            log.warning("reward timed out on %d of %d samples (task.reward_options.timeout_s=%g); counted as "
+                        "dropped/reward_timeout", counts["timeout"], len(todo), self.options.timeout_s)
+        return counts
+
+    def _run_batch(self, todo: list[Sample]) -> list[Any]:
+        """Run the batch on an event loop in its own thread; watch that the loop keeps its timeouts."""
+        results: list[Any] = [_PENDING] * len(todo)
+        started: dict[int, float] = {}
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def loop_main() -> None:
+            try:
+                asyncio.run(self._score_all(todo, results, started))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+
+        thread = threading.Thread(target=loop_main, name="glmlight-reward-loop", daemon=True)
+        thread.start()
+        limit = self.options.timeout_s + WATCHDOG_GRACE_S
+        while True:
+            try:
+                done.result(timeout=0.2)
+                break
+            except concurrent.futures.TimeoutError:
+                now = time.monotonic()
+                if any(results[i] is _PENDING and now - t > limit for i, t in list(started.items())):
+                    # The loop cannot fire its timeouts: an async reward blocks it (synchronous work inside
+                    # `async def`) or ignores cancellation. Give up on what is left; the thread is abandoned.
+                    self._stuck_loops.append(thread)
+                    log.error("the async reward blocks its event loop (synchronous work inside `async def`?); "
+                              "%d unfinished samples fail as reward timeouts", results.count(_PENDING))
+                    break
+        blocked = f"timed out: the reward's event loop was blocked for over {limit:g}s"
+        return [RewardTimeout(blocked) if r is _PENDING else r for r in list(results)]
+
+    async def _score_all(self, todo: list[Sample], results: list[Any], started: dict[int, float]) -> None:
+        sem = asyncio.Semaphore(self.options.max_concurrency)
+
+        async def one(i: int, sample: Sample) -> None:
+            async with sem:
+                try:
+                    results[i] = await self._call(sample, lambda: started.__setitem__(i, time.monotonic()))
+                except asyncio.TimeoutError:
+                    results[i] = RewardTimeout(f"timed out after {self.options.timeout_s:g}s "
+                                               "(task.reward_options.timeout_s)")
+                except RewardError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - any reward crash is a counted failure
+                    results[i] = e
+
+        await asyncio.gather(*(one(i, s) for i, s in enumerate(todo)))
+
+    async def _call(self, sample: Sample, mark_started: Callable[[], None]) -> tuple[float, dict[str, Any]]:
+        timeout = self.options.timeout_s
+        if self._procs is not None:
+            return await self._procs.call(sample, timeout, mark_started)
+        mark_started()
+        if self.is_async:
+            return await asyncio.wait_for(_acall(self.fn, sample), timeout)
+        fut, worker = self._threads.submit(functools.partial(call_reward, self.fn), sample)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except asyncio.TimeoutError:
+            self._threads.abandon(worker)
+            raise
+
+
+async def _acall(fn: RewardFn, sample: Sample) -> tuple[float, dict[str, Any]]:
     out = fn(sample)
     if inspect.isawaitable(out):
         out = await out
-    return _unpack(out)
+    return unpack(out)
 
 
-def score_samples(fn: RewardFn, samples: list[Sample]) -> Counter:
-    """Set `sample.reward` for each sample (async rewards run concurrently).
+def score_samples(fn: RewardFn, samples: list[Sample], options: RewardOptions | Mapping[str, Any] | None = None
+                  ) -> Counter:
+    """Set `sample.reward` for each sample (concurrently, each call under a timeout; see RewardRunner).
 
-    Returns counts: "scored" and "failed". A failing sample gets status FAILED,
-    reward None and metadata["reward_error"].
+    Returns counts: "scored", "failed" and "timeout". A failing sample gets status FAILED,
+    reward None and metadata["reward_error"] (and metadata["reward_timeout"] when it timed out).
+    `fn` may be a RewardRunner (its options apply) or any reward (`options`, default RewardOptions()).
     """
-    counts: Counter = Counter()
-    todo = [s for s in samples if s.status is not Status.FAILED]
-
-    async def run_all():
-        return await asyncio.gather(*(_score_one(fn, s) for s in todo), return_exceptions=True)
-
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
-        results = _run(run_all())
-    else:
-        results = []
-        for s in todo:
-            try:
-                out = fn(s)
-                results.append(_unpack(_run(_await(out)) if inspect.isawaitable(out) else out))
-            except Exception as e:  # noqa: BLE001 - any reward crash is a counted failure
-                results.append(e)
-    for s, r in zip(todo, results):
-        if isinstance(r, BaseException):
-            s.status = Status.FAILED
-            s.reward = None
-            s.metadata["reward_error"] = f"{type(r).__name__}: {r}"
-            counts["failed"] += 1
-            log.warning("reward failed for rollout %s: %s: %s", s.rollout_id, type(r).__name__, r)
-        else:
-            s.reward, info = r
-            s.metadata.setdefault("reward_info", {}).update(info)
-            counts["scored"] += 1
-    return counts
-
-
-async def _await(x):
-    return await x
+    if isinstance(fn, RewardRunner) and options is None:
+        return fn.score(samples)
+    runner = RewardRunner(fn, options)
+    try:
+        return runner.score(samples)
+    finally:
+        runner.close()
 
 
 def _run(coro):
@@ -85,7 +240,5 @@ def _run(coro):
     except RuntimeError:
         return asyncio.run(coro)
     # Called from inside a running loop (e.g. an async producer): run in a fresh thread's loop.
-    import concurrent.futures
-
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         return ex.submit(asyncio.run, coro).result()

@@ -80,7 +80,15 @@ class CodeReward:
         self.config = config or SandboxConfig()
         self.all_or_nothing = all_or_nothing
         self.stderr_chars = stderr_chars
+        self.max_workers = max_workers
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="code-reward")
+
+    def __getstate__(self) -> dict[str, Any]:  # task.reward_options.executor=process: each worker its own pool
+        return {k: v for k, v in self.__dict__.items() if k != "_pool"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="code-reward")
 
     def __call__(self, sample: Sample) -> tuple[float, dict[str, Any]]:
         code = extract_code(self.completion_text(sample))

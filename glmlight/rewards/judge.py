@@ -7,6 +7,10 @@ without a recognisable score, or with a score outside [0, scale], raises a
 ValueError naming what the judge said, which the reward machinery counts as a
 failed sample (never a silent zero).
 
+Samples are judged concurrently (task.reward_options.max_concurrency worker threads call
+`generate` at once): the embedded engine batches concurrent requests (continuous batching),
+server clients send them in parallel.
+
 The judge is any RolloutEngine: `engine` (an engine object, or a spec with
 `_target_`, e.g. the SGLang client) or `path` (a local checkpoint served by an
 embedded LocalEngine). `tokenizer_path` is the judge's tokenizer (default: `path`,
@@ -16,7 +20,6 @@ else the built-in character tokenizer).
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,19 +79,19 @@ class GenerativeJudge:
             from hydra.utils import instantiate
 
             engine = instantiate(dict(engine), _convert_="all")
-        self.tokenizer = cached_tokenizer(tokenizer_path or path)
+        self.tokenizer = cached_tokenizer(tokenizer_path or path,
+                                          "task.reward.tokenizer_path" if tokenizer_path else "task.reward.path")
         if path is not None:
             from glmlight.models.loading import load_causal_lm
             from glmlight.rollout.local import LocalEngine
 
-            engine = LocalEngine(load_causal_lm(path, self.tokenizer, dtype=dtype), dtype=dtype, device=device,
+            engine = LocalEngine(load_causal_lm(path, self.tokenizer, dtype=dtype, key="task.reward.path"), dtype=dtype, device=device,
                                  pad_token_id=self.tokenizer.pad_token_id)
         if not callable(getattr(engine, "generate", None)):
             raise TypeError(f"GenerativeJudge.engine {type(engine).__name__} has no generate() method")
         self.engine, self.template, self.scale = engine, template, scale
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.policy_tokenizer = policy_tokenizer
-        self._lock = threading.Lock()
 
     def judge_prompt(self, sample: Sample) -> str:
         label = sample.metadata.get("label")
@@ -104,8 +107,7 @@ class GenerativeJudge:
         ids = encode_chat(self.tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
         params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
                                 stop_token_ids=stop_token_ids(self.tokenizer))
-        with self._lock:
-            (gen,) = self.engine.generate([ids], params)
+        (gen,) = self.engine.generate([ids], params)  # engines are thread-safe: concurrent calls batch
         return self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
 
     def __call__(self, sample: Sample) -> tuple[float, dict[str, Any]]:

@@ -19,19 +19,23 @@ A failing component (it raises, or returns a non-finite value) fails the whole
 sample by default: the sample is marked FAILED and counted, never trained on
 with a partial reward. `on_component_error="zero"` instead scores that component
 0.0 and lists it under info["failed_components"].
+
+The mix is a synchronous reward: it runs in a reward worker under `task.reward_options`
+(timeout and concurrency across samples), its components one after another per sample
+(an async component is awaited inside; `acall` is the async variant).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from glmlight.errors import ConfigError
-from glmlight.rewards.base import _unpack
+from glmlight.rewards.workers import unpack as _unpack
 from glmlight.sample import Sample
 
 
@@ -57,34 +61,66 @@ class MixedReward:
     def weights(self) -> dict[str, float]:
         return {name: w for name, (_, w) in self.components.items()}
 
-    async def __call__(self, sample: Sample) -> tuple[float, dict[str, Any]]:
-        info: dict[str, Any] = {}
-        failed = []
-        total = 0.0
-        for name, (fn, weight) in self.components.items():
+    def __call__(self, sample: Sample) -> tuple[float, dict[str, Any]]:
+        """Synchronous (it runs in a reward worker: a slow component never blocks an event loop); an async
+        component is run to completion here."""
+        return self._combine(sample, (self._component(name, fn, sample) for name, (fn, _) in self.components.items()))
+
+    async def acall(self, sample: Sample) -> tuple[float, dict[str, Any]]:
+        """The same reward for async callers (components that are coroutines are awaited)."""
+        parts = []
+        for name, (fn, _) in self.components.items():
             try:
                 out = fn(sample)
                 if inspect.isawaitable(out):
                     out = await out
-                value, comp_info = _unpack(out)
-            except Exception as e:  # any component crash is reported by name
+                parts.append((name, _unpack(out), None))
+            except Exception as e:  # noqa: BLE001 - any component crash is reported by name
+                parts.append((name, None, e))
                 if self.on_component_error == "fail":
-                    raise RewardComponentError(f"reward component {name!r} failed: {type(e).__name__}: {e}") from e
-                value, comp_info = 0.0, {"error": f"{type(e).__name__}: {e}"}
+                    break
+        return self._combine(sample, parts)
+
+    def score(self, sample: Sample) -> tuple[float, dict[str, Any]]:
+        """Scoring outside the reward machinery (e.g. in a notebook)."""
+        return self(sample)
+
+    def _component(self, name: str, fn: Callable[[Sample], Any], sample: Sample):
+        try:
+            out = fn(sample)
+            if inspect.isawaitable(out):
+                from glmlight.rewards.base import _run
+
+                out = _run(_await(out))
+            return name, _unpack(out), None
+        except Exception as e:  # noqa: BLE001 - any component crash is reported by name
+            return name, None, e
+
+    def _combine(self, sample: Sample, parts: Iterable) -> tuple[float, dict[str, Any]]:
+        """Σ w·R over (name, (value, info) | None, error | None) parts; a generator is consumed lazily, so with
+        on_component_error="fail" nothing after the first failing component runs."""
+        info: dict[str, Any] = {}
+        failed = []
+        total = 0.0
+        for name, result, error in parts:
+            if error is not None:
+                if self.on_component_error == "fail":
+                    raise RewardComponentError(f"reward component {name!r} failed: {type(error).__name__}: "
+                                               f"{error}") from error
+                result = 0.0, {"error": f"{type(error).__name__}: {error}"}
                 failed.append(name)
+            value, comp_info = result
             info[name] = value
             if comp_info:
                 info[f"{name}_info"] = comp_info
-            total += weight * value
+            total += self.components[name][1] * value
         if failed:
             info["failed_components"] = failed
         return total, info
 
-    def score(self, sample: Sample) -> tuple[float, dict[str, Any]]:
-        """Synchronous scoring (outside the reward machinery, e.g. in a notebook)."""
-        from glmlight.rewards.base import _run
 
-        return _run(self(sample))
+async def _await(x):
+    return await x
 
 
 def _build_component(name: str, spec: Any) -> tuple[Callable[[Sample], Any], float]:

@@ -28,12 +28,12 @@ from glmlight.sample import Sample
 _tokenizers: dict[str | None, Any] = {}
 
 
-def cached_tokenizer(path: str | None) -> Any:
+def cached_tokenizer(path: str | None, key: str = "task.reward.policy_tokenizer") -> Any:
     """A tokenizer (cached per path): a local directory, or the built-in character tokenizer."""
     if path not in _tokenizers:
         from glmlight.models.loading import load_tokenizer
 
-        _tokenizers[path] = load_tokenizer(path)
+        _tokenizers[path] = load_tokenizer(path, key=key)
     return _tokenizers[path]
 
 
@@ -59,7 +59,7 @@ class SequenceClassifierReward:
                  template: str = "{prompt}\n{completion}", policy_tokenizer: str | None = None):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from glmlight.rollout.local import resolve_dtype
+        from glmlight.dtypes import resolve_dtype
 
         if not os.path.isdir(path):
             raise ValueError(f"reward model path {path!r} is not a local directory (checkpoints are never downloaded)")
@@ -121,6 +121,9 @@ class RemoteRewardModel:
         self.api_key_env, self.score_key, self.max_concurrency = api_key_env, score_key, max_concurrency
         self.policy_tokenizer = policy_tokenizer
         self._semaphores: dict[int, asyncio.Semaphore] = {}
+
+    def __getstate__(self) -> dict[str, Any]:  # semaphores belong to one event loop; a copy starts without
+        return {**self.__dict__, "_semaphores": {}}
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}

@@ -38,12 +38,16 @@ class SamplingParams:
 @dataclass
 class Generation:
     """One engine answer. `logprobs[i]` is the log-prob of `token_ids[i]` under the
-    distribution the engine sampled it from; `versions[i]` the weights that produced it."""
+    distribution the engine sampled it from; `versions[i]` the weights that produced it.
+    `routed_experts` / `indexer_topk`: the replay records of prompt + output, in the layout of
+    `Sample`'s fields of these names (None unless the engine was asked to capture them)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort" | "error" (the engine failed this request)
     versions: list[int]
+    routed_experts: torch.Tensor | None = None
+    indexer_topk: torch.Tensor | None = None
 
     @property
     def status(self) -> Status:

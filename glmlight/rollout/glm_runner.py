@@ -20,7 +20,7 @@ model's own weights, with a layout made for continuous batching:
   (gathered), instead of to every key under a mask.
 - few tensor ops per step: fused projections (rows permuted once so that rotary
   halves are contiguous), one rotary table, cache writes by flat `index_copy_`,
-  an inline router and, for few tokens, a dense all-experts MoE (`glm_moe.py`).
+  an inline router and, for few tokens, a dense all-experts MoE (`glmlight/models/glm5/moe.py`).
 
 - `compile=True`: a decode step, with the sampler `step` is given, runs as one
   `torch.compile`d graph (elementwise ops fused, Python and dispatch overhead gone; on CPU with
@@ -36,20 +36,25 @@ Numerics: the same fp32 function as the model's forward up to reassociation
 
 Weights are read from the model on `refresh()`; the engine calls it after every
 weight update.
+
+Replay capture (`set_capture`, `records`): the expert ids of every MoE layer and the DSA selection of
+every layer with its own indexer, per row and position beside the cache (`glmlight/rollout/records.py`),
+also inside a compiled decode step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from glmlight.models.glm5.arch import is_glm5
+from glmlight.models.glm5.moe import moe_forward, moe_forward_routed
 from glmlight.ops.dsa import topk_mask, topk_recent
-from glmlight.rollout.glm_moe import Stacked, moe_forward, stacked_experts
-
+from glmlight.rollout.glm_weights import Layer, read_layers
+from glmlight.rollout.records import Capture
 
 ABSORB_MAX_GROWTH = 1.5
 DECODE_WINDOW = 64  # compiled decode steps attend over cache positions [0, T), T a multiple of this
@@ -57,11 +62,7 @@ DECODE_WINDOW = 64  # compiled decode steps attend over cache positions [0, T), 
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether `model` is a GlmMoeDsaForCausalLM this runner reproduces exactly."""
-    cfg = getattr(model, "config", None)
-    if type(model).__name__ != "GlmMoeDsaForCausalLM" or cfg is None:
-        return False
-    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-    return "dynamic" not in rope and cfg.hidden_act == "silu"
+    return is_glm5(model)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,37 +93,6 @@ def _map_tensors(fn: partial, f: Callable[[torch.Tensor], torch.Tensor]) -> part
     return partial(fn.func, *fn.args, **{k: f(v) if isinstance(v, torch.Tensor) else v for k, v in fn.keywords.items()})
 
 
-def _deinterleave(r: int) -> torch.Tensor:
-    return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
-
-
-@dataclass
-class _Layer:
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
-    w_in: torch.Tensor  # [q_a | kv_a latent | kv_a rope (de-interleaved) | indexer wk (rope half
-    #                      de-interleaved) | indexer weights_proj]
-    b_in: torch.Tensor | None
-    split_in: list[int]
-    q_norm: torch.Tensor
-    q_eps: float
-    kv_norm: torch.Tensor
-    kv_eps: float
-    w_qb: torch.Tensor  # [q nope (H) | indexer q pass (Hi) | q rope (H) | indexer q rope (Hi)], rope de-interleaved
-    split_qb: list[int]
-    w_uk: torch.Tensor | None  # [H, nope, L]: key half of kv_b_proj (None: absorbed into w_qb)
-    w_uv: torch.Tensor | None  # [H, L, dv]: value half of kv_b_proj (None: absorbed into o_proj)
-    o_proj: torch.Tensor  # [hidden, H * dv], or [hidden, H * L] with w_uv absorbed
-    o_bias: torch.Tensor | None
-    scaling: float
-    indexer: Any  # the layer's GlmMoeDsaIndexer module, or None for "shared" layers
-    k_ln: tuple[torch.Tensor | None, torch.Tensor | None, float] | None  # indexer k_norm, de-interleaved
-    mlp: torch.nn.Module
-    gate_up: torch.Tensor | None  # dense MLP: [2m, h]
-    moe: bool
-    experts: Stacked | None  # glm_moe.stacked_experts
-
-
 class GlmDsaRunner:
     """Per-row cached decoding of a GlmMoeDsaForCausalLM (see the module docstring)."""
 
@@ -143,6 +113,7 @@ class GlmDsaRunner:
         self.absorb_q = self.H * self.L * q_lora <= ABSORB_MAX_GROWTH * self.H * self.nope * (q_lora + self.L)
         self.absorb_o = hidden * self.H * self.L <= ABSORB_MAX_GROWTH * self.H * self.dv * (self.L + hidden)
         self._rope_len = 0
+        self.capture: Capture | None = None  # replay records (set_capture)
         self.refresh()
         self.n = 0  # rows in the running batch
         self.lens = torch.zeros(0, dtype=torch.long, device=self.device)  # tokens cached per row
@@ -160,60 +131,12 @@ class GlmDsaRunner:
     @torch.inference_mode()
     def refresh(self) -> None:
         """(Re)read the weights from the model; call after every weight update."""
-        m, cfg = self.model.model, self.cfg
-        H, L, nope, r, dv = self.H, self.L, self.nope, self.rope, self.dv
-        perm = _deinterleave(r).to(self.device)
+        m = self.model.model
         self.embed = m.embed_tokens.weight
         self.final_norm, self.final_eps = m.norm.weight, m.norm.variance_epsilon
         self.lm_head = self.model.lm_head.weight
-        self.eps = cfg.rms_norm_eps
-        self.layers: list[_Layer] = []
-        for layer in m.layers:
-            a, ix = layer.self_attn, layer.self_attn.indexer
-            kv_a = a.kv_a_proj_with_mqa.weight
-            ws = [a.q_a_proj.weight, kv_a[:L], kv_a[L:][perm]]
-            bs = [a.q_a_proj.bias, *(a.kv_a_proj_with_mqa.bias.split([L, r]) if a.kv_a_proj_with_mqa.bias is not None
-                                     else (None, None))]
-            qb = a.q_b_proj.weight.view(H, nope + r, -1)
-            kv_b = a.kv_b_proj.weight.view(H, nope + dv, L)
-            w_uk, w_uv, o_proj = kv_b[:, :nope], kv_b[:, nope:].transpose(1, 2), a.o_proj.weight
-            q_nope, q_rot = qb[:, :nope].reshape(H * nope, -1), qb[:, nope:][:, perm].reshape(H * r, -1)
-            if self.absorb_q:  # q_lat = q_resid W_qb,nope W_uk: one [H * L, q_lora] matrix
-                q_nope = torch.einsum("hnl,hnq->hlq", w_uk.float(), qb[:, :nope].float()).reshape(H * L, -1)
-                q_nope, w_uk = q_nope.to(qb.dtype), None
-            if self.absorb_o:  # o_proj(o_lat W_uv): one [hidden, H * L] matrix
-                o_proj = torch.einsum("ehd,hld->ehl", o_proj.view(-1, H, dv).float(), w_uv.float())
-                o_proj, w_uv = o_proj.reshape(o_proj.shape[0], H * L).to(qb.dtype), None
-            qbs, k_ln = [q_nope], None
-            if ix is not None:
-                ipm = torch.cat([perm, torch.arange(r, ix.head_dim, device=self.device)])
-                ws += [ix.wk.weight[ipm], ix.weights_proj.weight]  # both read the normalised input too
-                bs += [None, None]
-                iq = ix.wq_b.weight.view(ix.n_heads, ix.head_dim, -1)
-                qbs = [q_nope, iq[:, r:].reshape(-1, iq.shape[-1]), q_rot, iq[:, :r][:, perm].reshape(-1, iq.shape[-1])]
-                ln = ix.k_norm
-                k_ln = (ln.weight[ipm] if ln.weight is not None else None,
-                        ln.bias[ipm] if ln.bias is not None else None, ln.eps)
-            else:
-                qbs.append(q_rot)
-            b_in = None
-            if any(b is not None for b in bs):
-                b_in = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(bs, ws)])
-            moe = hasattr(layer.mlp, "experts")
-            gate_up = stacked = None
-            if moe:
-                stacked = stacked_experts(layer.mlp)
-            else:
-                gate_up = torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
-            self.layers.append(_Layer(
-                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                w_in=torch.cat(ws), b_in=b_in, split_in=[w.shape[0] for w in ws],
-                q_norm=a.q_a_layernorm.weight, q_eps=a.q_a_layernorm.variance_epsilon,
-                kv_norm=a.kv_a_layernorm.weight, kv_eps=a.kv_a_layernorm.variance_epsilon,
-                w_qb=torch.cat(qbs), split_qb=[w.shape[0] for w in qbs],
-                w_uk=None if w_uk is None else w_uk.contiguous(), w_uv=None if w_uv is None else w_uv.contiguous(),
-                o_proj=o_proj, o_bias=a.o_proj.bias, scaling=a.scaling, indexer=ix, k_ln=k_ln,
-                mlp=layer.mlp, gate_up=gate_up, moe=moe, experts=stacked))
+        self.eps = self.cfg.rms_norm_eps
+        self.layers = read_layers(self.model, absorb_q=self.absorb_q, absorb_o=self.absorb_o)
         self._rope_table(max(self._rope_len, 256))
 
     def _rope_table(self, length: int) -> None:
@@ -243,6 +166,7 @@ class GlmDsaRunner:
         self.rows_cap, self.capacity = rows, capacity
         if capacity > self._rope_len:
             self._rope_table(capacity)
+        self._alloc_capture(rows, capacity, n, T)
 
     def _ensure(self, rows: int, length: int) -> None:
         if rows > self.rows_cap or length > self.capacity:  # grow what is short (at least 2x), keep the rest
@@ -269,6 +193,8 @@ class GlmDsaRunner:
                 self.C[l][dst, :T] = self.C[l][src, :T]
                 if self.IK[l] is not None:
                     self.IK[l][dst, :T] = self.IK[l][src, :T]
+            if self.capture is not None:
+                self.capture.move(dst, src, T)
         self.lens = self.lens[torch.tensor(rows, device=self.device)]
         self.n = k
         self._max_len = int(self.lens.max())
@@ -360,6 +286,8 @@ class GlmDsaRunner:
             Cl.view(-1, L + r).index_copy_(0, flat, torch.cat([latent, k_rot], dim=-1).view(-1, L + r))
             if Ly.indexer is not None:
                 selected = self._select(l, Ly, parts[4], rot[:, :, H:], iq_pass, mask, rows, keys)
+                if self.capture is not None:
+                    self._record_index(l, flat, selected)
             # attention in the latent space: q·k = (W_uk^T q_nope)·latent + q_rot·k_rot
             q_lat = q_nope.view(B * S, H, L) if Ly.w_uk is None else \
                 torch.matmul(q_nope.view(B * S, H, -1).transpose(0, 1), Ly.w_uk).transpose(0, 1)  # [BS, H, L]
@@ -378,11 +306,11 @@ class GlmDsaRunner:
             if Ly.w_uv is not None:
                 o = torch.matmul(o.view(B * S, H, L).transpose(0, 1), Ly.w_uv).transpose(0, 1)  # [BS, H, dv]
             h = h + F.linear(o.reshape(B, S, -1), Ly.o_proj, Ly.o_bias)
-            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps))
+            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps), l, flat)
         h = h[:, 0] if last is None else h[torch.arange(B, device=self.device), last]
         return F.linear(_rms(h, self.final_norm, self.final_eps), self.lm_head)
 
-    def _select(self, l: int, Ly: _Layer, head_w: torch.Tensor, q_rot: torch.Tensor, q_pass: torch.Tensor,
+    def _select(self, l: int, Ly: Layer, head_w: torch.Tensor, q_rot: torch.Tensor, q_pass: torch.Tensor,
                 mask: torch.Tensor, rows: slice, positions: torch.Tensor) -> torch.Tensor | None:
         """The DSA indexer's top-k selection: key positions [B, 1, k] (long) when a decode step
         attends sparsely, else a mask [B, S, T] (None: T <= k, every key is selected).
@@ -402,8 +330,48 @@ class GlmDsaRunner:
             return topk_recent(index, self.topk, positions)
         return topk_mask(index, self.topk)
 
-    def _mlp(self, Ly: _Layer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, Ly: Layer, x: torch.Tensor, l: int = -1, flat: torch.Tensor | None = None) -> torch.Tensor:
         if not Ly.moe:
             g, u = F.linear(x, Ly.gate_up).chunk(2, dim=-1)
             return F.linear(F.silu(g) * u, Ly.mlp.down_proj.weight)
-        return moe_forward(Ly.mlp, Ly.experts, x)
+        if self.capture is None or self.capture.experts is None:
+            return moe_forward(Ly.mlp, Ly.experts, x)
+        y, idx = moe_forward_routed(Ly.mlp, Ly.experts, x)
+        self.capture.experts.write(self._moe_slot[l], flat, idx)
+        return y
+
+    # ----------------------------------------------------------------- replay capture
+    def set_capture(self, routing: bool, index: bool) -> None:
+        """Record (routing) the expert ids of every MoE layer and/or (index) the DSA selection of every
+        layer with its own indexer, for every token run from now on (rows already running have gaps)."""
+        moe = [l for l, Ly in enumerate(self.layers) if Ly.moe]
+        ix = [l for l, Ly in enumerate(self.layers) if Ly.indexer is not None]
+        self._moe_slot, self._ix_slot = {l: j for j, l in enumerate(moe)}, {l: j for j, l in enumerate(ix)}
+        cfg = self.cfg
+        self.capture = None if not (routing or index) else Capture(
+            self.device, moe_layers=len(moe), experts_per_tok=cfg.num_experts_per_tok,
+            num_experts=cfg.n_routed_experts, indexer_layers=len(ix), index_topk=self.topk, routing=routing,
+            index=index)
+        self._alloc_capture(self.rows_cap, self.capacity, 0, 0)
+
+    def records(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The replay records of `row`, for the positions it ran (`Capture.read`)."""
+        return (None, None) if self.capture is None else self.capture.read(row, int(self.lens[row]))
+
+    def _alloc_capture(self, rows: int, capacity: int, n: int, T: int) -> None:
+        if self.capture is not None:
+            self.capture.alloc(rows, capacity, n, T)
+            for r in self.capture.parts:
+                for t in r.buf:
+                    _dynamic(t, 0)
+
+    def _record_index(self, l: int, flat: torch.Tensor, selected: torch.Tensor | None) -> None:
+        """The DSA selection of layer l for the tokens at `flat`: key positions [B, 1, k] (decode), or
+        the first k keys of a mask [B, S, T] (prefill: exactly k for the queries at positions >= k,
+        the only ones read back). None: no query has more than k keys."""
+        rec = self.capture.index
+        if rec is None or selected is None:
+            return
+        keys = selected[:, 0] if selected.dtype == torch.long else \
+            (~selected).to(torch.uint8).argsort(dim=-1, stable=True)[..., : self.topk]
+        rec.write(self._ix_slot[l], flat, keys)

@@ -7,12 +7,17 @@
 - `UrlPool`: picks a server per attempt (least in flight, round robin on ties,
   servers that just failed cool down), so a retry can land on a healthy server.
 - `HttpClient`: bounded in-flight requests, `Authorization: Bearer <key>` read from
-  the environment variable named in the config (the key itself is never logged),
-  retries with exponential backoff on connection errors, timeouts and 5xx (never
-  on 4xx), and one-line `EngineError`s naming the URL and what was wrong.
+  the environment variable named in the config (the key itself is never logged; a variable
+  that is not set means "no key"), retries with exponential backoff on connection errors,
+  timeouts and 5xx — never on 4xx, nor on a 5xx the caller marks permanent (vLLM's
+  "Call to collective_rpc method failed") —, a server that answers "paused" (vLLM 0.33's 503
+  "Generation is paused") waited for without spending attempts, and one-line `EngineError`s
+  naming the URL and what was wrong.
 
-A request id (`rid`) is chosen once per logical request and sent unchanged on every
-attempt (body and `X-Request-Id` header), so a retried request is the same request.
+The caller chooses the request id per attempt (`rid_for(attempt)`): vLLM gets the same id on
+every attempt (duplicates are allowed there), SGLang a fresh one per attempt (it answers 400
+"Duplicate request ID" while an earlier attempt is still registered); either way the answer is
+collected under the logical request's id.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -34,6 +40,7 @@ import aiohttp
 from glmlight.errors import EngineError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def new_rid() -> str:
@@ -108,10 +115,12 @@ class UrlPool:
         self._order = itertools.count()
         self._last_pick = {u: -1 for u in self.urls}
         self.cooldown_s = cooldown_s
+        self.avoid: set[str] = set()  # servers to use only when no other is left (e.g. awaiting a re-sync)
 
     def acquire(self) -> str:
         now = time.monotonic()
-        url = min(self.urls, key=lambda u: (self._cool_until[u] > now, self.in_flight[u], self._last_pick[u]))
+        url = min(self.urls, key=lambda u: (u in self.avoid, self._cool_until[u] > now, self.in_flight[u],
+                                            self._last_pick[u]))
         self.in_flight[url] += 1
         self._last_pick[url] = next(self._order)
         return url
@@ -154,23 +163,40 @@ class Rejected(EngineError):
 
 
 class AuthError(EngineError):
-    """The server refused the API key, or wants one (HTTP 401/403)."""
+    """The server refused the API key, or wants one (HTTP 401/403): the run stops."""
+
+    fatal = True
+
+
+class ServerFailed(EngineError):
+    """The server answered with an error that retrying cannot fix (e.g. a failed weight load)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class _Retryable(Exception):
     """A transient failure: connection refused or dropped, timeout, 5xx."""
 
-    def __init__(self, reason: str, refused: bool = False):
+    def __init__(self, reason: str, refused: bool = False, dropped: bool = False):
         super().__init__(reason)
         self.refused = refused
+        self.dropped = dropped
+
+
+class _Paused(Exception):
+    """The server holds no requests while paused and said so (vLLM 0.33: 503 "Generation is paused")."""
 
 
 class HttpClient:
     """JSON over HTTP with auth, bounded concurrency and retries; see the module docstring."""
 
     def __init__(self, name: str, settings: HttpSettings,
-                 on_connection_error: Callable[[], None] | None = None):
+                 on_connection_error: Callable[[], None] | None = None,
+                 on_server_error: Callable[[str, bool], None] | None = None):
         self.name = name
+        self.on_server_error = on_server_error  # (url, connection lost): e.g. mark the server for a re-sync
         self.settings = settings
         self.api_key = _read_key(settings.api_key_env)
         self.on_connection_error = on_connection_error  # e.g. raise if a managed server died
@@ -206,42 +232,66 @@ class HttpClient:
     async def request(self, path: str, payload: Any = None, *, url: str | None = None, pool: UrlPool | None = None,
                       method: str = "POST", rid: str | None = None, timeout_s: float | None = None,
                       attempts: int | None = None, expect_json: bool = True, allow_404: bool = False,
-                      on_retry: Callable[[str, str], Awaitable[None]] | None = None, with_url: bool = False) -> Any:
+                      on_retry: Callable[[str, str, str | None], Awaitable[None]] | None = None,
+                      with_url: bool = False,
+                      permanent: Callable[[int, str], bool] | None = None,
+                      rid_for: Callable[[int], str] | None = None,
+                      payload_for: Callable[[str, str | None], Any] | None = None) -> Any:
         """Send one logical request; return its JSON (or text) body, or None on 404 when allowed
         (with `with_url`: a tuple of the answering URL and the body).
 
-        Either `url` (a fixed server) or `pool` (choose per attempt) must be given.
+        Either `url` (a fixed server) or `pool` (choose per attempt) must be given. `rid_for(attempt)`
+        gives the request id of each attempt (default: `rid` on all), `payload_for(url, rid)` the body
+        for that server and id (default: `payload`). `permanent(status, text)` marks a 5xx that is not retried.
         """
         if (url is None) == (pool is None):
             raise ValueError("give exactly one of url or pool")
         attempts = attempts if attempts is not None else self.settings.max_retries + 1
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.settings.timeout_s)
         last, target, refused = "", url or "", False
-        for attempt in range(max(attempts, 1)):
+        paused_until: float | None = None
+        attempt = 0
+        while attempt < max(attempts, 1):
             target = pool.acquire() if pool is not None else url
             ok = False
+            this_rid = rid_for(attempt) if rid_for is not None else rid
+            body = payload_for(target, this_rid) if payload_for is not None else payload
             try:
-                result = await self._attempt(method, target, path, payload, rid, timeout, expect_json, allow_404)
+                result = await self._attempt(method, target, path, body, this_rid, timeout, expect_json, allow_404,
+                                             permanent)
                 ok = True
                 return (target, result) if with_url else result
+            except _Paused:
+                ok = True  # the server is fine, only paused: no cool-down, no attempt spent
+                now = time.monotonic()
+                paused_until = paused_until or now + self.settings.timeout_s
+                if now > paused_until:
+                    last = f"still paused after {self.settings.timeout_s:g}s"
+                    break
+                await asyncio.sleep(max(self.settings.backoff_s, 0.05))
+                continue
             except _Retryable as e:
                 last, refused = str(e), e.refused
+                if self.on_server_error is not None:
+                    self.on_server_error(target, e.refused or e.dropped)
             finally:
                 if pool is not None:
                     pool.release(target, ok)
             if self.on_connection_error is not None:
                 self.on_connection_error()
-            if attempt + 1 < attempts:
+            attempt += 1
+            if attempt < attempts:
                 self.num_retries += 1
                 if on_retry is not None:
-                    await on_retry(target, last)
-                await asyncio.sleep(min(self.settings.backoff_s * 2 ** attempt, 30.0))
+                    await on_retry(target, last, this_rid)
+                await asyncio.sleep(min(self.settings.backoff_s * 2 ** (attempt - 1), 30.0))
         hint = "; is it running? (rollout.server.urls)" if refused else ""
         raise ServerUnavailable(f"{self.name} server at {target}: {last} on {path} after {attempts} attempt(s){hint}",
                                 refused=refused)
 
     async def _attempt(self, method: str, url: str, path: str, payload: Any, rid: str | None,
-                       timeout: aiohttp.ClientTimeout, expect_json: bool, allow_404: bool) -> Any:
+                       timeout: aiohttp.ClientTimeout, expect_json: bool, allow_404: bool,
+                       permanent: Callable[[int, str], bool] | None = None) -> Any:
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             self._sem = asyncio.Semaphore(self.settings.max_in_flight)
@@ -254,39 +304,68 @@ class HttpClient:
             except aiohttp.ClientConnectorError as e:
                 raise _Retryable(f"connection refused ({_why(e)})", refused=True) from None
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as e:
-                raise _Retryable(f"connection dropped ({_why(e)})") from None
+                raise _Retryable(f"connection dropped ({_why(e)})", dropped=True) from None
             except asyncio.TimeoutError:
                 raise _Retryable(f"no answer within {timeout.total:g}s") from None
-        return self._interpret(url, path, status, text, expect_json, allow_404)
+        return self._interpret(url, path, status, text, expect_json, allow_404, permanent)
 
-    def _interpret(self, url: str, path: str, status: int, text: str, expect_json: bool, allow_404: bool) -> Any:
+    def _interpret(self, url: str, path: str, status: int, text: str, expect_json: bool, allow_404: bool,
+                   permanent: Callable[[int, str], bool] | None = None) -> Any:
         if status in (401, 403):
             if self.api_key:
                 raise AuthError(f"{self.name} server at {url} refused the API key from ${self.settings.api_key_env} "
                                   f"(HTTP {status} on {path})")
-            raise AuthError(f"{self.name} server at {url} requires an API key (HTTP {status} on {path}); "
-                              "set rollout.server.api_key_env to the name of the variable that holds it")
+            env = self.settings.api_key_env
+            hint = (f"${env} is not set" if env else
+                    "set rollout.server.api_key_env to the name of the variable that holds it")
+            raise AuthError(f"{self.name} server at {url} requires an API key (HTTP {status} on {path}); {hint}")
         if status == 404 and allow_404:
             return None
+        if status == 503 and "paused" in text.lower():
+            raise _Paused()
+        if status >= 500 and permanent is not None and permanent(status, text):
+            raise ServerFailed(f"{self.name} server at {url} failed {path} with HTTP {status}: "
+                               f"{_excerpt(error_message(text))}", status)
         if status >= 500:
             raise _Retryable(f"HTTP {status} ({_excerpt(text)})")
         if status >= 400:
             raise Rejected(f"{self.name} server at {url} rejected {path} with HTTP {status}: {_excerpt(text)}", status)
         if not expect_json:
             return text
+        if not text.strip():
+            raise EngineError(f"{self.name} server at {url} answered {path} with HTTP {status} and an empty body "
+                              "(expected JSON; is something else listening on that port, e.g. a proxy?)")
         try:
             return json.loads(text)
         except ValueError:
-            raise EngineError(f"{self.name} server at {url} answered {path} with a body that is not JSON: "
-                              f"{_excerpt(text)!r}") from None
+            raise EngineError(f"{self.name} server at {url} answered {path} with HTTP {status} and a body that is "
+                              f"not JSON: {_excerpt(text)!r} (is something else listening on that port, e.g. a "
+                              "proxy?)") from None
+
+
+def error_message(text: str) -> str:
+    """The message of an error body: {"error": {"message"}} (vLLM, SGLang), {"error": str},
+    {"message": str}, or the text itself."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(err if "error" in body else body.get("message", body))
+    return text
 
 
 def _read_key(env: str | None) -> str | None:
+    """The key in $env; an unset (or empty) variable means no key."""
     if not env:
         return None
     key = os.environ.get(env)
     if not key:
-        raise EngineError(f"rollout.server.api_key_env names ${env}, but that environment variable is not set")
+        log.info("rollout.server.api_key_env names $%s, which is not set: no API key is sent", env)
+        return None
     return key
 
 

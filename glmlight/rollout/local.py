@@ -31,9 +31,9 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
-from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
+from glmlight.dtypes import resolve_dtype
 from glmlight.errors import EngineError
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.rollout import glm_runner
@@ -41,21 +41,11 @@ from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, norm
 from glmlight.rollout.batch import Request, RunningBatch
 from glmlight.rollout.hf_runner import HFRunner
 from glmlight.rollout.sampling import request_uniforms
+from glmlight.rollout.transport import read_checkpoint
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 IDLE_EXIT_S = 2.0  # an idle decode thread exits after this long; the next submit starts another
-
-
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
 class LocalEngine:
@@ -127,6 +117,8 @@ class LocalEngine:
         self._stats = dict(iterations=0, decode_steps=0, prefills=0, admitted=0, admitted_mid_decode=0,
                            max_batch=0, tokens=0, aborted=0)
         self.on_step: Callable[[int], None] | None = None  # called by the decode thread after each step
+        self._capture = (False, False)  # replay records: (routing, index), for requests admitted from
+        self._capture_since = 0  # this engine iteration on
 
     # ----------------------------------------------------------------- protocol
     @property
@@ -148,6 +140,27 @@ class LocalEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._cv:
             self._generator.set_state(state["generator"])
+
+    def capture_replay(self, routing: bool = False, index: bool = False) -> None:
+        """Record, for every request admitted from now on, the expert ids each MoE layer chose
+        (`routing`) and/or the DSA selection of each layer with its own indexer (`index`) for every
+        token it runs, prompt and response: `Generation.routed_experts` / `.indexer_topk`. Adds to
+        what is recorded already. Raises EngineError when the runner or the model cannot."""
+        with self._turn, self._lock:
+            want = (routing or self._capture[0], index or self._capture[1])
+            if want == self._capture:
+                return
+            set_capture = getattr(self._runner, "set_capture", None)
+            if set_capture is None:
+                raise EngineError(f"the {type(self._runner).__name__} runner cannot capture replay records")
+            set_capture(*want)
+            self._capture, self._capture_since = want, self._iteration
+
+    def _attach_records(self, done: list[tuple[Request, Generation]], rows: list[int]) -> None:
+        """Replay records of finished rows (requests admitted while capturing; aborts get none)."""
+        for (req, gen), row in zip(done, rows):
+            if req.first_iteration >= self._capture_since and gen.finish_reason != "abort":
+                gen.routed_experts, gen.indexer_topk = self._runner.records(row)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Future:
         """Queue one request; the future resolves to its Generation. Never blocks on decoding."""
@@ -173,7 +186,10 @@ class LocalEngine:
         params = normalize_requests(prompts, params)
         if threading.current_thread() is self._thread:
             raise EngineError("generate() called from the decode thread (e.g. in on_step); use submit()")
-        futures = [self.submit(p, sp) for p, sp in zip(prompts, params)]
+        # Queued in one go, so a running decode thread admits them together (when there is room): which
+        # requests share a decode step changes log-probs by float rounding, and must not depend on timing.
+        with self._cv:
+            futures = [self.submit(p, sp) for p, sp in zip(prompts, params)]
         return [f.result() for f in futures]
 
     def abort_all(self) -> int:
@@ -319,6 +335,8 @@ class LocalEngine:
             n = len(batch)
             rows = finished.nonzero()[:, 0].tolist()
             done = batch.finish(rows)
+            if self._capture != (False, False):
+                self._attach_records(done, rows)
             if rows:
                 order = _fill_holes(n, rows)
                 batch.keep(order)
@@ -376,14 +394,9 @@ def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True).state_dict()
-    if os.path.isdir(path):
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise EngineError(f"no .safetensors files in {path}")
-        out: dict[str, torch.Tensor] = {}
-        for f in files:
-            out.update(load_file(os.path.join(path, f)))
-        return out
     if not os.path.exists(path):
         raise EngineError(f"weight file {path} does not exist")
-    return load_file(path)
+    try:
+        return dict(read_checkpoint(path))
+    except FileNotFoundError as e:
+        raise EngineError(str(e)) from None

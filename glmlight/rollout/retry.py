@@ -3,7 +3,8 @@
 A generation that still fails after the retries is reported as None, and the
 caller turns its samples into FAILED ones (counted, never trained on). Retrying
 a whole batch never duplicates samples: results are only used from the call that
-succeeded.
+succeeded. An error whose class sets `fatal = True` (a refused API key, a fleet left
+at different weight versions) is not retried: it stops the run.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def generate_with_retries(engine: RolloutEngine, prompts: list[list[int]], param
                 raise RuntimeError(f"engine returned {len(gens)} generations for {len(prompts)} prompts")
             break
         except Exception as e:  # noqa: BLE001 - engine faults are retried, then counted
+            if getattr(e, "fatal", False):
+                raise
             counts["engine_errors"] += 1
             if attempt == retries:
                 log.error("engine failed %d times (%s: %s); %d samples marked FAILED", retries + 1,

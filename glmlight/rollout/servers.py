@@ -1,12 +1,26 @@
-"""Server-backed rollout engines: `build_server_engine` plus what SGLang and vLLM share.
+"""What the SGLang and vLLM engines share: `ServerEngineBase` — URLs and routing, readiness
+wait, the rid-keyed gather (every prompt's answer comes back exactly once, in order), the
+all-or-nothing weight update of the whole fleet, per-answer weight versions, and re-syncing a
+server that restarted —, the sampling fields both spell alike, and the constructor settings read
+from the config.
 
-- `build_server_engine(cfg, tokenizer)`: validate `cfg.rollout.server` and build the
-  engine for `cfg.rollout.backend` (sglang | vllm | vllm_ascend).
-- `ServerEngineBase`: URLs and routing, readiness wait, request ids and the
-  rid-keyed gather (every prompt's answer comes back exactly once, in order), the
-  weight-sync skeleton (pause → push → flush → resume → confirm version), close().
-- `LaunchSpec` / `ManagedServer`: an optional server started as a child process,
-  its log captured to a file, its exit detected, terminated on close().
+A weight update (`update_weights`):
+
+    pause every server → push (the subclass's `_push`: all servers get the new weights, or every
+    server is put back on the previous ones and `UpdateFailed` is raised) → flush caches →
+    confirm every server reports the new version → resume → verify (a probe scored on every
+    server: a server that acknowledged the version but still answers exactly as before did not
+    load it)
+
+`UpdateFailed` is retried (`update_retries`); then the run stops with one line. `FleetFailed`
+(servers left on different or unknown weights) stops it at once. Each server's answers carry the
+version it reports for them (SGLang meta_info.weight_version(s), vLLM 0.33 weight_versions; vLLM
+0.32: the version the server acknowledged last); an answer with another version than the one its
+server must serve is never returned: the server is re-synced and the prompt asked again.
+
+A server that drops or refuses connections, or answers with another version, is a suspect: before
+the next call it is probed, and if it serves other weights than the current version (it
+restarted) it gets the current weights again (`resync`) before any new request.
 
 This module imports nothing heavy at import time; the engines import aiohttp.
 """
@@ -14,177 +28,41 @@ This module imports nothing heavy at import time; the engines import aiohttp.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
+import logging
+import threading
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
-from glmlight.errors import ConfigError, EngineError
-from glmlight.rollout.base import NamedTensors, SamplingParams, normalize_requests
+import torch
 
-BACKENDS = ("sglang", "vllm", "vllm_ascend")
-WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
+from glmlight.errors import EngineError
+from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, normalize_requests
+from glmlight.rollout.launch import LaunchSpec, ManagedServer
+from glmlight.rollout.server_checks import verify_update, weights_fingerprint
+from glmlight.rollout.server_types import (Answer, FleetFailed, Source, UpdateFailed,  # noqa: F401 (re-exported)
+                                           sampling_fields, server_settings)
 
-
-def build_server_engine(cfg: Any, tokenizer: Any = None):
-    """The RolloutEngine for `cfg.rollout.backend`; `cfg` is the whole validated config.
-
-    `tokenizer` is accepted for symmetry with the embedded engine; server engines work
-    on token ids only and never re-tokenize.
-    """
-    r, s = cfg.rollout, cfg.rollout.server
-    if r.backend not in BACKENDS:
-        raise ConfigError(f"config error: rollout.backend={r.backend!r} is not a server backend; choose one of {list(BACKENDS)}")
-    in_process = bool(s.in_process)
-    if not s.urls and not s.launch and not in_process:
-        raise ConfigError(f"config error: rollout.backend={r.backend} needs rollout.server.urls (running servers) "
-                          "or rollout.server.launch=true (start one)")
-    if s.weight_sync not in WEIGHT_SYNC_MODES:
-        raise ConfigError(f"config error: rollout.server.weight_sync={s.weight_sync!r} is not one of {list(WEIGHT_SYNC_MODES)}")
-    if (s.launch or in_process) and not (s.model_path or cfg.model.path):
-        raise ConfigError("config error: rollout.server.launch needs rollout.server.model_path or model.path "
-                          "(the checkpoint directory the server loads)")
-    if s.router and s.launch:
-        raise ConfigError("config error: rollout.server.router and rollout.server.launch cannot both be set")
-    try:
-        import aiohttp  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"config error: rollout.backend={r.backend} needs aiohttp; "
-                          f"pip install 'glmlight[{r.backend.split('_')[0]}]'") from None
-    if r.backend == "sglang":
-        from glmlight.rollout.sglang import SGLangEngine
-
-        return SGLangEngine.from_config(cfg)
-    if in_process:
-        from glmlight.rollout.vllm import VLLMInProcessEngine
-
-        return VLLMInProcessEngine.from_config(cfg)
-    from glmlight.rollout.vllm import VLLMEngine
-
-    return VLLMEngine.from_config(cfg)
+log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------- managed launch
-@dataclass
-class LaunchSpec:
-    """How to start one server as a child process."""
-
-    name: str
-    command: list[str]
-    host: str
-    port: int
-    log_path: str
-    env: dict[str, str] = field(default_factory=dict)
-    secrets: tuple[str, ...] = ()  # redacted from anything we print
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self) -> ManagedServer:
-        return ManagedServer(self)
-
-
-class ManagedServer:
-    """A server child process (own process group), stdout+stderr captured to `log_path`."""
-
-    def __init__(self, spec: LaunchSpec):
-        self.spec = spec
-        os.makedirs(os.path.dirname(os.path.abspath(spec.log_path)), exist_ok=True)
-        self._log = open(spec.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(spec.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **spec.env}, start_new_session=True)
-        except OSError as e:
-            self._log.close()
-            raise EngineError(f"cannot start the {spec.name} server ({self._redact(' '.join(spec.command[:3]))}...): {e}") from None
-
-    def check(self) -> None:
-        """Raise a one-line EngineError with the log tail if the process has exited."""
-        rc = self.proc.poll()
-        if rc is not None:
-            raise EngineError(f"managed {self.spec.name} server exited with code {rc}; last log lines: "
-                              f"{self.log_tail()} (full log: {self.spec.log_path})")
-
-    def log_tail(self, n: int = 6) -> str:
-        try:
-            with open(self.spec.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self.spec.log_path) - 8192))
-                lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
-        except OSError:
-            return "(no log)"
-        return self._redact(" | ".join(lines[-n:])) or "(empty log)"
-
-    def _redact(self, text: str) -> str:
-        for secret in self.spec.secrets:
-            if secret:
-                text = text.replace(secret, "***")
-        return text
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    break
-                try:
-                    self.proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        self._log.close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def local_ip_towards(url: str) -> str:
-    """This host's address on the route to `url` (where a server can reach our rendezvous)."""
-    host = urlparse(url).hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-def launch_target(urls: Sequence[str]) -> tuple[str, int]:
-    """Host and port for a managed server: those of urls[0], or 127.0.0.1 and a free port."""
-    if urls:
-        u = urlparse(urls[0])
-        return u.hostname or "127.0.0.1", u.port or free_port()
-    return "127.0.0.1", free_port()
-
-
-# ---------------------------------------------------------------------- shared engine
 class ServerEngineBase:
-    """URLs, HTTP client, readiness, rid-keyed gather and the weight-sync skeleton.
-
-    Subclasses set `name` / `health_path` and implement the protocol hooks:
-    `_generate_one`, `_score_one`, `_pause`, `_flush`, `_resume`, `_push`, `_served_version`.
-    """
+    """See the module docstring. Subclasses set `name` / `health_path` and implement the protocol
+    hooks `_generate_one`, `_score_one`, `_pause`, `_flush`, `_resume`, `_push`, `_served_label`."""
 
     name = "server"
     health_path = "/health"
 
     def __init__(self, urls: Sequence[str], *, router: bool = False, http: Any = None, launch: LaunchSpec | None = None,
                  ready_timeout_s: float = 900.0, version: int = 0, confirm_timeout_s: float | None = None,
-                 poll_interval_s: float = 0.05):
+                 poll_interval_s: float = 0.05, update_retries: int = 2, resync: bool = True,
+                 verify_updates: bool = True):
         from glmlight.rollout.http import HttpClient, HttpSettings, UrlPool
 
         self.launcher: ManagedServer | None = None
         self._closed = False
-        self.http = HttpClient(self.name, http or HttpSettings(), on_connection_error=self._check_launcher)
+        self.http = HttpClient(self.name, http or HttpSettings(), on_connection_error=self._check_launcher,
+                               on_server_error=self._on_server_error)
         try:
             if launch is not None:
                 self.launcher = launch.start()
@@ -195,10 +73,27 @@ class ServerEngineBase:
             self._version = version
             self.confirm_timeout_s = confirm_timeout_s or self.http.settings.timeout_s
             self.poll_interval_s = poll_interval_s
+            self.update_retries, self.resync, self.verify_updates = update_retries, resync, verify_updates
             self.num_duplicates = 0
+            self.num_resyncs = 0
+            self.num_stale_answers = 0
+            self._initial = Source(version, None)
+            self._current: Source = self._initial  # what every server serves now
+            self._expect: dict[str, str | None] = {}  # url -> the label it must report (None: initial)
+            self._url_version: dict[str, int] = {u: version for u in self.urls}
+            self._suspects: set[str] = set()
+            self.pool.avoid = self._suspects
+            # One fleet change at a time: an update (the trainer) and a re-sync (a generating thread)
+            self._fleet_lock = threading.RLock()
+            self._failed: str | None = None
+            self._probe: tuple[list[int], list[int]] | None = None
+            self._probe_scores: dict[str, list[float]] = {}
+            self._fingerprint: torch.Tensor | None = None
             for url in self.urls:
                 self._wait_ready(url, ready_timeout_s)
             self._after_ready()
+            for url in self.urls[1:] if router else self.urls:
+                self._expect[url] = None
         except BaseException:
             self.close()
             raise
@@ -209,51 +104,77 @@ class ServerEngineBase:
         return self._version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]) -> list:
-        self._check_open()
+        self._check_usable()
         if not prompts:
             return []
         params = normalize_requests(prompts, params)
+        self._remember_probe(prompts[0])
+        self._check_unlabelled()
+        self._sync_suspects()
         from glmlight.rollout.http import new_rid
 
-        version = self._version  # the weights every answer of this call is produced with
-        jobs = [(rid, self._generate_one(rid, list(p), sp, version))
-                for rid, p, sp in zip((new_rid() for _ in prompts), prompts, params)]
-        return self.http.run(self._gather_by_rid(jobs))
+        out: list[Generation | None] = [None] * len(prompts)
+        pending = list(range(len(prompts)))
+        for _ in range(3):
+            jobs = [(rid, self._generate_one(rid, list(prompts[i]), params[i])) for rid, i in
+                    zip((new_rid() for _ in pending), pending)]
+            answers: list[Answer] = self.http.run(self._gather_by_rid(jobs))
+            stale = []
+            for i, a in zip(pending, answers):
+                if self._is_stale(a):
+                    stale.append(i)
+                else:
+                    a.gen.versions = self._versions_of(a)
+                    out[i] = a.gen
+            if not stale:
+                return out
+            self.num_stale_answers += len(stale)
+            log.warning("%s: %d answers came from weights other than version %d; re-syncing and asking again",
+                        self.name, len(stale), self._version)
+            self._sync_suspects()
+            pending = stale
+        raise EngineError(f"{self.name}: servers kept answering with weights other than version {self._version} "
+                          f"(servers {sorted(self._suspects)})")
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
-        self._check_open()
+        self._check_usable()
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-        from glmlight.rollout.http import new_rid
-
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
+        self._sync_suspects()
+        from glmlight.rollout.http import new_rid
+
         jobs = [(rid, self._score_one(rid, list(p), list(c)))
                 for rid, p, c in zip((new_rid() for _ in prompts), prompts, completions)]
         return self.http.run(self._gather_by_rid(jobs))
 
     def update_weights(self, named_tensors: NamedTensors | None = None, *, path: str | None = None, version: int) -> None:
-        """pause → push weights → flush caches → resume, then wait until every server reports
-        `version`; only then does `self.version` change."""
-        self._check_open()
+        """Move every server to `version` together (module docstring); only then does
+        `self.version` change. Raises a one-line EngineError when it cannot."""
+        self._check_usable()
         if (named_tensors is None) == (path is None):
             raise ValueError("update_weights needs exactly one of named_tensors or path")
-        urls = self.control_urls()
         named = list(named_tensors) if named_tensors is not None else None
-        self._run_all(self._pause, urls)
-        try:
-            self._push(urls, named, path, version)
-            self._run_all(self._flush, urls)
-        except BaseException:
-            try:
-                self._run_all(self._resume, urls)
-            except Exception:  # noqa: BLE001 - keep the original error
-                pass
-            raise
-        self._run_all(self._resume, urls)
-        self._confirm_version(urls, version)
-        self._version = version
+        fingerprint = weights_fingerprint(named) if named is not None else None
+        urls = self._sync_urls()
+        error: Exception | None = None
+        with self._fleet_lock:
+            for attempt in range(self.update_retries + 1):
+                try:
+                    source = self._update_fleet(urls, named, path, version, fingerprint)
+                    break
+                except UpdateFailed as e:
+                    error = e
+                    log.warning("%s: weight update to version %d failed (attempt %d of %d), every server still "
+                                "serves version %d: %s", self.name, version, attempt + 1, self.update_retries + 1,
+                                self._version, e)
+            else:
+                raise EngineError(f"{self.name}: weight update to version {version} failed {self.update_retries + 1}"
+                                  f" times; every server still serves version {self._version} (last error: {error})")
+            self._current = source
+            self._version = version
 
     def __enter__(self) -> "ServerEngineBase":
         return self
@@ -272,12 +193,138 @@ class ServerEngineBase:
             if self.launcher is not None:
                 self.launcher.stop()
 
+    # ------------------------------------------------------------------ the fleet update
+    def _update_fleet(self, urls: Sequence[str], named: list | None, path: str | None, version: int,
+                      fingerprint: torch.Tensor | None) -> Source:
+        try:
+            self._run_all(self._pause, urls)
+        except EngineError as e:
+            self._resume_all(urls)
+            raise UpdateFailed(f"could not pause every server: {e}") from None
+        try:
+            try:
+                source = self._push(urls, named, path, version)
+            except (UpdateFailed, FleetFailed):
+                raise
+            except EngineError as e:  # the fleet's state is not known any more
+                self._failed = f"{self.name}: a weight update to version {version} failed half-way: {e}"
+                raise FleetFailed(self._failed) from None
+            for u in urls:
+                self._expect[u], self._url_version[u] = str(version), version
+            try:
+                self._run_all(self._flush, urls)
+                self._confirm_version(urls, version)
+            except FleetFailed:
+                raise
+            except EngineError as e:  # the new weights are in, but not flushed or not acknowledged
+                self._failed = f"{self.name}: servers loaded weight version {version} but then failed: {e}"
+                raise FleetFailed(self._failed) from None
+        finally:
+            self._resume_all(urls)
+        if source.named is None and source.path is None and self.resync and named is not None:
+            source.named = [(n, t.detach().to("cpu", copy=True)) for n, t in named]  # re-syncs and reverts
+        self._verify(urls, version, fingerprint)
+        self._suspects.difference_update(urls)
+        return source
+
+    def _resume_all(self, urls: Sequence[str]) -> None:
+        try:
+            self._run_all(self._resume, urls)
+        except Exception as e:  # noqa: BLE001 - keep the original error, if any
+            log.warning("%s: could not resume generation: %s", self.name, e)
+
+    def _previous(self) -> Source:
+        """The weights every server serves now (what a failed update goes back to)."""
+        return self._current
+
+    def _verify(self, urls: Sequence[str], version: int, fingerprint: torch.Tensor | None) -> None:
+        if self.verify_updates:
+            verify_update(self, urls, version, fingerprint)
+
+    # ------------------------------------------------------------------ versions, suspects, re-syncs
+    def _is_stale(self, a: Answer) -> bool:
+        want = self._expect.get(a.url)
+        if want is None or not a.labels:
+            return False
+        if all(label == want for label in a.labels):
+            return False
+        self._suspects.add(a.url)
+        return True
+
+    def _versions_of(self, a: Answer) -> list[int]:
+        v = self._url_version.get(a.url, self._version)
+        return [v] * len(a.gen.token_ids)
+
+    def _labels_answers(self, url: str) -> bool:
+        """Whether this server reports the weight version of each answer (else `_check_unlabelled`
+        asks it for its version before every call)."""
+        return True
+
+    def _check_unlabelled(self) -> None:
+        urls = [u for u, want in self._expect.items() if want is not None and not self._labels_answers(u)]
+        if not urls:
+            return
+
+        async def labels() -> list:
+            return await asyncio.gather(*(self._served_label(u) for u in urls), return_exceptions=True)
+
+        for url, served in zip(urls, self.http.run(labels())):
+            if isinstance(served, BaseException) or served != self._expect[url]:
+                self._suspects.add(url)
+
+    def _on_server_error(self, url: str, connection_lost: bool) -> None:
+        if connection_lost and url in self._expect:
+            self._suspects.add(url)
+
+    def _sync_suspects(self) -> None:
+        """Probe every suspect; one that restarted (serves other weights) gets the current ones."""
+        if not self._suspects:
+            return
+        with self._fleet_lock:
+            self._sync_suspects_locked()
+
+    def _sync_suspects_locked(self) -> None:
+        for url in sorted(self._suspects):
+            try:
+                self.http.run(self.http.request(self.health_path, url=url, method="GET", expect_json=False,
+                                                attempts=1, timeout_s=10))
+                served = self.http.run(self._served_label(url))
+            except EngineError:
+                continue  # still down: requests go elsewhere (or fail and are counted)
+            want = self._expect.get(url)
+            if want is None or served == want:
+                self._suspects.discard(url)
+                continue
+            log.warning("%s server at %s serves weight version %r, expected %r (it restarted?): re-syncing it",
+                        self.name, url, served, want)
+            self._resync(url)
+
+    def _resync(self, url: str) -> None:
+        src = self._current
+        if src.named is None and src.path is None:
+            self._failed = (f"{self.name} server at {url} lost the weights of version {src.version} (it serves "
+                            f"other weights) and rollout.server.resync is off, so they cannot be sent again")
+            raise FleetFailed(self._failed)
+        urls = self._resync_urls(url)
+        try:
+            self._update_fleet(urls, src.named, src.path, src.version, None)
+        except UpdateFailed as e:
+            log.warning("%s: re-sync of %s failed (%s); it stays out of rotation", self.name, url, e)
+            return
+        self.num_resyncs += 1
+
+    def _resync_urls(self, url: str) -> list[str]:
+        """The servers a re-sync of `url` must push to (a subclass may need the whole fleet)."""
+        return [url]
+
     # ------------------------------------------------------------------ helpers
-    def _check_open(self) -> None:
+    def _check_usable(self) -> None:
         if self._closed:
             raise EngineError(f"the {self.name} engine is closed")
+        if self._failed is not None:
+            raise FleetFailed(self._failed)
 
-    def control_urls(self) -> list[str]:
+    def _sync_urls(self) -> list[str]:
         """The servers that receive weight updates: every URL, or in router mode the
         worker URLs listed after the router's."""
         if not self.router:
@@ -286,6 +333,13 @@ class ServerEngineBase:
             raise EngineError(f"{self.name} router mode: weight sync needs the worker URLs after the router URL in "
                               "rollout.server.urls (the router only routes generation)")
         return list(self.urls[1:])
+
+    control_urls = _sync_urls
+
+    def _remember_probe(self, prompt: list[int]) -> None:
+        if self._probe is None and len(prompt) >= 4:
+            cut = max(1, len(prompt) // 2)
+            self._probe = (list(prompt[:cut]), list(prompt[cut:]))
 
     def _check_launcher(self) -> None:
         if self.launcher is not None:
@@ -327,12 +381,13 @@ class ServerEngineBase:
         deadline = time.monotonic() + self.confirm_timeout_s
         for url in urls:
             while True:
-                served = self.http.run(self._served_version(url))
+                served = self.http.run(self._served_label(url))
                 if served == str(version):
                     break
                 if time.monotonic() > deadline:
-                    raise EngineError(f"{self.name} server at {url} still reports weight version {served!r} "
-                                      f"{self.confirm_timeout_s:g}s after the update, expected {str(version)!r}")
+                    self._failed = (f"{self.name} server at {url} still reports weight version {served!r} "
+                                    f"{self.confirm_timeout_s:g}s after the update, expected {str(version)!r}")
+                    raise FleetFailed(self._failed)
                 time.sleep(self.poll_interval_s)
 
     async def _gather_by_rid(self, jobs: list[tuple[str, Coroutine[Any, Any, Any]]]) -> list:
@@ -350,17 +405,18 @@ class ServerEngineBase:
         outcomes = await asyncio.gather(*(run(rid, c) for rid, c in jobs), return_exceptions=True)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
-            raise next((e for e in errors if isinstance(e, EngineError)), errors[0])
+            raise next((e for e in errors if getattr(e, "fatal", False)),
+                       next((e for e in errors if isinstance(e, EngineError)), errors[0]))
         missing = [rid for rid, _ in jobs if rid not in results]
         if missing:
             raise EngineError(f"{self.name}: {len(missing)} of {len(jobs)} requests got no answer")
         return [results[rid] for rid, _ in jobs]
 
     # ------------------------------------------------------------------ hooks to implement
-    async def _generate_one(self, rid: str, prompt: list[int], params: SamplingParams, version: int) -> Any:
+    async def _generate_one(self, rid: str, prompt: list[int], params: SamplingParams) -> Answer:
         raise NotImplementedError
 
-    async def _score_one(self, rid: str, prompt: list[int], completion: list[int]) -> list[float]:
+    async def _score_one(self, rid: str, prompt: list[int], completion: list[int], url: str | None = None) -> list[float]:
         raise NotImplementedError
 
     async def _pause(self, url: str) -> None:
@@ -372,29 +428,10 @@ class ServerEngineBase:
     async def _resume(self, url: str) -> None:
         raise NotImplementedError
 
-    def _push(self, urls: Sequence[str], named: list | None, path: str | None, version: int) -> None:
+    def _push(self, urls: Sequence[str], named: list | None, path: str | None, version: int) -> Source:
+        """Give every server in `urls` the new weights, or raise UpdateFailed with every server back
+        on `self._previous()` (FleetFailed if that is impossible). Returns the new version's Source."""
         raise NotImplementedError
 
-    async def _served_version(self, url: str) -> str | None:
+    async def _served_label(self, url: str) -> str | None:
         raise NotImplementedError
-
-
-def sampling_fields(p: SamplingParams) -> dict[str, Any]:
-    """The sampling fields SGLang and vLLM spell alike (top_k -1 = off for both)."""
-    return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
-            "stop_token_ids": list(p.stop_token_ids), "skip_special_tokens": False}
-
-
-def server_settings(cfg: Any) -> dict[str, Any]:
-    """Constructor arguments every server engine takes, from the whole config."""
-    from glmlight.rollout.http import HttpSettings
-
-    s = cfg.rollout.server
-    return dict(urls=list(s.urls), router=bool(s.router), http=HttpSettings.from_config(s),
-                ready_timeout_s=float(s.launch_timeout_s), weight_sync=s.weight_sync,
-                weight_sync_dir=s.weight_sync_dir, model_path=s.model_path or cfg.model.path)
-
-
-def log_path_for(cfg: Any, name: str, port: int) -> str:
-    root = cfg.rollout.server.launch_log_dir or cfg.trainer.default_root_dir
-    return os.path.join(root, f"{name}-server-{port}.log")

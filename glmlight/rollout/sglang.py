@@ -1,38 +1,53 @@
-"""SGLangEngine: the RolloutEngine protocol over SGLang's native HTTP API (0.5.x).
+"""SGLangEngine: the RolloutEngine protocol over SGLang's native HTTP API (written against SGLang
+0.5.23's source; see docs/servers.md for what each older release supports).
 
-Generation: POST /generate {rid, input_ids, sampling_params, return_logprob: true}; ids
-and log-probs come from meta_info.output_token_logprobs ([[logprob, token_id, text], ...]),
-the finish reason from meta_info.finish_reason.type, the weights' version from
-meta_info.weight_version. SGLang's log-probs are those of the temperature-scaled
-distribution before top-k/top-p filtering (the embedded engine's are after filtering;
-the two agree when top_p = 1 and top_k = 0).
+Generation: POST /generate {rid, input_ids, sampling_params, return_logprob: true}; ids from
+meta_info.output_token_logprobs ([[logprob, token_id, text], ...]), the finish reason from
+meta_info.finish_reason.type, the weights' version labels from meta_info.weight_versions (spans)
+or meta_info.weight_version. Every attempt has its own rid (`<rid>-<attempt>`): SGLang answers 400
+"Duplicate request ID" while an earlier attempt is still registered (tokenizer_manager.py
+`_init_req_state`).
+
+Log-probs must be those of the distribution the token was sampled from. SGLang's
+output_token_logprobs are after temperature but before top-k/top-p (srt/layers/sampler.py), so
+when top_k > 0 or top_p < 1 the request also asks `return_sampling_mask: true` and the log-probs
+come from meta_info.output_token_sampling_logprobs (log of the sampled token's weight over the
+renormalised top-k/top-p support). SGLang serves that only for top_k == 1 or a finite
+1 < top_k <= --sampling-mask-max-tokens (default 4096), so top_p < 1 without top_k is refused at
+start (`check_sampling`).
 
 Prefill scoring (teacher log-probs): /generate with max_new_tokens 0, return_logprob and
-logprob_start_len = len(prompt) - 1. SGLang's input_token_logprobs are aligned with
-input_ids[logprob_start_len:] and its entry 0 is always None (the server pads it), so
-entry 0 is the prompt's last token and entries 1.. are the completion's.
+logprob_start_len = len(prompt) - 1. input_token_logprobs are aligned with
+input_ids[logprob_start_len:] and entry 0 is always None, so entry 0 is the prompt's last token
+and entries 1.. are the completion's.
 
-Weight sync (`weight_sync`), each wrapped as /pause_generation (mode abort: in-flight
-requests return early with finish_reason abort, so no answer mixes two versions) →
-update → /flush_cache → /continue_generation, then /model_info is polled until
-weight_version equals the new version:
-- disk: a safetensors checkpoint in HF layout, written atomically to
-  weight_sync_dir/v{version}/, then /update_weights_from_disk {model_path, weight_version};
-- tensor: /update_weights_from_tensor with serialized_named_tensors = one entry per TP
-  rank, each base64(ForkingPickler(list of (name, tensor))) like SGLang's
-  MultiprocessingSerializer: CUDA tensors travel as IPC handles, CPU tensors as shared
-  memory, so trainer and server must share the host (and, for CUDA, the device);
-- distributed: /init_weights_update_group once (trainer = rank 0, each server's TP
-  ranks from rank_offset), then per bucket /update_weights_from_distributed
-  {names, dtypes, shapes, group_name} while this process broadcasts the tensors
-  (nccl on CUDA, hccl on Ascend).
+Weight updates: /pause_generation {mode: abort} (in-flight requests return early with
+finish_reason abort) → for tensor and distributed, /begin_weight_update (0.5.23 refuses those
+updates outside such a session; a server without the endpoint, 404, is updated without) → the
+update → /end_weight_update → /flush_cache → /model_info until weight_version is the new
+version → /continue_generation. Modes:
+- disk: a safetensors checkpoint in HF layout, written atomically to weight_sync_dir/v{version}/,
+  then /update_weights_from_disk {model_path, weight_version} (SGLang restores its old weights
+  itself when that load fails);
+- tensor: /update_weights_from_tensor, serialized_named_tensors = one entry per TP rank, each
+  base64(ForkingPickler(list of (name, tensor))) as SGLang's MultiprocessingSerializer writes it
+  and its SafeUnpickler reads it (srt/utils/common.py). CPU tensors travel as named shared-memory
+  segments (torch's "file_system" sharing strategy: a separately started server can open them on
+  the same host; the default file-descriptor handles need the sender's multiprocessing authkey),
+  CUDA tensors as CUDA IPC handles carrying the device UUID (what SGLang's
+  `monkey_patch_torch_reductions`, srt/utils/patch_torch.py, expects);
+- distributed: /init_weights_update_group once (trainer = rank 0, each server's TP ranks from
+  rank_offset), then per bucket /update_weights_from_distributed {names, dtypes, shapes,
+  group_name} while this process broadcasts the tensors (nccl on CUDA, hccl on Ascend, gloo).
+If a server fails an update, every server is put back on the previous weights (the previous
+checkpoint, the kept copy of the previous tensors, or the checkpoint it was started from) and the
+update is retried; if that is impossible the run stops with one line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
+import logging
 import os
 import sys
 import uuid
@@ -41,23 +56,24 @@ from typing import Any
 
 import torch
 
+from glmlight.dtypes import dtype_name
 from glmlight.errors import EngineError
-from glmlight.rollout import vllm_worker as wt
-from glmlight.rollout.base import SERVER_FINISH_REASONS, Generation, SamplingParams
+from glmlight.rollout import transport as wt
+from glmlight.rollout.base import Generation, SamplingParams
 from glmlight.rollout.http import Rejected, get_field
-from glmlight.rollout.servers import (
-    LaunchSpec,
-    ServerEngineBase,
-    free_port,
-    launch_target,
-    local_ip_towards,
-    log_path_for,
-    sampling_fields,
-    server_settings,
-)
+from glmlight.rollout.launch import LaunchSpec, free_port, launch_target, local_ip_towards, log_path_for
+from glmlight.rollout.server_checks import check_logprob_definition
+from glmlight.rollout.servers import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
+                                      server_settings)
+from glmlight.rollout.sglang_wire import FINISH_REASONS, attempt_rid, check_sampling, pairs, serialize_named_tensors, single
+
+log = logging.getLogger(__name__)
 
 
+class FilteredLogprobsMissing(EngineError):
+    """Top-k/top-p sampling on a server that cannot report the log-probs of it: the run stops."""
 
+    fatal = True
 class SGLangEngine(ServerEngineBase):
     name = "SGLang"
     health_path = "/health_generate"
@@ -65,7 +81,7 @@ class SGLangEngine(ServerEngineBase):
     def __init__(self, urls: Sequence[str] = (), *, weight_sync: str = "disk",
                  weight_sync_dir: str = ".cache/glmlight/weights", model_path: str | None = None,
                  sync_backend: str = "nccl", sync_master_address: str | None = None,
-                 bucket_bytes: int = 1 << 30, keep_checkpoints: int = 2, **kwargs: Any):
+                 bucket_bytes: int = 1 << 30, keep_checkpoints: int = 2, check_logprobs: bool = True, **kwargs: Any):
         self.weight_sync = weight_sync
         self.weight_sync_dir = weight_sync_dir
         self.model_path = model_path
@@ -73,47 +89,76 @@ class SGLangEngine(ServerEngineBase):
         self.sync_master_address = sync_master_address
         self.bucket_bytes = bucket_bytes
         self.keep_checkpoints = keep_checkpoints
+        self.check_logprobs = check_logprobs
         self._group: Any = None
         self._group_name = f"glmlight-{uuid.uuid4().hex[:12]}"
         self._tp_sizes: dict[str, int] = {}
+        self._initial_labels: dict[str, str | None] = {}
+        self._sessions: dict[str, bool] = {}  # url -> has /begin_weight_update
+        self.filtered_logprobs = True  # the servers report top-k/top-p log-probs (return_sampling_mask)
         super().__init__(urls, **kwargs)
 
     @classmethod
     def from_config(cls, cfg: Any) -> SGLangEngine:
+        check_sampling(cfg.rollout.top_p, cfg.rollout.top_k)
         s, kw = cfg.rollout.server, server_settings(cfg)
         launch = None
         if s.launch:
             host, port = launch_target(s.urls)
             key = kw["http"].api_key_env and os.environ.get(kw["http"].api_key_env)
-            base = list(s.launch_command or [sys.executable, "-m", "sglang.launch_server"])
+            base = list(s.launch_command or [s.launch_python or sys.executable, "-m", "sglang.launch_server"])
             cmd = base + ["--model-path", kw["model_path"], "--host", host, "--port", str(port)]
             cmd += (["--api-key", key] if key else []) + list(s.launch_args)
             launch = LaunchSpec("SGLang", cmd, host, port, log_path_for(cfg, "sglang", port),
-                                secrets=(key,) if key else ())
-        return cls(launch=launch, sync_backend=s.sync_backend or "nccl",
-                   sync_master_address=s.sync_master_address, **kw)
+                                env=dict(s.launch_env), secrets=(key,) if key else ())
+        return cls(launch=launch, sync_backend=s.sync_backend or "nccl", sync_master_address=s.sync_master_address,
+                   check_logprobs=bool(s.check_logprobs), **kw)
 
     def _after_ready(self) -> None:
         # Health checks pass without a key; an authenticated call finds a refused key now.
-        for url in self.control_urls() if (not self.router or len(self.urls) > 1) else self.urls[:1]:
-            self.http.run(self._served_version(url))
+        for url in self._sync_urls() if (not self.router or len(self.urls) > 1) else self.urls[:1]:
+            self._initial_labels[url] = self.http.run(self._served_label(url))
+        if self.check_logprobs:
+            check_logprob_definition(self, "do not set SGLANG_RETURN_ORIGINAL_LOGPROB on the server",
+                                     filtered=self._sampling_mask_ok)
 
     # ------------------------------------------------------------------ generation
-    async def _generate_one(self, rid: str, prompt: list[int], p: SamplingParams, version: int) -> Generation:
+    async def _generate_one(self, rid: str, prompt: list[int], p: SamplingParams) -> Answer:
         sp = {**sampling_fields(p), "max_new_tokens": p.max_new_tokens, "no_stop_trim": True}
         if p.seed is not None:
             sp["sampling_seed"] = p.seed
-        payload = {"rid": rid, "input_ids": prompt, "sampling_params": sp, "return_logprob": True, "stream": False}
-        url, body = await self.http.request("/generate", payload, pool=self.pool, rid=rid, with_url=True,
-                                            on_retry=self._aborter(rid))
-        return self._parse_generation(_single(body), url, rid, version)
+        filtered = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)
+        if filtered and p.top_k <= 0:
+            check_sampling(p.top_p, p.top_k)
+        if filtered and not self.filtered_logprobs:
+            raise FilteredLogprobsMissing("this SGLang server cannot report top-k/top-p log-probs "
+                                          "(return_sampling_mask needs SGLang 0.5.18 or later): sample with "
+                                          "rollout.top_k=0 and rollout.top_p=1, or upgrade the server")
 
-    def _parse_generation(self, body: Any, url: str, rid: str, version: int) -> Generation:
+        def body(url: str, attempt_rid: str | None) -> dict:
+            b = {"rid": attempt_rid, "input_ids": prompt, "sampling_params": sp, "return_logprob": True,
+                 "stream": False}
+            return {**b, "return_sampling_mask": True} if filtered else b
+
+        url, reply = await self.http.request("/generate", None, pool=self.pool, with_url=True, rid_for=attempt_rid(rid),
+                                             payload_for=body, on_retry=self._aborter)
+        return self._parse_generation(single(reply), url, rid, filtered)
+
+    def _sampling_mask_ok(self, error: EngineError) -> bool:
+        """The start-up check's top_k=1 request failed: a server without return_sampling_mask (before
+        0.5.18) is still fine for sampling without top-k/top-p."""
+        if "output_token_sampling_logprobs" not in str(error):
+            return False
+        log.warning("%s; top-k/top-p sampling will be refused", error)
+        self.filtered_logprobs = False
+        return True
+
+    def _parse_generation(self, body: Any, url: str, rid: str, filtered: bool) -> Answer:
         path = "/generate"
         meta = get_field(body, "meta_info", url, path, self.name, dict)
-        if meta.get("id") not in (None, rid):
+        if not str(meta.get("id", rid)).startswith(rid):
             raise EngineError(f"SGLang server at {url} answered request {rid} with meta_info.id {meta['id']!r}")
-        ids, lps = _pairs(get_field(body, "meta_info.output_token_logprobs", url, path, self.name, list), url, path,
+        ids, lps = pairs(get_field(body, "meta_info.output_token_logprobs", url, path, self.name, list), url, path,
                           "meta_info.output_token_logprobs")
         out_ids = body.get("output_ids")
         if out_ids is not None and list(out_ids) != ids:
@@ -121,39 +166,48 @@ class SGLangEngine(ServerEngineBase):
                               "meta_info.output_token_logprobs")
         fin = get_field(body, "meta_info.finish_reason", url, path, self.name, (dict, str))
         kind = fin.get("type") if isinstance(fin, dict) else fin
-        if kind not in SERVER_FINISH_REASONS:
+        if kind not in FINISH_REASONS:
             raise EngineError(f"SGLang server at {url} answered {path} with unknown meta_info.finish_reason {kind!r}")
-        served = _as_int(meta.get("weight_version"), version)
-        return Generation(token_ids=ids, logprobs=lps, finish_reason=kind, versions=[served] * len(ids))
+        if filtered and ids:
+            field = "meta_info.output_token_sampling_logprobs"
+            lps = get_field(body, field, url, path, self.name, list)
+            if len(lps) != len(ids) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
+                raise EngineError(f"SGLang server at {url} answered {path} with {len(lps)} {field} for {len(ids)} "
+                                  "tokens (top-k/top-p log-probs need SGLang 0.5.18 or later)")
+            lps = [float(x) for x in lps]
+        spans = meta.get("weight_versions")
+        labels = ([str(s.get("version")) for s in spans if isinstance(s, dict)] if isinstance(spans, list) and spans
+                  else ([str(meta["weight_version"])] if meta.get("weight_version") is not None else []))
+        return Answer(Generation(token_ids=ids, logprobs=lps, finish_reason=kind, versions=[]), url, labels)
 
-    async def _score_one(self, rid: str, prompt: list[int], completion: list[int]) -> list[float]:
+    async def _score_one(self, rid: str, prompt: list[int], completion: list[int], url: str | None = None) -> list[float]:
         if not completion:
             return []
-        payload = {"rid": rid, "input_ids": prompt + completion, "return_logprob": True,
+        payload = {"input_ids": prompt + completion, "return_logprob": True,
                    "logprob_start_len": len(prompt) - 1, "stream": False,
                    "sampling_params": {"max_new_tokens": 0, "temperature": 1.0, "skip_special_tokens": False}}
-        url, body = await self.http.request("/generate", payload, pool=self.pool, rid=rid, with_url=True,
-                                            on_retry=self._aborter(rid))
+        target = {"url": url} if url is not None else {"pool": self.pool}
+        url, body = await self.http.request("/generate", None, with_url=True, rid_for=attempt_rid(rid),
+                                            payload_for=lambda u, r: {"rid": r, **payload}, on_retry=self._aborter,
+                                            **target)
         field = "meta_info.input_token_logprobs"
-        entries = get_field(_single(body), field, url, "/generate", self.name, list)
+        entries = get_field(single(body), field, url, "/generate", self.name, list)
         if len(entries) != len(completion) + 1:
             raise EngineError(f"SGLang server at {url} answered /generate with {len(entries)} {field} entries, "
                               f"expected {len(completion) + 1} (logprob_start_len = len(prompt) - 1)")
-        ids, lps = _pairs(entries[1:], url, "/generate", field)
+        ids, lps = pairs(entries[1:], url, "/generate", field)
         if ids != completion:
             raise EngineError(f"SGLang server at {url} answered /generate with {field} for other tokens than sent")
         return lps
 
-    def _aborter(self, rid: str):
-        async def abort(url: str, reason: str) -> None:
-            """Before a retry after a timeout, drop the first attempt on the server (best effort)."""
-            if reason.startswith("no answer"):
-                try:
-                    await self.http.request("/abort_request", {"rid": rid}, url=url, attempts=1, timeout_s=5,
-                                            expect_json=False, allow_404=True)
-                except EngineError:
-                    pass
-        return abort
+    async def _aborter(self, url: str, reason: str, attempt_rid: str | None) -> None:
+        """Before a retry after a timeout, drop that attempt on the server (best effort)."""
+        if reason.startswith("no answer") and attempt_rid:
+            try:
+                await self.http.request("/abort_request", {"rid": attempt_rid}, url=url, attempts=1, timeout_s=5,
+                                        expect_json=False, allow_404=True)
+            except EngineError:
+                pass
 
     # ------------------------------------------------------------------ weight sync
     async def _pause(self, url: str) -> None:
@@ -169,59 +223,139 @@ class SGLangEngine(ServerEngineBase):
                 if e.status != 400:
                     raise
                 await asyncio.sleep(self.poll_interval_s)
-        raise EngineError(f"SGLang server at {url} kept refusing /flush_cache (requests still running after pause)")
+        raise UpdateFailed(f"SGLang server at {url} kept refusing /flush_cache (requests still running after pause)")
 
     async def _resume(self, url: str) -> None:
         await self.http.request("/continue_generation", {}, url=url, expect_json=False, allow_404=True)
 
-    async def _served_version(self, url: str) -> str | None:
-        for path in ("/model_info", "/get_model_info", "/get_weight_version"):
+    async def _served_label(self, url: str) -> str | None:
+        for path in ("/model_info", "/get_model_info"):  # 0.5.23 has no /get_weight_version
             body = await self.http.request(path, url=url, method="GET", allow_404=True)
             if body is not None:
                 return str(get_field(body, "weight_version", url, path, self.name))
-        raise EngineError(f"SGLang server at {url} has none of /model_info, /get_model_info, /get_weight_version")
+        raise EngineError(f"SGLang server at {url} has neither /model_info nor /get_model_info")
 
-    def _push(self, urls: Sequence[str], named: list | None, path: str | None, version: int) -> None:
+    def _push(self, urls: Sequence[str], named: list | None, path: str | None, version: int) -> Source:
+        prev = self._previous()
+        source = Source(version, str(version))
         if self.weight_sync == "disk":
-            if named is not None or not os.path.isdir(path or ""):
-                named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
-                config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None
-                path = wt.write_hf_checkpoint(named, self.weight_sync_dir, version, config_dir=config_dir,
-                                              keep=self.keep_checkpoints)
-            self._post_all(urls, "/update_weights_from_disk", lambda u: {"model_path": os.path.abspath(path),
-                                                                           "weight_version": str(version)})
-            return
-        named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
-        parts = list(wt.buckets(named, self.bucket_bytes)) or [[]]
-        tp = {u: self._tp_size(u) for u in urls}
-        for i, bucket in enumerate(parts):
-            last = i == len(parts) - 1
-            if self.weight_sync == "tensor":
-                self._post_all(urls, "/update_weights_from_tensor", lambda u, b=bucket, l=last: {
-                    "serialized_named_tensors": [_ipc_serialize(b) for _ in range(tp[u])],
-                    "flush_cache": False, **({"weight_version": str(version)} if l else {})},
-                    attempts=1)  # shared-memory handles are single-use: never resend the same payload
-            elif self.weight_sync == "distributed":
-                self._broadcast_bucket(urls, bucket, version if last else None)
-            else:
-                raise EngineError(f"unknown rollout.server.weight_sync {self.weight_sync!r}")
+            try:
+                if named is not None or not os.path.isdir(path or ""):
+                    named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
+                    config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None
+                    path = wt.write_hf_checkpoint(named, self.weight_sync_dir, version, config_dir=config_dir,
+                                                  keep=self.keep_checkpoints)
+            except OSError as e:
+                raise UpdateFailed(f"could not write the checkpoint: {e}") from None
+            source.path = os.path.abspath(path)  # type: ignore[arg-type]
+            errors = self._post_each(urls, "/update_weights_from_disk",
+                                     lambda u: {"model_path": source.path, "weight_version": str(version)})
+            if errors:  # SGLang put its own weights back where the load failed; the others go back too
+                self._revert([u for u in urls if u not in errors], prev, errors)
+            return source
+        try:
+            named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
+            tp = {u: self._tp_size(u) for u in urls}
+        except (OSError, EngineError) as e:
+            raise UpdateFailed(str(e)) from None
+        try:
+            self._push_tensors(urls, named, version, tp)
+        except (EngineError, RuntimeError) as e:  # RuntimeError: a failed broadcast
+            self._revert(urls, prev, {u: e for u in urls})
+        return source
 
-    def _post_all(self, urls: Sequence[str], path: str, payload_for: Any, attempts: int | None = None) -> None:
+    def _push_tensors(self, urls: Sequence[str], named: list, version: int, tp: dict[str, int]) -> None:
+        parts = list(wt.buckets(named, self.bucket_bytes)) or [[]]
+        self._begin(urls)
+        try:
+            for i, bucket in enumerate(parts):
+                label = {"weight_version": str(version)} if i == len(parts) - 1 else {}
+                if self.weight_sync == "tensor":
+                    payloads, keep = {}, []
+                    for u in urls:
+                        data, alive = serialize_named_tensors(bucket)
+                        payloads[u], keep = [data] * tp[u], keep + [alive]
+                    errors = self._post_each(urls, "/update_weights_from_tensor", lambda u: {
+                        "serialized_named_tensors": payloads[u], "flush_cache": False, **label},
+                        attempts=1)  # a shared-memory handle is opened once: never resend the same payload
+                    del keep
+                elif self.weight_sync == "distributed":
+                    errors = self._broadcast_bucket(urls, bucket, label)
+                else:
+                    raise EngineError(f"unknown rollout.server.weight_sync {self.weight_sync!r}")
+                if errors:
+                    url, e = next(iter(errors.items()))
+                    raise EngineError(f"SGLang server at {url}: {e}")
+        finally:
+            self._end(urls)
+
+    def _revert(self, urls: Sequence[str], prev: Source, errors: dict[str, Exception]) -> None:
+        """Put `urls` back on the previous weights, then raise UpdateFailed (FleetFailed if that fails)."""
+        first = f"{next(iter(errors))}: {next(iter(errors.values()))}"
+        if urls:
+            try:
+                if prev.named is not None and self.weight_sync != "disk":
+                    self._push_tensors(urls, prev.named, prev.version, {u: self._tp_size(u) for u in urls})
+                else:
+                    model_path = prev.path or self.model_path
+                    labels = {u: prev.label or self._initial_labels.get(u) or "default" for u in urls}
+                    if not model_path:
+                        raise EngineError("no previous checkpoint to load")
+                    bad = self._post_each(urls, "/update_weights_from_disk",
+                                          lambda u: {"model_path": os.path.abspath(model_path),
+                                                     "weight_version": labels[u]})
+                    if bad:
+                        raise next(iter(bad.values()))
+            except Exception as e:  # noqa: BLE001
+                raise FleetFailed(f"SGLang: a weight update failed ({first}) and {sorted(urls)} could not be put back "
+                                  f"on the previous weights ({e}); servers now serve different weights") from None
+        raise UpdateFailed(f"update failed on {first}")
+
+    def _begin(self, urls: Sequence[str]) -> None:
+        for u in urls:
+            if self._sessions.get(u, True):
+                body = self.http.run(self.http.request("/begin_weight_update", {}, url=u, allow_404=True))
+                self._sessions[u] = body is not None
+
+    def _end(self, urls: Sequence[str]) -> None:
+        for u in urls:
+            if self._sessions.get(u):
+                try:
+                    self.http.run(self.http.request("/end_weight_update", {}, url=u))
+                except EngineError as e:
+                    log.warning("SGLang server at %s: /end_weight_update failed: %s", u, e)
+
+    def _post_each(self, urls: Sequence[str], path: str, payload_for: Any, attempts: int | None = None
+                   ) -> dict[str, Exception]:
         async def post(url: str) -> None:
             body = await self.http.request(path, payload_for(url), url=url, attempts=attempts)
             if isinstance(body, dict) and body.get("success") is False:
                 raise EngineError(f"SGLang server at {url} could not {path}: {body.get('message', '')}")
 
-        async def all_() -> None:
-            await asyncio.gather(*(post(u) for u in urls))
+        async def all_() -> list:
+            return await asyncio.gather(*(post(u) for u in urls), return_exceptions=True)
 
-        self.http.run(all_())
+        return {u: o for u, o in zip(urls, self.http.run(all_())) if isinstance(o, BaseException)}
 
     def _tp_size(self, url: str) -> int:
         if url not in self._tp_sizes:
-            info = self.http.run(self.http.request("/get_server_info", url=url, method="GET", allow_404=True))
+            info = None
+            for path in ("/server_info", "/get_server_info"):
+                info = self.http.run(self.http.request(path, url=url, method="GET", allow_404=True))
+                if info is not None:
+                    break
             self._tp_sizes[url] = int((info or {}).get("tp_size", 1))
         return self._tp_sizes[url]
+
+    def _resync_urls(self, url: str) -> list[str]:
+        if self.weight_sync != "distributed":
+            return [url]
+        if self._group is not None:  # the restarted server lost its group: build it again with every server
+            self._post_each(self._sync_urls(), "/destroy_weights_update_group", lambda u: {"group_name": self._group_name},
+                            attempts=1)
+            self._destroy_group()
+            self._group_name = f"glmlight-{uuid.uuid4().hex[:12]}"
+        return self._sync_urls()
 
     def _ensure_group(self, urls: Sequence[str]) -> None:
         if self._group is not None:
@@ -238,32 +372,34 @@ class SGLangEngine(ServerEngineBase):
             self._group = wt.init_custom_process_group(self.sync_backend, f"tcp://{addr}:{port}", world, 0,
                                                        self._group_name, timeout_s=self.confirm_timeout_s)
         finally:
-            fut.result(self.confirm_timeout_s)
+            errors = fut.result(self.confirm_timeout_s)
+        if errors:
+            raise EngineError(f"SGLang server at {next(iter(errors))}: {next(iter(errors.values()))}")
 
-    def _broadcast_bucket(self, urls: Sequence[str], bucket: list, version: int | None) -> None:
+    def _broadcast_bucket(self, urls: Sequence[str], bucket: list, label: dict) -> dict[str, Exception]:
         self._ensure_group(urls)
-        meta = {"names": [n for n, _ in bucket], "dtypes": [wt.dtype_name(t.dtype) for _, t in bucket],
+        meta = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": self._group_name,
-                "flush_cache": False}
-        if version is not None:
-            meta["weight_version"] = str(version)
+                "flush_cache": False, **label}
         fut = self.http.submit(self._post_async(urls, "/update_weights_from_distributed", {u: meta for u in urls}))
         try:
             device = wt.sync_device(self.sync_backend)
             for _, t in bucket:
                 torch.distributed.broadcast(t.detach().to(device).contiguous(), src=0, group=self._group)
         finally:
-            fut.result(self.confirm_timeout_s)
+            errors = fut.result(self.confirm_timeout_s)
+        return errors
 
-    async def _post_async(self, urls: Sequence[str], path: str, bodies: dict[str, Any]) -> None:
+    async def _post_async(self, urls: Sequence[str], path: str, bodies: dict[str, Any]) -> dict[str, Exception]:
         async def post(url: str) -> None:  # one attempt: a retry would wait for a broadcast that never comes
             body = await self.http.request(path, bodies[url], url=url, attempts=1)
             if isinstance(body, dict) and body.get("success") is False:
                 raise EngineError(f"SGLang server at {url} could not {path}: {body.get('message', '')}")
 
-        await asyncio.gather(*(post(u) for u in urls))
+        outcomes = await asyncio.gather(*(post(u) for u in urls), return_exceptions=True)
+        return {u: o for u, o in zip(urls, outcomes) if isinstance(o, BaseException)}
 
-    def _before_close(self) -> None:
+    def _destroy_group(self) -> None:
         if self._group is not None:
             try:
                 torch.distributed.destroy_process_group(self._group)
@@ -271,37 +407,5 @@ class SGLangEngine(ServerEngineBase):
                 pass
             self._group = None
 
-
-def _single(body: Any) -> Any:
-    return body[0] if isinstance(body, list) and len(body) == 1 else body
-
-
-def _pairs(entries: list, url: str, path: str, field: str) -> tuple[list[int], list[float]]:
-    ids, lps = [], []
-    for e in entries:
-        if not (isinstance(e, (list, tuple)) and len(e) >= 2 and isinstance(e[1], int)
-                and isinstance(e[0], (int, float)) and not isinstance(e[0], bool)):
-            raise EngineError(f"SGLang server at {url} answered {path} with a malformed {field} entry {str(e)[:60]}")
-        ids.append(e[1])
-        lps.append(float(e[0]))
-    return ids, lps
-
-
-def _as_int(value: Any, default: int) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def _ipc_serialize(named: list) -> str:
-    """base64(ForkingPickler(list of (name, tensor))), SGLang's MultiprocessingSerializer format.
-    CPU tensors are copied first: pickling moves a CPU tensor's storage to shared memory."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
-
-    staged = [(n, t.detach().clone() if t.device.type == "cpu" else t.detach()) for n, t in named]
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(staged)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    def _before_close(self) -> None:
+        self._destroy_group()

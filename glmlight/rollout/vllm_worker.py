@@ -1,228 +1,293 @@
-"""Weight transport: the pieces both sides of a weight sync share, and the vLLM worker extension.
+"""The vLLM worker extension: weight updates inside vLLM's workers, reached with /collective_rpc.
 
-Trainer side (the SGLang and vLLM clients) and server side (`WeightLoaderExtension`,
-running inside vLLM's workers) agree on:
+Start the server with `--worker-extension-cls glmlight.rollout.vllm_worker.WeightLoaderExtension`
+(a managed launch adds it and puts glmlight on the server's PYTHONPATH). This module imports torch,
+safetensors and glmlight's weight transport only (vLLM lazily, inside the methods), so the server's
+environment needs no other part of glmlight.
 
-- the checkpoint layout of `weight_sync=disk`: a Hugging Face directory of
-  safetensors files named with the model's own state-dict names (what a server's
-  `load_weights` maps from), plus config.json when the trainer's checkpoint has one;
-- safetensors payloads (base64) for tensors sent inside a JSON body;
-- a weight-update process group outside the trainer's default group (rank 0 = trainer,
-  servers from `rank_offset`), built the way SGLang builds its own, so both sides meet.
+An update is staged, then committed, so that a failed update never leaves a half-loaded model
+serving:
 
-This module imports only torch and safetensors; vLLM is imported lazily inside
-the worker (start the server with
-`--worker-extension-cls glmlight.rollout.vllm_worker.WeightLoaderExtension`).
+    stage   glmlight_load_payload / glmlight_update_distributed (one call per bucket) or
+            glmlight_load_path (a checkpoint): tensors are kept in the worker; the model is untouched
+    commit  glmlight_commit: check the staged tensors against the served checkpoint (every tensor,
+            right shapes), keep a host copy of the current weights, then load everything through
+            vLLM's layerwise reload (`initialize_layerwise_reload` → `model.load_weights` →
+            `finalize_layerwise_reload`, vllm/model_executor/model_loader/reload/layerwise.py in
+            vLLM 0.32 and 0.33), which re-runs each layer's `process_weights_after_loading`: the
+            CPU backend's repacked linear weights, MLA's absorbed W_UK/W_UV and quantised layers
+            get the new values (a plain `load_weights` fails on CPU — the repacked parameters are
+            empty — and leaves those derived tensors stale on GPU). If anything raises, the copy
+            is put back: the previous version keeps serving.
+    release glmlight_release drops the copy once every server committed; glmlight_revert puts it
+            back (another server failed: the fleet returns to the previous version together).
+    abort   glmlight_abort_update drops a staged update.
+
+Over HTTP every argument is a string, so every method takes one JSON string and returns
+`{"weight_version", "rank", ...}`.
 """
 
 from __future__ import annotations
 
-import base64
-import datetime
 import json
+import logging
 import os
-import re
-import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from safetensors.torch import load, load_file, save, save_file
+from safetensors import safe_open
 
-Named = list[tuple[str, torch.Tensor]]
+from glmlight.dtypes import parse_dtype
+from glmlight.rollout.transport import Named, decode_safetensors, init_custom_process_group, read_checkpoint, sync_device
 
+log = logging.getLogger(__name__)
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def cpu_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Named:
-    """Detached, contiguous CPU copies; tensors that share storage (tied weights) are
-    cloned so that safetensors accepts them."""
-    out, seen = [], set()
-    for name, t in named:
-        t = t.detach().to("cpu").contiguous()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()
-        seen.add(key)
-        out.append((name, t))
-    return out
-
-
-def buckets(named: Named, max_bytes: int) -> Iterator[Named]:
-    """Consecutive groups of at most `max_bytes` (a larger tensor travels alone)."""
-    bucket, size = [], 0
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
-
-
-def write_hf_checkpoint(named: Iterable[tuple[str, torch.Tensor]], root: str, version: int, *,
-                        config_dir: str | None = None, max_shard_bytes: int = 5 * 2**30, keep: int = 2) -> str:
-    """Write `root/v{version}/` atomically and return its absolute path.
-
-    Files are written into a temporary directory (each file to a temp name, then
-    os.replace), which is then renamed to `v{version}`; a reader never sees a partial
-    checkpoint. One shard is `model.safetensors`; more are `model-0000i-of-0000N.safetensors`
-    with `model.safetensors.index.json`. Older `v*` directories beyond `keep` are removed.
-    """
-    root = os.path.abspath(root)
-    final = os.path.join(root, f"v{version}")
-    tmp = os.path.join(root, f".v{version}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    shards = list(buckets(cpu_tensors(named), max_shard_bytes))
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    weight_map, total = {}, 0
-    for fname, shard in zip(names, shards):
-        part = os.path.join(tmp, fname + ".part")
-        save_file(dict(shard), part, metadata={"format": "pt"})
-        os.replace(part, os.path.join(tmp, fname))
-        for name, t in shard:
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    if len(shards) > 1:
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-    for extra in ("config.json", "generation_config.json"):
-        if config_dir and os.path.isfile(os.path.join(config_dir, extra)):
-            shutil.copyfile(os.path.join(config_dir, extra), os.path.join(tmp, extra))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _prune(root, keep)
-    return final
-
-
-def _prune(root: str, keep: int) -> None:
-    versions = sorted((int(m.group(1)), d) for d in os.listdir(root) if (m := re.fullmatch(r"v(\d+)", d)))
-    for _, d in versions[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-
-
-def read_checkpoint(path: str) -> Named:
-    """Tensors of a safetensors file or of a directory of safetensors files (sorted by name)."""
-    if os.path.isdir(path):
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no .safetensors files in {path}")
-        return [item for f in files for item in load_file(os.path.join(path, f)).items()]
-    return list(load_file(path).items())
-
-
-def encode_safetensors(named: Named) -> str:
-    return base64.b64encode(save(dict(cpu_tensors(named)))).decode("ascii")
-
-
-def decode_safetensors(data: str) -> Named:
-    return list(load(base64.b64decode(data)).items())
-
-
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout_s: float = 600.0):
-    """A process group of its own (not the default group): TCP rendezvous at `init_method`,
-    the store prefixed with `group_name`. SGLang's server side builds its weight-update
-    group the same way, so trainer and servers meet. Uses torch internals, as SGLang does."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-def sync_device(backend: str) -> torch.device:
-    """Where broadcast tensors live: nccl → cuda, hccl → npu, gloo → cpu."""
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "hccl":
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")
+# Names a trainer may send that a served checkpoint legitimately lacks (load_weights skips them).
+IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
 class WeightLoaderExtension:
-    """Mixed into each vLLM worker by `worker_extension_cls`; reached with collective_rpc.
+    """Mixed into each vLLM worker by `worker_extension_cls`; see the module docstring."""
 
-    Over HTTP (`POST /collective_rpc`, VLLM_SERVER_DEV_MODE=1) arguments travel as
-    strings, so every method takes one JSON string. Every method returns
-    `{"weight_version": ..., "rank": ...}` so the client can check all workers.
-    """
-
-    _glmlight_version: str | None = None
-    _glmlight_groups: dict[str, Any]
-
-    def glmlight_load_path(self, spec: str) -> dict:
-        """{"path": checkpoint dir or file, "version": v}: load it into the model."""
-        s = json.loads(spec)
-        return self._load(read_checkpoint(s["path"]), s.get("version"))
+    # ------------------------------------------------------------------ RPC methods
+    def glmlight_weight_version(self, spec: str | None = None) -> dict:
+        return self._gl_state()
 
     def glmlight_load_payload(self, spec: str) -> dict:
-        """{"data": base64 safetensors bytes, "version": v or null}: load these tensors."""
+        """{"data": base64 safetensors bytes, "update_id", "bucket": i}: stage these tensors."""
         s = json.loads(spec)
-        return self._load(decode_safetensors(s["data"]), s.get("version"))
+        return self._gl_stage(s, lambda: decode_safetensors(s["data"]))
+
+    def glmlight_load_path(self, spec: str) -> dict:
+        """{"path": checkpoint dir or .safetensors file, "update_id"}: stage the checkpoint."""
+        s = json.loads(spec)
+        return self._gl_stage({**s, "bucket": 0}, lambda: read_checkpoint(s["path"]))
 
     def glmlight_init_group(self, spec: str) -> dict:
-        """{master_address, master_port, rank_offset, world_size, group_name, backend}: join the
-        trainer's weight-update group as rank rank_offset + this worker's rank."""
+        """{master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s}: join the
+        trainer's weight-update group as rank rank_offset + this worker's rank (a broadcast that stops
+        midway fails after timeout_s; it blocks the engine meanwhile)."""
         s = json.loads(spec)
-        groups = self.__dict__.setdefault("_glmlight_groups", {})
-        groups[s["group_name"]] = self._make_group(s["backend"], f"tcp://{s['master_address']}:{s['master_port']}",
-                                                   int(s["world_size"]), int(s["rank_offset"]) + self._rank(),
-                                                   s["group_name"])
-        return self._state()
+        groups = self.__dict__.setdefault("_gl_groups", {})
+        rank = int(s["rank_offset"]) + self._gl_rank()
+        groups[s["group_name"]] = self._gl_make_group(s["backend"], f"tcp://{s['master_address']}:{s['master_port']}",
+                                                      int(s["world_size"]), rank, s["group_name"],
+                                                      float(s.get("timeout_s", 600.0)))
+        return self._gl_state(group_rank=rank)
+
+    def glmlight_destroy_group(self, spec: str) -> dict:
+        group = self.__dict__.get("_gl_groups", {}).pop(json.loads(spec)["group_name"], None)
+        if group is not None:
+            try:
+                torch.distributed.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - a group whose peer is gone
+                pass
+        return self._gl_state()
 
     def glmlight_update_distributed(self, spec: str) -> dict:
-        """{names, dtypes, shapes, group_name, backend, version}: receive one broadcast (src 0) per
-        name, in order, then load them."""
+        """{names, dtypes, shapes, group_name, backend, update_id, bucket}: receive one broadcast
+        (src 0) per name, in order, and stage them."""
         s = json.loads(spec)
-        group = self.__dict__.get("_glmlight_groups", {}).get(s["group_name"])
-        if group is None:
-            raise RuntimeError(f"weight-update group {s['group_name']!r} was never initialised")
-        device = getattr(self, "device", None) or sync_device(s.get("backend", "nccl"))
-        received = []
-        for name, dtype, shape in zip(s["names"], s["dtypes"], s["shapes"]):
-            t = torch.empty(shape, dtype=parse_dtype(dtype), device=device)
-            self._broadcast(t, group)
-            received.append((name, t))
-        return self._load(received, s.get("version"))
+        group = self.__dict__.get("_gl_groups", {}).get(s["group_name"])
 
-    def glmlight_weight_version(self) -> dict:
-        return self._state()
+        def receive() -> Named:
+            if group is None:
+                raise RuntimeError(f"weight-update group {s['group_name']!r} was never initialised")
+            backend = s.get("backend", "nccl")  # gloo: received on the host, then loaded onto the device
+            device = sync_device("gloo") if backend == "gloo" else (getattr(self, "device", None) or sync_device(backend))
+            out = []
+            for name, dtype, shape in zip(s["names"], s["dtypes"], s["shapes"]):
+                t = torch.empty(shape, dtype=parse_dtype(dtype), device=device)
+                self._gl_broadcast(t, group)
+                out.append((name, t))
+            return out
+
+        return self._gl_stage(s, receive)
+
+    def glmlight_commit(self, spec: str) -> dict:
+        """{"update_id", "version", "buckets": n}: apply the staged update (see the module docstring)."""
+        s = json.loads(spec)
+        stage = self.__dict__.pop("_gl_staged", None)
+        if stage is None or stage["update_id"] != s["update_id"]:
+            raise RuntimeError(f"no staged update {s['update_id']!r} to commit"
+                               + (f" (staged: {stage['update_id']!r})" if stage else ""))
+        if stage["buckets"] != int(s.get("buckets", stage["buckets"])):
+            raise RuntimeError(f"update {s['update_id']!r}: {stage['buckets']} buckets staged, "
+                               f"{s['buckets']} sent")
+        named = stage["tensors"]
+        self._gl_validate(named)
+        self.__dict__.pop("_gl_backup", None)  # an older copy never released
+        backup = {"update_id": s["update_id"], "version": self._gl_version(), "state": self._gl_snapshot()}
+        try:
+            loaded = self._gl_reload(named)
+            if s.get("_fail_after_load"):  # fault injection (tests): fail once the weights are in
+                raise RuntimeError("injected failure after load_weights")
+        except BaseException:
+            self._gl_restore(backup["state"])
+            log.error("glmlight: weight update %s failed; the previous weights were restored", s["update_id"])
+            raise
+        self.__dict__["_gl_backup"] = backup
+        self.__dict__["_gl_version_value"] = str(s["version"])
+        return self._gl_state(applied=True, tensors=len(named), buckets=stage["buckets"], loaded=loaded)
+
+    def glmlight_release(self, spec: str) -> dict:
+        """{"update_id"}: forget the previous weights kept by that commit."""
+        backup = self.__dict__.get("_gl_backup")
+        if backup is not None and backup["update_id"] == json.loads(spec)["update_id"]:
+            del self.__dict__["_gl_backup"]
+        return self._gl_state()
+
+    def glmlight_revert(self, spec: str) -> dict:
+        """{"update_id"}: put back the weights (and version) that commit replaced."""
+        backup = self.__dict__.pop("_gl_backup", None)
+        uid = json.loads(spec)["update_id"]
+        if backup is None or backup["update_id"] != uid:
+            raise RuntimeError(f"cannot revert update {uid!r}: its previous weights are no longer kept")
+        self._gl_restore(backup["state"])
+        self.__dict__["_gl_version_value"] = backup["version"]
+        return self._gl_state(reverted=True)
+
+    def glmlight_abort_update(self, spec: str | None = None) -> dict:
+        stage = self.__dict__.pop("_gl_staged", None)
+        return self._gl_state(dropped=len(stage["tensors"]) if stage else 0)
 
     def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: Any = None) -> dict:
-        """In-process use (Python objects through collective_rpc)."""
-        return self._load(list(named_tensors), version)
+        """In-process use (`vllm.LLM.collective_rpc` with Python objects): stage and commit at once."""
+        uid = f"inproc-{version}"
+        self._gl_stage({"update_id": uid, "bucket": 0}, lambda: list(named_tensors))
+        out = self.glmlight_commit(json.dumps({"update_id": uid, "version": version}))
+        self.glmlight_release(json.dumps({"update_id": uid}))
+        return out
 
-    # ------------------------------------------------------------------ internals (test seams)
-    def _load(self, weights: Named, version: Any) -> dict:
-        self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
-        if version is not None:
-            self._glmlight_version = str(version)
-        return self._state()
+    # ------------------------------------------------------------------ staging
+    def _gl_stage(self, s: dict, receive: Any) -> dict:
+        stage = self.__dict__.get("_gl_staged")
+        uid, bucket = s.get("update_id"), int(s.get("bucket", 0))
+        if stage is None or stage["update_id"] != uid or bucket == 0:
+            stage = self.__dict__["_gl_staged"] = {"update_id": uid, "tensors": [], "buckets": 0}
+        try:
+            if bucket != stage["buckets"]:
+                raise RuntimeError(f"update {uid!r}: bucket {bucket} arrived, expected {stage['buckets']}")
+            named = receive()
+        except BaseException:
+            self.__dict__.pop("_gl_staged", None)  # a broken update is never committed
+            raise
+        stage["tensors"].extend(named)
+        stage["buckets"] += 1
+        return self._gl_state(staged_buckets=stage["buckets"], staged_tensors=len(stage["tensors"]))
 
-    def _state(self) -> dict:
-        return {"weight_version": self._glmlight_version, "rank": self._rank()}
+    def _gl_validate(self, named: Named) -> None:
+        """Every tensor of the served checkpoint, nothing unknown, the right shapes: layerwise reload
+        re-materialises whole layers, so a layer that got only part of its tensors would serve
+        uninitialised memory."""
+        want = self._gl_expected_shapes()
+        if not want:
+            return
+        got: dict[str, tuple[int, ...]] = {}
+        for name, t in named:
+            for n, shape in _expanded(name, tuple(t.shape), want):
+                if n in got:
+                    raise ValueError(f"tensor {n!r} sent twice in one update")
+                got[n] = shape
+        unknown = sorted(n for n in got if n not in want and not n.endswith(IGNORABLE_SUFFIXES)
+                         and not (n == "lm_head.weight" and "model.embed_tokens.weight" in want))
+        if unknown:
+            raise ValueError(f"{len(unknown)} tensors the served model does not have, e.g. {unknown[:3]}")
+        bad = [(n, got[n], want[n]) for n in got if n in want and got[n] != want[n]]
+        if bad:
+            raise ValueError(f"{len(bad)} tensors of the wrong shape (name, sent, served), e.g. {bad[:2]}")
+        missing = sorted(set(want) - set(got))
+        if missing:
+            raise ValueError(f"the update lacks {len(missing)} of the served model's {len(want)} tensors, "
+                             f"e.g. {missing[:3]}")
 
-    def _rank(self) -> int:
+    # ------------------------------------------------------------------ vLLM specifics (test seams)
+    def _gl_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def _gl_expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the checkpoint the server was started from (safetensors headers)."""
+        if "_gl_shapes" not in self.__dict__:
+            path = self.vllm_config.model_config.model  # type: ignore[attr-defined]
+            self.__dict__["_gl_shapes"] = checkpoint_shapes(path) if os.path.exists(path) else {}
+        return self.__dict__["_gl_shapes"]
+
+    def _gl_reload(self, named: Named) -> int:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self._gl_model()
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+            kernels = _drop_cpu_moe_kernels(model)
+            initialize_layerwise_reload(model)
+            loaded = model.load_weights(weights=iter(named))
+            finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
+            for qm, old in kernels:  # a MoE layer that was not reloaded keeps its kernel
+                if qm.moe_kernel is None:
+                    qm.moe_kernel = old
+        reset = getattr(self.model_runner, "reset_lora_state", None)  # type: ignore[attr-defined]
+        if callable(reset):
+            reset()
+        return len(loaded) if loaded is not None else len(named)
+
+    def _gl_snapshot(self) -> list:
+        """Everything a layerwise reload may replace, per module: its parameter and buffer objects,
+        a host copy of their values (kernel tensors are written in place), its attributes (the CPU
+        backend keeps the packed weight in a closure attribute) and its quant method's."""
+        snap = []
+        for m in self._gl_model().modules():
+            tensors = {**m._parameters, **m._buffers}
+            data = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()
+                    if t is not None and not t.is_meta and t.numel() > 0}
+            attrs = {k: v for k, v in m.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")}
+            qm = getattr(m, "quant_method", None)
+            snap.append((m, dict(m._parameters), dict(m._buffers), dict(m._modules), set(m._non_persistent_buffers_set),
+                         data, attrs, dict(qm.__dict__) if qm is not None and hasattr(qm, "__dict__") else None))
+        return snap
+
+    def _gl_restore(self, snap: list) -> None:
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, LOADING_LAYERS
+        except ImportError:  # pragma: no cover - outside vLLM
+            LAYERWISE_INFO, LOADING_LAYERS = {}, set()
+        for m, params, buffers, modules, nonpersistent, data, attrs, qattrs in snap:
+            info = LAYERWISE_INFO.get(m)
+            if info is not None:
+                info.reset()
+            for k in [k for k in m.__dict__ if k not in attrs and k not in ("_parameters", "_buffers", "_modules")]:
+                del m.__dict__[k]
+            m.__dict__.update(attrs)
+            for live, saved in ((m._parameters, params), (m._buffers, buffers), (m._modules, modules)):
+                live.clear()
+                live.update(saved)
+            m._non_persistent_buffers_set = set(nonpersistent)
+            qm = attrs.get("quant_method")
+            if qattrs is not None and qm is not None:
+                qm.__dict__.clear()
+                qm.__dict__.update(qattrs)
+            with torch.no_grad():
+                for k, t in data.items():
+                    live_t = params.get(k, buffers.get(k))
+                    if live_t is not None and not live_t.is_meta and live_t.shape == t.shape:
+                        live_t.data.copy_(t)
+        LOADING_LAYERS.clear()
+
+    def _gl_make_group(self, backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                       timeout_s: float = 600.0):
+        return init_custom_process_group(backend, init_method, world_size, rank, group_name, timeout_s=timeout_s)
+
+    def _gl_broadcast(self, tensor: torch.Tensor, group: Any) -> None:
+        torch.distributed.broadcast(tensor, src=0, group=group)
+
+    # ------------------------------------------------------------------ state
+    def _gl_version(self) -> str | None:
+        return self.__dict__.get("_gl_version_value")
+
+    def _gl_state(self, **extra: Any) -> dict:
+        return {"weight_version": self._gl_version(), "rank": self._gl_rank(), **extra}
+
+    def _gl_rank(self) -> int:
         try:
             from vllm.distributed.parallel_state import get_world_group
 
@@ -230,8 +295,50 @@ class WeightLoaderExtension:
         except Exception:  # noqa: BLE001 - outside vLLM (or before its groups exist)
             return int(getattr(self, "rank", 0))
 
-    def _make_group(self, backend: str, init_method: str, world_size: int, rank: int, group_name: str):
-        return init_custom_process_group(backend, init_method, world_size, rank, group_name)
 
-    def _broadcast(self, tensor: torch.Tensor, group: Any) -> None:
-        torch.distributed.broadcast(tensor, src=0, group=group)
+def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a safetensors checkpoint (a directory or one file), from the headers."""
+    files = ([os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
+             if os.path.isdir(path) else [path])
+    out: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for k in st.keys():
+                out[k] = tuple(st.get_slice(k).get_shape())
+    return out
+
+
+def _drop_cpu_moe_kernels(model: torch.nn.Module) -> list:
+    """vLLM 0.32 on CPU: on a reload `UnquantizedFusedMoEMethod._setup_kernel` sees an existing
+    `moe_kernel` and skips the experts' CPU prepack, so the new expert weights would be copied
+    unpacked into prepacked kernel tensors. Dropping the kernel first makes the reload build and
+    prepack it again, as at the first load."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # pragma: no cover
+        return []
+    if not current_platform.is_cpu():
+        return []
+    out = []
+    for m in model.modules():
+        qm = getattr(m, "quant_method", None)
+        if qm is not None and getattr(qm, "moe_kernel", None) is not None and hasattr(qm, "_setup_kernel"):
+            out.append((qm, qm.moe_kernel))
+            qm.moe_kernel = None
+    return out
+
+
+def _expanded(name: str, shape: tuple[int, ...], want: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """transformers 5 keeps MoE experts fused in memory (`...experts.gate_up_proj` [E, 2I, H],
+    `...experts.down_proj` [E, H, I]); checkpoints hold `...experts.{e}.{gate,up,down}_proj.weight`.
+    vLLM's MoE `load_weights` takes both; for the check, a fused name stands for its per-expert ones."""
+    if name in want or len(shape) != 3:
+        return [(name, shape)]
+    for fused, parts in ((".experts.gate_up_proj", ("gate_proj", "up_proj")), (".experts.down_proj", ("down_proj",))):
+        if name.endswith(fused):
+            prefix = name[: -len(fused)] + ".experts"
+            if f"{prefix}.0.{parts[0]}.weight" not in want:
+                break
+            experts, rows, cols = shape
+            return [(f"{prefix}.{e}.{p}.weight", (rows // len(parts), cols)) for e in range(experts) for p in parts]
+    return [(name, shape)]

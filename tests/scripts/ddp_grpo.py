@@ -12,11 +12,8 @@ import sys
 import lightning.pytorch as pl
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-import glmlight  # noqa: E402
-from train import compose  # noqa: E402
+import glmlight
+from glmlight import compose
 
 
 class Fingerprint(pl.Callback):

@@ -33,6 +33,10 @@ Why it is faster than the model's forward on CPU, for the batches of RL training
   model's parameters); the MoE's routed experts as one grouped matmul per projection over the
   tokens sorted by expert, the shared expert as a dense MLP.
 
+Replay (`replay=`, `glmlight/models/glm5/replay.py`): the engine's recorded experts replace the
+router's top-k (the router's weights of those experts are still computed, with gradients) and its
+recorded DSA keys replace the indexer's top-k; `replay.capture` receives the choices used.
+
 Deviations from the model's function: among DSA index scores that tie exactly at the top-k
 cut-off, the most recent positions are selected (`glmlight.ops.dsa`, the engine's rule)
 where `Tensor.topk` leaves the choice unspecified; in bf16, RoPE is computed in fp32 and rounded
@@ -48,8 +52,9 @@ import torch
 import torch.nn.functional as F
 
 from glmlight.ops.dsa import topk_mask
-from glmlight.rollout import glm_runner
-from glmlight.rollout.glm_moe import route
+from glmlight.models.glm5.arch import is_glm5
+from glmlight.models.glm5.moe import route
+from glmlight.models.glm5.replay import Replay, columns_from_selection, selection_from_columns
 
 # The DSA indexer scores the queries in this many chunks, each against the keys up to its last query.
 INDEX_QUERY_CHUNKS = 4
@@ -57,7 +62,7 @@ INDEX_QUERY_CHUNKS = 4
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether `model` is a GlmMoeDsaForCausalLM whose forward this module reproduces."""
-    if not glm_runner.supports(model):
+    if not is_glm5(model):
         return False
     cfg = model.config
     # complex views of the rotary pairs need even offsets; grouped matmuls need 16-byte rows
@@ -92,8 +97,10 @@ class _Block:
 
 
 def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   position_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Logits [B, S - start, V] of `model` at positions start..S-1, 0 at padding (see the module docstring)."""
+                   position_ids: torch.Tensor, start: int = 0, replay: Replay | None = None) -> torch.Tensor:
+    """Logits [B, S - start, V] of `model` at positions start..S-1, 0 at padding (see the module docstring).
+    `replay`: the engine's expert and DSA choices to use instead of the router's and the indexer's
+    (`glmlight.models.glm5.replay`), and/or a capture of the choices used."""
     m = model.model
     B, S = input_ids.shape
     real = attention_mask.bool()
@@ -110,12 +117,32 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         # the last layer only runs the queries of the returned positions
         queries = _Block(real, rows, start) if i == len(m.layers) - 1 else keys
         a = layer.self_attn
+        replayed = on_select = None
         if a.indexer is not None:  # a "full" layer: every allowed key is selected unless S > top-k
-            layer_bias = bias if S <= a.indexer.index_topk else None
+            k = a.indexer.index_topk
+            layer_bias = bias if S <= k else None
+            if replay is not None and S > k:
+                rows_k = real & (position_ids.expand(B, S) >= k)  # the queries that select (in this block)
+                rows_k[:, : queries.q0] = False
+                if i in replay.index:
+                    cols = replay.index[i]
+                    # queries without a record (a sequence's last token) keep the indexer's own choice
+                    replayed = (cols, bool((rows_k & (cols[..., 0] < 0)).any()))
+                if replay.capture is not None:
+                    on_select = lambda sel, i=i, k=k, rows_k=rows_k: replay.record(
+                        "index", i, columns_from_selection(sel, rows_k, k))
         out, layer_bias = _attention(a, _norm(h, layer.input_layernorm), rot, rot_p, allowed, layer_bias, keys,
-                                     queries, model.training)
+                                     queries, model.training, replayed, on_select)
         h = queries(h) + out
-        h = h + _mlp(layer.mlp, _norm(h, layer.post_attention_layernorm))
+        forced = None
+        if replay is not None and i in replay.experts:
+            forced = queries(replay.experts[i].flatten(0, 1).index_select(0, rows))
+        y, idx = _mlp(layer.mlp, _norm(h, layer.post_attention_layernorm), forced)
+        h = h + y
+        if replay is not None and replay.capture is not None and idx is not None:
+            # [B, S, k], -1 at padding and before the block
+            used = (queries.scatter(idx + 1) - 1).view(B, S - queries.q0, -1)
+            replay.record("experts", i, F.pad(used, (0, 0, queries.q0, 0), value=-1))
     return queries.scatter(model.lm_head(_norm(h, m.norm))).view(B, S - start, -1)
 
 
@@ -226,12 +253,13 @@ class _KeyValue(torch.autograd.Function):
 
 # ----------------------------------------------------------------- attention
 def _attention(a: torch.nn.Module, x: torch.Tensor, rot: torch.Tensor, rot_p: torch.Tensor, allowed: torch.Tensor,
-               bias: torch.Tensor | None, keys: _Block, queries: _Block,
-               training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               bias: torch.Tensor | None, keys: _Block, queries: _Block, training: bool,
+               replayed: tuple[torch.Tensor, bool] | None = None, on_select=None) -> tuple[torch.Tensor, torch.Tensor]:
     """GlmMoeDsaAttention for the packed tokens x [N, hidden]: the outputs of the `queries` block's tokens,
     and the additive mask [B, 1, S, S] used (rows before the block not meaningful). `bias` is the mask
-    to use, or None: this layer selects its keys with its DSA indexer. rot/rot_p: RoPE [B, S, 1, r/2]
-    and packed [N, 1, r/2]."""
+    to use, or None: this layer selects its keys, with its DSA indexer or as `replayed` = (key columns
+    [B, S, k] from records, -1 rows: the indexer's; whether any selecting query has no record), and
+    hands the selection to `on_select`. rot/rot_p: RoPE [B, S, 1, r/2] and packed [N, 1, r/2]."""
     H, nope, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim
     qa, kva = a.q_a_proj, a.kv_a_proj_with_mqa
     b_in = None if qa.bias is None and kva.bias is None else torch.cat(
@@ -241,7 +269,13 @@ def _attention(a: torch.nn.Module, x: torch.Tensor, rot: torch.Tensor, rot_p: to
     q_resid = _norm(q_resid, a.q_a_layernorm)
     if bias is None:
         with torch.no_grad():
-            bias = _bias(_select(a.indexer, x, q_resid, rot_p, allowed, keys, queries.q0), x.dtype)
+            own = None
+            if replayed is None or replayed[1]:
+                own = _select(a.indexer, x, q_resid, rot_p, allowed, keys, queries.q0)
+            selected = own if replayed is None else selection_from_columns(allowed, replayed[0], own)
+            if on_select is not None:
+                on_select(selected)
+            bias = _bias(selected, x.dtype)
     q = F.linear(queries(q_resid), a.q_b_proj.weight).view(-1, H, nope + r)
     q = _Query.apply(q, rot[:, queries.q0:], queries, nope)
     kv = F.linear(_norm(c_kv, a.kv_a_layernorm), a.kv_b_proj.weight).view(-1, H, nope + a.v_head_dim)
@@ -287,18 +321,21 @@ def _select(ix: torch.nn.Module, x: torch.Tensor, q_resid: torch.Tensor, rot_p: 
 
 
 # ----------------------------------------------------------------- MLP / MoE
-def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """GlmMoeDsaMLP, or GlmMoeDsaMoE, of packed tokens x [N, hidden]."""
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor,
+         forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GlmMoeDsaMLP, or GlmMoeDsaMoE, of packed tokens x [N, hidden]; and the MoE's expert ids [N, k]
+    (None for a dense MLP). `forced`: replayed expert ids [N, k] (`moe.route`)."""
     if hasattr(mlp, "experts"):
-        return _moe(mlp, x)
-    return F.linear(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight), mlp.down_proj.weight)
+        return _moe(mlp, x, forced)
+    return F.linear(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
+                    mlp.down_proj.weight), None
 
 
-def _moe(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """GlmMoeDsaMoE: the routed experts (sigmoid router, top-k, `glm_moe.route`) over the tokens sorted
+def _moe(mlp: torch.nn.Module, x: torch.Tensor, forced: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GlmMoeDsaMoE: the routed experts (sigmoid router, top-k, `moe.route`) over the tokens sorted
     by expert with one grouped matmul per projection, plus the shared expert as a dense MLP."""
     ex = mlp.experts
-    w, idx = route(mlp.gate, x)
+    w, idx = route(mlp.gate, x, forced)
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
     tok = order.div(idx.shape[1], rounding_mode="floor")
@@ -306,4 +343,4 @@ def _moe(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     g, u = F.grouped_mm(x.index_select(0, tok), ex.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     # the routing weight scales the down projection's input (it is linear) rather than its output
     y = F.grouped_mm(F.silu(g) * u * w.reshape(-1)[order, None].to(x.dtype), ex.down_proj.transpose(1, 2), offs=offs)
-    return _mlp(mlp.shared_experts, x).index_add(0, tok, y)
+    return _mlp(mlp.shared_experts, x)[0].index_add(0, tok, y), idx

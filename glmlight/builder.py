@@ -17,15 +17,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from glmlight.checkpoint import AtomicCheckpointIO, verified_resume_path
 from glmlight.config import validate
+from glmlight.progress import RLProgressBar
+from glmlight.registry import algorithm
+from glmlight.data.evaluation import build_eval_sets
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.distributed import without_ddp_wrapper
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
 from glmlight.errors import ConfigError
-from glmlight.models import glm_forward
+from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.warm_start import supervised_warm_start
 from glmlight.rewards import build_reward
-from glmlight.rollout.local import LocalEngine
+from glmlight.rewards.base import RewardRunner
+from glmlight.rollout.factory import build_engine
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +49,49 @@ class Run:
     datamodule: RolloutDataModule
     cfg: DictConfig
 
-    def fit(self) -> None:
-        if self.trainer.is_global_zero:
-            save_run_config(self.cfg, self.trainer.default_root_dir)
-        self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
-                         weights_only=True)
+    def fit(self, close: bool = True) -> None:
+        """Train. However it ends (done, an error, Ctrl-C, SIGTERM), the run report is written and the run
+        is closed afterwards — the engine stopped, servers glmlight started terminated — unless
+        `close=False` (then call `close()` yourself, or use `with run:`)."""
+        try:
+            if self.trainer.is_global_zero:
+                save_run_config(self.cfg, self.trainer.default_root_dir)
+            self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
+                             weights_only=True)
+        finally:
+            try:
+                if self.cfg.logger.report and self.trainer.is_global_zero:
+                    write_run_report(self.trainer.default_root_dir)
+            finally:
+                if close:
+                    self.close()
+
+    def close(self) -> None:
+        """Stop the rollout producer, close the engine (and the servers it launched) and the module's
+        own engines (OPD's teachers: Lightning skips the module's teardown when fit raises); idempotent."""
+        try:
+            self.datamodule.close()
+        finally:
+            self.module.teardown("fit")
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def write_run_report(root: str) -> None:
+    """report.png and summary.json of the run in `root` (glmlight.report); a failure is a warning."""
+    from glmlight.report import write_report
+
+    try:
+        paths = write_report(root)
+        log.info("run report: %s", ", ".join(paths.values()))
+    except FileNotFoundError:
+        pass  # nothing was logged
+    except Exception as e:  # noqa: BLE001 - the report must never hide the run's own outcome
+        log.warning("run report not written: %s: %s", type(e).__name__, e)
 
 
 def save_run_config(cfg: DictConfig, root: str) -> str:
@@ -77,30 +119,6 @@ def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSour
         return JsonlSource(task.path, **keys), (JsonlSource(task.eval_path, **keys) if task.eval_path else None)
     return (HFDatasetSource(task.path, task.split, **keys),
             HFDatasetSource(task.eval_path, task.split, **keys) if task.eval_path else None)
-
-
-def engine_device(cfg: DictConfig) -> torch.device:
-    """The embedded engine's device: rollout.device, else the trainer's accelerator (first device)."""
-    if cfg.rollout.device:
-        return torch.device(cfg.rollout.device)
-    if cfg.trainer.accelerator in ("gpu", "cuda"):
-        return torch.device("cuda", 0)
-    if cfg.trainer.accelerator == "npu":
-        from glmlight.accelerators.npu import npu_device, require_npu
-
-        require_npu()
-        return npu_device(0)
-    return torch.device("cpu")
-
-
-def build_engine(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any):
-    r = cfg.rollout
-    if r.backend == "local":
-        return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
-                           seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile)
-    from glmlight.rollout import servers  # server clients are optional extras
-
-    return servers.build_server_engine(cfg, tokenizer)
 
 
 def build_env_factory(agent: DictConfig):
@@ -273,7 +291,6 @@ def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source:
 def build(cfg: DictConfig | dict) -> Run:
     """Everything a run needs, from a (composed) config. Raises ConfigError on bad config."""
     cfg = validate(cfg)
-    from glmlight.algorithms import ALGORITHMS
 
     if cfg.trainer.accelerator == "npu":  # stop at start-up, before any model work, if the runtime is missing
         from glmlight.accelerators.npu import require_npu
@@ -283,11 +300,13 @@ def build(cfg: DictConfig | dict) -> Run:
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
                             seed=cfg.model.seed, trust_remote_code=cfg.model.trust_remote_code,
-                            index_topk=cfg.model.index_topk)
+                            index_topk=cfg.model.index_topk, n_routed_experts=cfg.model.n_routed_experts,
+                            num_experts_per_tok=cfg.model.num_experts_per_tok)
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     source, eval_source = build_sources(cfg.task, cfg.seed)
-    reward = build_reward(cfg.task.reward)
+    eval_sets = build_eval_sets(cfg.eval, cfg.task)
+    reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
     agent = cfg.task.agent
     dm_kwargs = dict(env_factory=build_env_factory(agent), max_turns=agent.max_turns,
                      compaction=compaction_options(agent), vocab_size=max(policy.config.vocab_size, len(tokenizer)),
@@ -296,12 +315,13 @@ def build(cfg: DictConfig | dict) -> Run:
         warm_start(cfg, policy, tokenizer, source,
                    lambda engine: RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout, **dm_kwargs))
     engine = build_engine(cfg, policy, tokenizer)
-    datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout, eval_source=eval_source,
-                                   num_eval_prompts=cfg.task.num_eval_prompts, **dm_kwargs)
-    module_cls = ALGORITHMS[cfg.algo.name]
-    module = module_cls(cfg.algo, policy, temperature=cfg.rollout.temperature,
-                        max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                        use_glm_forward=use_glm_forward(cfg, policy))
+    datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout,
+                                   eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
+                                   eval_sets=eval_sets, eval_cfg=cfg.eval, **dm_kwargs)
+    module = algorithm(cfg.algo.name).module(
+        cfg.algo, policy, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+        use_glm_forward=use_glm_forward(cfg, policy))
     callbacks = build_callbacks(cfg)
     steps = module.optimizer_steps_per_rl_step
     ckpt_every = cfg.trainer.checkpoint_every_n_steps
@@ -309,6 +329,8 @@ def build(cfg: DictConfig | dict) -> Run:
                                      every_n_train_steps=ckpt_every * steps if ckpt_every else None,
                                      save_last=True, save_top_k=-1 if ckpt_every else 0))
     t = cfg.trainer
+    if t.enable_progress_bar:
+        callbacks.append(RLProgressBar())
     trainer = _make_trainer(
         **hardware_kwargs(t), max_steps=t.max_steps * steps, max_epochs=-1,
         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,

@@ -63,25 +63,34 @@ def stacked_experts(mlp: torch.nn.Module) -> Stacked | None:
 def moe_forward(mlp: torch.nn.Module, stacked: Stacked | None, x: torch.Tensor) -> torch.Tensor:
     """GlmMoeDsaMoE(x) for x [B, S, h], with `stacked_experts(mlp)` weights. Inside a compiled
     graph the dense form is used whenever it exists (the others have data-dependent shapes)."""
+    return moe_forward_routed(mlp, stacked, x, want_ids=False)[0]
+
+
+def moe_forward_routed(mlp: torch.nn.Module, stacked: Stacked | None, x: torch.Tensor,
+                       want_ids: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`moe_forward`, and the expert ids each token was routed to [B * S, k] (long; None unless
+    `want_ids`, where only the model's own MoE knows them)."""
     B, S, h = x.shape
     cfg = mlp.config
     E, k, m = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     if stacked is None or not (torch.compiler.is_compiling()
                                or B * S * (E - k) * h * m * 6 <= DENSE_MOE_MAX_WASTED_FLOPS):
-        return _sparse_moe(mlp, stacked, x)
+        return _sparse_moe(mlp, stacked, x, want_ids)
     xt = x.view(B * S, h)
     w, idx = route(mlp.gate, xt)
-    return _with_shared(mlp, stacked, xt, _dense(stacked, xt, w, idx)).view(B, S, h)
+    return _with_shared(mlp, stacked, xt, _dense(stacked, xt, w, idx)).view(B, S, h), idx
 
 
 @torch.compiler.disable  # data-dependent group sizes: eager, also when called from a compiled step
-def _sparse_moe(mlp: torch.nn.Module, stacked: Stacked | None, x: torch.Tensor) -> torch.Tensor:
-    """Only the routed FLOPs: the grouped form on CPU, else the model's own MoE."""
-    if stacked is None or x.device.type != "cpu":
-        return mlp(x)
+def _sparse_moe(mlp: torch.nn.Module, stacked: Stacked | None, x: torch.Tensor,
+                want_ids: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Only the routed FLOPs: the grouped form on CPU, else the model's own MoE (whose routing is
+    the same function, `route`: asked for, the ids are computed once more beside it)."""
     xt = x.reshape(-1, x.shape[-1])
+    if stacked is None or x.device.type != "cpu":
+        return mlp(x), route(mlp.gate, xt)[1] if want_ids else None
     w, idx = route(mlp.gate, xt)
-    return _with_shared(mlp, stacked, xt, _grouped(stacked, xt, w, idx)).view(x.shape)
+    return _with_shared(mlp, stacked, xt, _grouped(stacked, xt, w, idx)).view(x.shape), idx
 
 
 def _with_shared(mlp: torch.nn.Module, st: Stacked, xt: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -89,17 +98,31 @@ def _with_shared(mlp: torch.nn.Module, st: Stacked, xt: torch.Tensor, y: torch.T
     return y if st.shared else y + mlp.shared_experts(xt)
 
 
-def route(gate: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GlmMoeDsaTopkRouter: sigmoid scores, bias for the choice only, top-k, normalise, scale."""
-    if gate.num_group > 1:
+def route(gate: torch.nn.Module, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GlmMoeDsaTopkRouter: sigmoid scores, bias for the choice only, top-k, normalise, scale.
+
+    `forced` [N, k] (routing replay): the experts to use, row by row (a row of -1: the router's own
+    choice). The weights of the experts used are the router's function of its scores either way, so
+    gradients reach the router as without replay."""
+    if forced is None and gate.num_group > 1:
         _, w, idx = gate(x)
         return w, idx
     scores = F.linear(x.float(), gate.weight.float()).sigmoid()
-    idx = torch.topk(scores + gate.e_score_correction_bias, k=gate.top_k, dim=-1, sorted=False)[1]
+    if forced is None or bool((forced < 0).any()):
+        own = gate(x)[2] if gate.num_group > 1 else \
+            torch.topk(scores + gate.e_score_correction_bias, k=gate.top_k, dim=-1, sorted=False)[1]
+        idx = own if forced is None else torch.where(forced >= 0, forced.long(), own)
+    else:
+        idx = forced.long()
+    return router_weights(gate, scores, idx), idx
+
+
+def router_weights(gate: torch.nn.Module, scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The GlmMoeDsa / DeepSeek-V3 router's weights of the experts `idx` from its sigmoid `scores`."""
     w = scores.gather(1, idx)
     if gate.norm_topk_prob:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * gate.routed_scaling_factor, idx
+    return w * gate.routed_scaling_factor
 
 
 def _dense(st: Stacked, xt: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

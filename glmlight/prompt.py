@@ -1,0 +1,22 @@
+"""What rollout starts from: a `Prompt` (chat messages, a label for the verifier, a domain for
+routing) and a `PromptSource`, any indexable sequence of prompts (glmlight/data/sources.py has the
+JSONL, Hugging Face and synthetic ones)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Prompt:
+    messages: list[dict[str, str]]  # chat messages rendered with the tokenizer's chat template
+    label: Any = None
+    domain: str = "default"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptSource(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Prompt: ...

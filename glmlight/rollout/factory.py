@@ -1,0 +1,97 @@
+"""`build_engine(cfg, policy, tokenizer)`: the RolloutEngine a run's config asks for — the embedded
+engine (`rollout=local`) or a server client (SGLang, vLLM, vLLM-Ascend)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from glmlight.errors import ConfigError
+
+BACKENDS = ("sglang", "vllm", "vllm_ascend")
+WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
+
+
+def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
+    """The engine for `cfg.rollout.backend`; `cfg` is the whole validated config."""
+    r = cfg.rollout
+    if r.get("engine"):
+        return build_custom_engine(cfg, policy, tokenizer)
+    if r.backend == "local":
+        from glmlight.rollout.local import LocalEngine
+
+        return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
+                           seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile)
+    return build_server_engine(cfg)
+
+
+def build_custom_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
+    """`rollout.engine: {_target_: pkg.make_engine, **kwargs}` -> make_engine(cfg=, policy=, tokenizer=, **kwargs)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from glmlight.rollout.base import RolloutEngine
+
+    spec = OmegaConf.to_container(cfg.rollout.engine, resolve=True)
+    if "_target_" not in spec:
+        raise ConfigError("config error: rollout.engine needs a _target_ (a function returning a RolloutEngine)")
+    try:
+        engine = instantiate(spec, _partial_=True)(cfg=cfg, policy=policy, tokenizer=tokenizer)
+    except Exception as e:  # noqa: BLE001
+        while e.__cause__ is not None:
+            e = e.__cause__
+        raise ConfigError(f"config error: rollout.engine: cannot build {spec['_target_']} ({type(e).__name__}: {e})") from None
+    if not isinstance(engine, RolloutEngine):
+        raise ConfigError(f"config error: rollout.engine: {spec['_target_']} returned a {type(engine).__name__}, which "
+                          "lacks the RolloutEngine methods (version, generate, score, update_weights, close)")
+    return engine
+
+
+def engine_device(cfg: Any) -> torch.device:
+    """The embedded engine's device: rollout.device, else the trainer's accelerator (first device)."""
+    if cfg.rollout.device:
+        return torch.device(cfg.rollout.device)
+    if cfg.trainer.accelerator in ("gpu", "cuda"):
+        return torch.device("cuda", 0)
+    if cfg.trainer.accelerator == "npu":
+        from glmlight.accelerators.npu import npu_device, require_npu
+
+        require_npu()
+        return npu_device(0)
+    return torch.device("cpu")
+
+
+def build_server_engine(cfg: Any):
+    """A server client for `cfg.rollout.backend` (server engines work on token ids only and never
+    re-tokenize, so they need no tokenizer)."""
+    r, s = cfg.rollout, cfg.rollout.server
+    if r.backend not in BACKENDS:
+        raise ConfigError(f"config error: rollout.backend={r.backend!r} is not a server backend; choose one of {list(BACKENDS)}")
+    in_process = bool(s.in_process)
+    if not s.urls and not s.launch and not in_process:
+        raise ConfigError(f"config error: rollout.backend={r.backend} needs rollout.server.urls (running servers) "
+                          "or rollout.server.launch=true (start one)")
+    if s.weight_sync not in WEIGHT_SYNC_MODES:
+        raise ConfigError(f"config error: rollout.server.weight_sync={s.weight_sync!r} is not one of {list(WEIGHT_SYNC_MODES)}")
+    if (s.launch or in_process) and not (s.model_path or cfg.model.path):
+        raise ConfigError("config error: rollout.server.launch needs rollout.server.model_path or model.path "
+                          "(the checkpoint directory the server loads)")
+    if s.router and s.launch:
+        raise ConfigError("config error: rollout.server.router and rollout.server.launch cannot both be set")
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"config error: rollout.backend={r.backend} needs aiohttp; "
+                          f"pip install 'glmlight[{r.backend.split('_')[0]}]'") from None
+    if r.backend == "sglang":
+        from glmlight.rollout.sglang import SGLangEngine
+
+        return SGLangEngine.from_config(cfg)
+    if in_process:
+        from glmlight.rollout.vllm_inprocess import VLLMInProcessEngine
+
+        return VLLMInProcessEngine.from_config(cfg)
+    from glmlight.rollout.vllm import VLLMEngine
+
+    return VLLMEngine.from_config(cfg)

@@ -1,0 +1,145 @@
+"""Weight transport: what every weight sync shares, whichever engine receives it.
+
+- named tensors as detached CPU copies (`cpu_tensors`) and in buckets of bounded size (`buckets`);
+- the checkpoint layout of `weight_sync=disk`: a Hugging Face directory of safetensors files
+  named with the model's own state-dict names (what a server's `load_weights` maps from), plus
+  config.json, written atomically (`write_hf_checkpoint`) and read back (`read_checkpoint`);
+- safetensors payloads (base64) for tensors sent inside a JSON body;
+- a weight-update process group outside the trainer's default group (rank 0 = trainer,
+  servers from `rank_offset`), built the way SGLang builds its own, so both sides meet.
+
+Used by the embedded engine, the SGLang and vLLM clients and the vLLM worker extension (inside
+vLLM's workers). Imports only torch and safetensors (and glmlight's light package init), so a
+server's environment needs nothing else of glmlight.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+
+import torch
+from safetensors.torch import load, load_file, save, save_file
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+def cpu_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Named:
+    """Detached, contiguous CPU copies; tensors that share storage (tied weights) are
+    cloned so that safetensors accepts them."""
+    out, seen = [], set()
+    for name, t in named:
+        t = t.detach().to("cpu").contiguous()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        seen.add(key)
+        out.append((name, t))
+    return out
+
+
+def buckets(named: Named, max_bytes: int) -> Iterator[Named]:
+    """Consecutive groups of at most `max_bytes` (a larger tensor travels alone)."""
+    bucket, size = [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def write_hf_checkpoint(named: Iterable[tuple[str, torch.Tensor]], root: str, version: int, *,
+                        config_dir: str | None = None, max_shard_bytes: int = 5 * 2**30, keep: int = 2) -> str:
+    """Write `root/v{version}/` atomically and return its absolute path.
+
+    Files are written into a temporary directory (each file to a temp name, then
+    os.replace), which is then renamed to `v{version}`; a reader never sees a partial
+    checkpoint. One shard is `model.safetensors`; more are `model-0000i-of-0000N.safetensors`
+    with `model.safetensors.index.json`. Older `v*` directories beyond `keep` are removed.
+    """
+    root = os.path.abspath(root)
+    final = os.path.join(root, f"v{version}")
+    tmp = os.path.join(root, f".v{version}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    shards = list(buckets(cpu_tensors(named), max_shard_bytes))
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, total = {}, 0
+    for fname, shard in zip(names, shards):
+        part = os.path.join(tmp, fname + ".part")
+        save_file(dict(shard), part, metadata={"format": "pt"})
+        os.replace(part, os.path.join(tmp, fname))
+        for name, t in shard:
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    if len(shards) > 1:
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    for extra in ("config.json", "generation_config.json"):
+        if config_dir and os.path.isfile(os.path.join(config_dir, extra)):
+            shutil.copyfile(os.path.join(config_dir, extra), os.path.join(tmp, extra))
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: str, keep: int) -> None:
+    versions = sorted((int(m.group(1)), d) for d in os.listdir(root) if (m := re.fullmatch(r"v(\d+)", d)))
+    for _, d in versions[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def read_checkpoint(path: str) -> Named:
+    """Tensors of a safetensors file or of a directory of safetensors files (sorted by name)."""
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {path}")
+        return [item for f in files for item in load_file(os.path.join(path, f)).items()]
+    return list(load_file(path).items())
+
+
+def encode_safetensors(named: Named) -> str:
+    return base64.b64encode(save(dict(cpu_tensors(named)))).decode("ascii")
+
+
+def decode_safetensors(data: str) -> Named:
+    return list(load(base64.b64decode(data)).items())
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                              timeout_s: float = 600.0):
+    """A process group of its own (not the default group): TCP rendezvous at `init_method`,
+    the store prefixed with `group_name`. SGLang's server side builds its weight-update
+    group the same way, so trainer and servers meet. Uses torch internals, as SGLang does."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def sync_device(backend: str) -> torch.device:
+    """Where broadcast tensors live: nccl → cuda, hccl → npu, gloo → cpu."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")

