@@ -114,7 +114,8 @@ class HeldOutEval(pl.Callback):
 
 def console_line(rl_step: int, metrics: dict[str, float], prefix: str = "eval") -> str:
     """`[eval] rl_step 10: heldout pass@1=0.52 pass@8=0.83 maj@8=0.61 greedy=0.56 len=3.1 | 2.1 s 4460 tok`."""
-    sets = sorted({k[len(prefix) + 1:].split("/")[0] for k in metrics if k.count("/") >= 2})
+    rest = [k[len(prefix) + 1:] for k in metrics if k.startswith(prefix + "/")]
+    sets = sorted({r.split("/")[0] for r in rest if "/" in r})
     parts = []
     for name in sets:
         p = f"{prefix}/{name}/"

@@ -150,12 +150,18 @@ class RunningSumTask:
 
 class RunningSumEnv:
     """`modulus`: reply with the running total modulo this number (10: its last digit), so that the
-    state stays one digit however long the episode; the opening turn says so."""
+    state stays one digit however long the episode; the opening turn says so.
+    `expert_summary_rate`: the share of expert episodes (by a hash of the conversation when the
+    summary is asked for) whose summary is the running total; the others summarise with the last
+    number revealed, a summary that loses the state (see `expert`)."""
 
-    def __init__(self, step_rewards: bool = False, modulus: int | None = None) -> None:
+    def __init__(self, step_rewards: bool = False, modulus: int | None = None,
+                 expert_summary_rate: float = 1.0) -> None:
         if modulus is not None and modulus < 2:
             raise ValueError(f"modulus must be >= 2 or None, got {modulus}")
-        self.step_rewards, self.modulus = step_rewards, modulus
+        if not 0.0 <= expert_summary_rate <= 1.0:
+            raise ValueError(f"expert_summary_rate must be in [0, 1], got {expert_summary_rate}")
+        self.step_rewards, self.modulus, self.expert_summary_rate = step_rewards, modulus, expert_summary_rate
         self.deltas: list[int] = []
         self.t = 0
         self.correct = 0
@@ -183,7 +189,14 @@ class RunningSumEnv:
 
     def expert(self, messages: list[dict[str, str]], summarize: bool = False) -> str:
         """The running total: the last number stated (the start, an answer, or a summary) plus every number
-        revealed after it. As a summary, the same total: it is all the rest of the episode needs."""
+        revealed after it. As a summary, the same total (all the rest of the episode needs) on a share
+        `expert_summary_rate` of the episodes; on the others the last number revealed, which the expert
+        then goes on from: demonstrations of a summary that works and of one that loses the state, which
+        the warm-started policy keeps in about that proportion. RL (the summary tokens' advantage) finds
+        which one pays."""
+        if summarize and _unit_hash(" | ".join(m["content"] for m in messages)) >= self.expert_summary_rate:
+            revealed = [m["content"] for m in messages if m["role"] == "observation" and _INT.search(m["content"])]
+            return _INT.search(revealed[-1]).group().lstrip("+") if revealed else "0"
         total = 0
         for m in messages:
             found = _INT.findall(m["content"])

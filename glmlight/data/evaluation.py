@@ -7,7 +7,8 @@ k (`glmlight.ops.eval_metrics`), maj@k where the reward reports an extracted ans
 verifier's `pred`), the mean reward and response length, the greedy pass rate, reward and
 length, failures, and the cost (`seconds`, `tokens`); `<prefix>/seconds` and `<prefix>/tokens`
 sum over the sets. Agent tasks add, per episode (a compacted episode counts once), `turns_per_episode`,
-`tool_calls_per_episode`, `compactions_per_episode`, `truncated_frac` and the mean of every numeric
+`tool_calls_per_episode`, `compactions_per_episode`, `truncated_frac`, `summary_length` (tokens per
+summary, under compaction) and the mean of every numeric
 environment info value (`env/<key>`); a set whose prompts come from several domains also reports each
 domain's pass@1 and greedy pass rate (`<prefix>/<name>/<domain>/pass@1`, `.../greedy/pass_rate`). An answer is correct when its reward (before any overlong penalty) reaches
 `eval.pass_threshold`.
@@ -259,6 +260,9 @@ def agent_means(trajs: list[list[Sample]], p: str) -> dict[str, float]:
            f"{p}/tool_calls_per_episode": sum(float(s.metadata.get("env/tool_calls", 0)) for s in episodes) / n,
            f"{p}/compactions_per_episode": sum(s.metadata["num_segments"] - 1 for s in episodes) / n,
            f"{p}/truncated_frac": sum(s.status is Status.TRUNCATED for s in episodes) / n}
+    summaries = [k for s in episodes for k in s.metadata.get("summary_lengths", ())]
+    if summaries:
+        out[f"{p}/summary_length"] = sum(summaries) / len(summaries)
     keys = sorted({k for s in episodes for k, v in s.metadata.items()
                    if k.startswith("env/") and k != "env/tool_calls" and isinstance(v, (bool, int, float))})
     for k in keys:

@@ -415,6 +415,9 @@ def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         stats["rollout/turns_per_episode"] = sum(m["turns"] for m in episodes.values()) / len(episodes)
         stats["rollout/tool_calls_per_episode"] = sum(m.get("env/tool_calls", 0) for m in episodes.values()) / len(episodes)
         stats["rollout/compactions_per_episode"] = sum(m["num_segments"] - 1 for m in episodes.values()) / len(episodes)
+        summaries = [n for m in episodes.values() for n in m.get("summary_lengths", ())]
+        if summaries:
+            stats["rollout/summary_length"] = sum(summaries) / len(summaries)
     records = [t for s in batch for t in (s.routed_experts, s.indexer_topk) if t is not None]
     if records:  # replay records (routed experts, DSA top-k): their memory per token of prompt + response
         tokens = sum(len(s.prompt_ids) + s.response_length for s in batch)
