@@ -6,8 +6,9 @@ the batch (loss_agg=token_mean: Σ m·ℓ / Σ m), not a mean per segment. Advan
 use cross-trajectory GAE: local GAE inside each segment with λ_s = 1 − 1/(1.5·L_s),
 scaled by (γ·λ_s)^N_after(s), N_after(s) = trainable tokens in later segments.
 The critic is SAO's. `train/summary_advantage_success` (and `_other`) is the mean advantage of the
-summary tokens of successful (and other) trajectories. With whiten_advantages, the advantages are divided by their std over the
-batch but not centred, so the discount between segments and every advantage's sign survive.
+summary tokens of successful (and other) trajectories. With whiten_advantages, the advantages are
+divided by their std over the batch but not centred, so the discount between segments and every
+advantage's sign survive.
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ Per set, under `<prefix>/<name>/`: pass@1 (the mean over samples), unbiased pass
 k (`glmlight.ops.eval_metrics`), maj@k where the reward reports an extracted answer (the
 verifier's `pred`), the mean reward and response length, the greedy pass rate, reward and
 length, failures, and the cost (`seconds`, `tokens`); `<prefix>/seconds` and `<prefix>/tokens`
-sum over the sets. Agent tasks add, per episode (a compacted episode counts once), `turns_per_episode`,
-`tool_calls_per_episode`, `compactions_per_episode`, `truncated_frac`, `summary_length` (tokens per
-summary, under compaction) and the mean of every numeric
-environment info value (`env/<key>`); a set whose prompts come from several domains also reports each
-domain's pass@1 and greedy pass rate (`<prefix>/<name>/<domain>/pass@1`, `.../greedy/pass_rate`). An answer is correct when its reward (before any overlong penalty) reaches
-`eval.pass_threshold`.
+sum over the sets. Agent tasks add, per episode (a compacted episode counts once),
+`turns_per_episode`, `tool_calls_per_episode`, `compactions_per_episode`, `truncated_frac`,
+`summary_length` (tokens per summary, under compaction) and the mean of every numeric environment
+info value (`env/<key>`); a set whose prompts come from several domains also reports each domain's
+pass@1 and greedy pass rate (`<prefix>/<name>/<domain>/pass@1`, `.../greedy/pass_rate`). An answer
+is correct when its reward (before any overlong penalty) reaches `eval.pass_threshold`.
 
 Evaluation has its own seed stream and leaves training's alone: every request carries a seed
 derived from (eval.seed, the set's name, the engine call, the row), so the engine's own seed
