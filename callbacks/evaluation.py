@@ -2,6 +2,11 @@
 the weight sync, so the engine serves the newest policy): `eval.k` sampled answers per prompt and a
 greedy one, on the task's held-out set and every `eval.sets` entry (`RolloutDataModule.evaluate`).
 
+With an OPD module, every teacher is evaluated the same way once, at the start (RL step 0), on the
+held-out prompts routed to it: `eval/teacher/<set>/*` when there is one teacher,
+`eval/teacher/<name>/<set>/*` for each of several; the student's `eval/<set>/*` at step 0 is its
+start, so the two gaps (teacher − start, teacher − end) read off one run.
+
 Evaluation never perturbs training (its own seeds, ids and RNG: glmlight/data/evaluation.py). An
 RL step's evaluation is part of the checkpoint written after that step, so a resumed run neither
 repeats an evaluation the interrupted run already logged nor evaluates at a step that is not due.
@@ -25,10 +30,12 @@ class HeldOutEval(pl.Callback):
 
     Args:
         every_n_steps: the period in RL steps (0: off); None takes the run's `eval.every_n_steps`.
+        teachers: with an OPD module, also evaluate each teacher once at the start.
     """
 
-    def __init__(self, every_n_steps: int | None = None):
+    def __init__(self, every_n_steps: int | None = None, teachers: bool = True):
         self.every_n_steps = every_n_steps
+        self.teachers = teachers
         self.history: list[tuple[int, dict[str, float]]] = []
 
     def period(self, trainer: pl.Trainer) -> int:
@@ -44,13 +51,13 @@ class HeldOutEval(pl.Callback):
         return n > 0 and rl_step % n == 0 and all(step != rl_step for step, _ in self.history)
 
     def evaluate(self, trainer: pl.Trainer, rl_step: int, engine: Any = None, sets: list[str] | None = None,
-                 prefix: str = "eval") -> dict[str, float]:
-        """Evaluate `engine` (default: the rollout engine) on `sets` (default: all), log and print the
-        metrics under `prefix` and keep them in the history."""
+                 prefix: str = "eval", select: Any = None) -> dict[str, float]:
+        """Evaluate `engine` (default: the rollout engine) on `sets` (default: all; `select` keeps only
+        the prompts it accepts), log and print the metrics under `prefix` and keep them in the history."""
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "evaluate"):
             return {}
-        metrics = dm.evaluate(engine=engine, sets=sets, prefix=prefix)
+        metrics = dm.evaluate(engine=engine, sets=sets, prefix=prefix, **({"select": select} if select else {}))
         if not metrics:
             return {}
         self.history.append((rl_step, metrics))
@@ -58,10 +65,37 @@ class HeldOutEval(pl.Callback):
         rank_zero_info(console_line(rl_step, metrics, prefix))
         return metrics
 
+    def evaluate_teachers(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, float]:
+        """Each OPD teacher through the same rollout and evaluation as the student, on the held-out
+        prompts routed to it (served by an embedded engine around its model, or by its own engine)."""
+        teachers = module.teachers()
+        out: dict[str, float] = {}
+        for name, teacher in teachers.items():
+            prefix = "eval/teacher" if len(teachers) == 1 else f"eval/teacher/{name}"
+            engine, owned = getattr(teacher, "engine", None), False
+            if engine is None or not callable(getattr(engine, "generate", None)):
+                from glmlight.rollout.local import LocalEngine
+
+                student = trainer.datamodule.engine  # the teacher's engine in the student's dtype and device
+                engine = LocalEngine(teacher.model, dtype=getattr(student, "dtype", "float32"),
+                                     device=getattr(student, "device", "cpu"),
+                                     pad_token_id=trainer.datamodule.tokenizer.pad_token_id)
+                owned = True
+            routed = lambda p, name=name: module.routes.get(p.domain, module.default_teacher) == name  # noqa: E731
+            try:
+                out.update(self.evaluate(trainer, 0, engine=engine, prefix=prefix, select=routed))
+            finally:
+                if owned:
+                    engine.close()
+        return out
+
     @override
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self.due(trainer, module.rl_step):
             self.evaluate(trainer, module.rl_step)
+            if (module.rl_step == 0 and self.teachers and callable(getattr(module, "teachers", None))
+                    and hasattr(module, "routes")):
+                self.evaluate_teachers(trainer, module)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
@@ -80,7 +114,8 @@ class HeldOutEval(pl.Callback):
 
 def console_line(rl_step: int, metrics: dict[str, float], prefix: str = "eval") -> str:
     """`[eval] rl_step 10: heldout pass@1=0.52 pass@8=0.83 maj@8=0.61 greedy=0.56 len=3.1 | 2.1 s 4460 tok`."""
-    sets = sorted({k[len(prefix) + 1:].split("/")[0] for k in metrics if k.count("/") >= 2})
+    rest = [k[len(prefix) + 1:] for k in metrics if k.startswith(prefix + "/")]
+    sets = sorted({r.split("/")[0] for r in rest if "/" in r})
     parts = []
     for name in sets:
         p = f"{prefix}/{name}/"

@@ -126,8 +126,8 @@ def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSour
     if task.source == "running_sum":
         from glmlight.agents.envs import RunningSumTask
 
-        return (RunningSumTask(task.num_steps, task.max_operand, seed=seed),
-                RunningSumTask(task.num_steps, task.max_operand, seed=seed + 1))
+        return (RunningSumTask(task.num_steps, task.max_operand, seed=seed, min_value=task.min_operand),
+                RunningSumTask(task.num_steps, task.max_operand, seed=seed + 1, min_value=task.min_operand))
     if task.source == "synthetic":
         make = lambda s: ArithmeticTask(task.max_operand, task.operators, seed=s, system_prompt=task.system_prompt)  # noqa: E731
         return make(seed), make(seed + 1)
@@ -327,12 +327,41 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
     return not reasons
 
 
-def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource) -> None:
-    """model.warm_start: the cached supervised warm start of the initial policy (a no-op for 0 steps)."""
-    if cfg.model.warm_start.steps > 0:
-        identity = {k: cfg.task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt")}
-        identity["seed"] = cfg.seed
-        supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity)
+def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource,
+               make_datamodule: Any) -> str | None:
+    """The supervised warm start (cached): on reference answers, or on the environment's expert episodes
+    through the task's own agent loop (model.warm_start.data)."""
+    from glmlight.agents.expert import env_experts, expert_examples
+
+    ws, task = cfg.model.warm_start, cfg.task
+    identity = {k: task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt",
+                                     "num_steps", "min_operand")}
+    identity["seed"] = cfg.seed
+    env_factory = build_env_factory(task.agent)
+    experts = env_experts(env_factory) if ws.data in ("auto", "expert") else []
+    if ws.data == "expert" and not experts:
+        raise ConfigError("config error: model.warm_start.data=expert needs an agent task whose environment "
+                          "has an expert(messages, summarize) or experts() method")
+    examples = None
+    if experts:
+        identity["agent"] = OmegaConf.to_container(task.agent, resolve=True)
+        identity["max_context"] = cfg.rollout.max_context
+        identity["max_new_tokens"] = cfg.rollout.max_new_tokens
+        examples = expert_examples(make_datamodule, tokenizer, experts, task.agent.summary_prompt)
+    return supervised_warm_start(policy, tokenizer, source, ws, identity, examples)
+
+
+def _datamodule_options(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
+    agent = cfg.task.agent
+    return dict(env_factory=build_env_factory(agent), max_turns=agent.max_turns, compaction=compaction_options(agent),
+                vocab_size=max(policy.config.vocab_size, len(tokenizer)), turn_max_new_tokens=agent.max_new_tokens)
+
+
+def _datamodule_factory(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource,
+                        reward: Any) -> Any:
+    """engine -> a RolloutDataModule of this run's task (the expert warm start plays the task's agent loop)."""
+    options = _datamodule_options(cfg, policy, tokenizer)
+    return lambda engine: RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout, **options)
 
 
 def policy_from_checkpoint(cfg: DictConfig | dict, ckpt_path: str) -> tuple[torch.nn.Module, Any]:
@@ -344,8 +373,10 @@ def policy_from_checkpoint(cfg: DictConfig | dict, ckpt_path: str) -> tuple[torc
                             seed=cfg.model.seed, trust_remote_code=cfg.model.trust_remote_code,
                             index_topk=cfg.model.index_topk)
     lora = cfg.model.lora
-    if lora.rank > 0:
-        warm_start(cfg, policy, tokenizer, build_sources(cfg.task, cfg.seed)[0])
+    if lora.rank > 0 and cfg.model.warm_start.steps > 0:  # the base the adapters were trained on
+        source = build_sources(cfg.task, cfg.seed)[0]
+        reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
+        warm_start(cfg, policy, tokenizer, source, _datamodule_factory(cfg, policy, tokenizer, source, reward))
     policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     try:
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
@@ -380,17 +411,16 @@ def build(cfg: DictConfig | dict) -> Run:
         policy.gradient_checkpointing_enable()
     source, eval_source = build_sources(cfg.task, cfg.seed)
     eval_sets = build_eval_sets(cfg.eval, cfg.task)
-    warm_start(cfg, policy, tokenizer, source)
+    reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
+    dm_kwargs = _datamodule_options(cfg, policy, tokenizer)
+    if cfg.model.warm_start.steps > 0:
+        warm_start(cfg, policy, tokenizer, source, _datamodule_factory(cfg, policy, tokenizer, source, reward))
     engine = build_engine(cfg, policy, tokenizer)  # the engine's own copy: the plain (or merged) model
     lora = cfg.model.lora
     policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
-    reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
     datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout,
                                    eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
-                                   env_factory=build_env_factory(cfg.task.agent), max_turns=cfg.task.agent.max_turns,
-                                   compaction=compaction_options(cfg.task.agent),
-                                   vocab_size=max(policy.config.vocab_size, len(tokenizer)),
-                                   eval_sets=eval_sets, eval_cfg=cfg.eval)
+                                   eval_sets=eval_sets, eval_cfg=cfg.eval, **dm_kwargs)
     module = algorithm(cfg.algo.name).module(
         cfg.algo, policy, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,

@@ -32,11 +32,22 @@ class WarmStartConfig:
 
     steps: int = 0
     lr: float = 3e-3
-    batch_size: int = 64
+    batch_size: int = 64  # prompts (or expert episodes) per step
+    # Learning-rate schedule: linear warm-up, then constant, cosine decay to min_lr_ratio * lr, or wsd (constant,
+    # then cosine decay over the last decay_steps). A decayed rate ends the run where its result no longer
+    # depends on the machine's floating-point rounding.
+    schedule: str = "cosine"  # constant | cosine | wsd
+    warmup_steps: int = 5
+    decay_steps: int = 0  # wsd only
+    min_lr_ratio: float = 0.0
+    # What is trained on: "labels" = (prompt, reference answer) pairs; "expert" = the environment's expert
+    # episodes through the task's own agent loop, loss on action tokens only; "auto" = expert for agent tasks.
+    data: str = "auto"
     cache_dir: str = ".cache/glmlight"
 
 
-ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1")
+ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1", warmup_steps=">= 0", decay_steps=">= 0",
+       min_lr_ratio="[0, 1]")
 
 
 @dataclass
@@ -306,6 +317,8 @@ CHOICES = {
     "model.forward": ("auto", "glmlight", "transformers"),
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),
+    "model.warm_start.schedule": ("constant", "cosine", "wsd"),
+    "model.warm_start.data": ("auto", "labels", "expert"),
     "model.dtype": tuple(DTYPES),
     "rollout.dtype": tuple(DTYPES),
     "rollout.weight_format": ("auto", "fp8"),

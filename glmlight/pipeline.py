@@ -3,7 +3,9 @@ stage's checkpoint. `scripts/pipeline.py` is the command line.
 
 Each stage is one `glmlight.build(compose(overrides))` + fit in `<dir>/<stage>/`, after
 which its final policy is saved as a Hugging Face checkpoint in `<dir>/<stage>/policy`.
-A stage's input is the previous stage's output (`model.path=<dir>`, warm start off).
+A stage's input is the previous stage's output (`model.path=<dir>`, warm start off unless the
+stage sets `warm_start: true`: an agent stage's format warm start on expert episodes). The
+manifest also records each stage's held-out evaluation at its first and last evaluation.
 A distillation stage (`distill_from: [...]`) gets one teacher per listed stage (its final
 checkpoint, routed by that stage's `domain`) and a prompt mix of those stages' tasks,
 each prompt tagged with its stage's domain. `<dir>/manifest.json` records every stage
@@ -41,6 +43,9 @@ class StageConfig:
     distill_from: list[str] = field(default_factory=list)  # non-empty: cross-stage OPD from these stages
     prompts_per_teacher: int = 512  # distillation: prompts drawn from each teacher stage's task
     eval_prompts_per_teacher: int = 16  # distillation: held-out prompts per teacher stage
+    # Keep the stage's own warm start on its input checkpoint (an agent stage's format warm start on the
+    # environment's expert episodes); false = the warm start is off for every stage after the first.
+    warm_start: bool = False
 
 
 @dataclass
@@ -176,7 +181,7 @@ def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Ma
     output = os.path.join(run_dir, "policy")
     extra = [f"trainer.default_root_dir={run_dir}", f"run_name={p.name}-{name}"]
     if input_ckpt:
-        extra += [f"model.path={input_ckpt}", "model.warm_start.steps=0"]
+        extra += [f"model.path={input_ckpt}"] + ([] if st.warm_start else ["model.warm_start.steps=0"])
     previous = manifest.stage(name)
     if (previous.get("status") in ("running", "failed") and previous.get("input_checkpoint") == input_ckpt
             and os.path.exists(os.path.join(run_dir, "checkpoints", "last.ckpt"))):
@@ -199,6 +204,7 @@ def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Ma
         run.fit()
         save_checkpoint(run.module.policy, run.datamodule.tokenizer, output)
         run.datamodule.engine.close()
+        manifest.update(name, evaluation=evaluation_summary(run))
     except BaseException as e:
         manifest.update(name, status="failed", finished_at=_now(), seconds=round(time.time() - t0, 2),
                         error=f"{type(e).__name__}: {e}")
@@ -207,6 +213,28 @@ def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Ma
                     seconds=round(time.time() - t0, 2))
     log.info("stage %s: completed in %.1fs -> %s", name, time.time() - t0, output)
     return output
+
+
+def evaluation_summary(run: Any) -> dict[str, Any]:
+    """The held-out evaluation at the stage's first and last evaluated RL steps (headline metrics:
+    pass rates, reward, tool calls, compactions), and the teachers' where the stage evaluated them."""
+    history = next((cb.history for cb in run.trainer.callbacks if type(cb).__name__ == "HeldOutEval"), [])
+    keep = ("pass@1", "greedy/pass_rate", "reward", "tool_calls_per_episode", "compactions_per_episode")
+
+    def pick(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+        return {k[len(prefix):]: round(v, 4) for k, v in metrics.items()
+                if k.startswith(prefix) and k[len(prefix):].split("/", 1)[-1] in keep and "/teacher/" not in k}
+
+    student = [(step, m) for step, m in history if not any(k.startswith("eval/teacher/") for k in m)]
+    out: dict[str, Any] = {}
+    if student:
+        out["first"] = {"rl_step": student[0][0], **pick(student[0][1], "eval/")}
+        out["last"] = {"rl_step": student[-1][0], **pick(student[-1][1], "eval/")}
+    teachers = {k: round(v, 4) for _, m in history for k, v in m.items()
+                if k.startswith("eval/teacher/") and k.rsplit("/", 1)[-1] in ("pass@1", "pass_rate")}
+    if teachers:
+        out["teachers"] = teachers
+    return out
 
 
 def prepare_distillation(p: PipelineConfig, name: str, cfg: DictConfig, manifest: Manifest,

@@ -89,6 +89,7 @@ class AgentConfig:
 
     env: Optional[dict[str, Any]] = None
     max_turns: int = 4
+    max_new_tokens: Optional[int] = None  # tokens per turn; None = rollout.max_new_tokens
     # Context compaction (CompactionRL): summarise when the remaining budget falls below this.
     compact_threshold: Optional[int] = None
     keep_last_steps: int = 2  # k action/observation steps copied into the resume prompt
@@ -97,7 +98,8 @@ class AgentConfig:
     resume_header: str = "Summary: "  # opens the resume turn that carries the summary
 
 
-ranges(AgentConfig, max_turns=">= 1", compact_threshold=">= 1", keep_last_steps=">= 0", summary_max_tokens=">= 1")
+ranges(AgentConfig, max_turns=">= 1", max_new_tokens=">= 1", compact_threshold=">= 1", keep_last_steps=">= 0",
+       summary_max_tokens=">= 1")
 
 
 @dataclass
@@ -132,6 +134,7 @@ class TaskConfig:
     max_operand: int = 9
     operators: str = "+"
     num_steps: int = 8  # running_sum: numbers per episode
+    min_operand: int = 1  # running_sum: numbers in [min_operand, max_operand]
     num_eval_prompts: int = 64
     agent: AgentConfig = field(default_factory=AgentConfig)
     # The reward: any callable sample -> float | (float, info), built with Hydra's _target_.
@@ -139,4 +142,4 @@ class TaskConfig:
     reward_options: RewardOptions = field(default_factory=RewardOptions)  # timeout, concurrency, executor
 
 
-ranges(TaskConfig, max_operand=">= 1", num_steps=">= 1", num_eval_prompts=">= 0")
+ranges(TaskConfig, max_operand=">= 1", min_operand=">= 0", num_steps=">= 1", num_eval_prompts=">= 0")

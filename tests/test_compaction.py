@@ -195,3 +195,33 @@ def test_compaction_end_to_end(tmp_path):
     compactions = [float(r["rollout/compactions"]) for r in rows if r.get("rollout/compactions")]
     assert compactions and sum(compactions) > 0  # compaction actually triggers in the embedded default
     assert any(float(r["rollout/segments_per_trajectory"]) > 1 for r in rows if r.get("rollout/segments_per_trajectory"))
+    lengths = [float(r["rollout/summary_length"]) for r in rows if r.get("rollout/summary_length")]
+    assert lengths and all(1 <= x <= 4 for x in lengths)  # summary_max_tokens: 4
+    summary_tokens = [float(r["train/summary_tokens"]) for r in rows if r.get("train/summary_tokens")]
+    assert summary_tokens and all(x > 0 for x in summary_tokens)
+
+
+def test_summary_advantages_by_hand():
+    """The summary tokens are the last summary_lengths[segment] action tokens of a closed segment; their
+    mean advantage is reported separately for successful and other trajectories."""
+    from types import SimpleNamespace
+
+    from glmlight.algorithms.compaction import summary_advantages, summary_mask
+    from glmlight.sample import Sample
+
+    def seg(segment, lengths, reward):
+        return Sample(prompt_ids=[1], response_ids=[2, 3, 4, 5], loss_mask=[1, 1, 1, 1], rollout_logprobs=[0.0] * 4,
+                      versions=[0] * 4, segment=segment, reward=reward, metadata={"summary_lengths": lengths})
+
+    # trajectory A (success): segment 0 closed by a 2-token summary; trajectory B (fail): segment 0, 1-token summary
+    samples = [seg(0, [2], 1.0), seg(1, [2], 1.0), seg(0, [1], 0.5)]
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0], [1, 0, 0, 1, 1, 0]], dtype=torch.float32)
+    adv = torch.tensor([[0.1, 0.2, 0.0, 0.5, 0.7, 0.0], [0.3, 0.3, 0.3, 0.3, 0.0, 0.0],
+                        [-0.1, 0.0, 0.0, -0.2, -0.4, 0.0]])
+    batch = SimpleNamespace(samples=samples, advantages=adv)
+    m = summary_mask(batch, mask)
+    assert m.tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0]]
+    out = summary_advantages(batch, mask)
+    assert out["train/summary_tokens"] == 3.0
+    assert out["train/summary_advantage_success"] == pytest.approx((0.5 + 0.7) / 2)
+    assert out["train/summary_advantage_other"] == pytest.approx(-0.4)

@@ -49,6 +49,10 @@ def test_pipeline_end_to_end_resume_and_skip(tmp_path, tokenizer):
     for prev, cur in (("reasoning", "agentic"), ("agentic", "general"), ("general", "opd")):
         assert stages[cur]["input_checkpoint"] == stages[prev]["output_checkpoint"]
         assert "model.warm_start.steps=0" in stages[cur]["overrides"]
+    # the agentic stage keeps its own (format) warm start: only the common overrides turn it off here
+    assert stages["agentic"]["overrides"].count("model.warm_start.steps=0") == 1
+    assert stages["general"]["overrides"].count("model.warm_start.steps=0") == 2
+    assert stages["reasoning"]["evaluation"] == {}  # this test runs without the held-out evaluation
     for s in manifest["stages"]:
         assert s["started_at"] <= s["finished_at"] and os.path.isdir(s["output_checkpoint"])
     with open(os.path.join(str(tmp_path), "pipe", "manifest.json")) as f:

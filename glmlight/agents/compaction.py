@@ -81,6 +81,7 @@ class CompactingAgentLoop(AgentLoop):
         """Close the current segment and continue from the resume prompt."""
         ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
                                    ep.routed_experts, ep.indexer_topk))
+        ep.summary_lengths.append(len(summary_ids))  # the segment's last action tokens are its summary
         k = min(self.keep_last_steps, len(ep.steps))
         prompt = self.resume_prompt(ep, summary_ids, k)
         while k > 0 and len(prompt) + self.threshold > self.max_context:

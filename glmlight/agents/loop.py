@@ -70,6 +70,7 @@ class Episode:
     awaiting_prompt: bool = False  # the context ends with an observation: open an assistant turn first
     segments: list["Segment"] = field(default_factory=list)  # closed segments (context compaction)
     action_lengths: list[int] = field(default_factory=list)  # tokens of each action turn (max_new_tokens bounds each)
+    summary_lengths: list[int] = field(default_factory=list)  # tokens of each summary (context compaction), in order
     routed_experts: Any = None  # replay records of the current segment (module docstring)
     indexer_topk: Any = None
     records_lost: bool = False  # a turn came without the records the others have: the segment has none
@@ -214,7 +215,7 @@ def episode_to_samples(ep: Episode, group_id: int, rollout_id: int) -> list[Samp
     the terminal reward and the status of the episode."""
     meta = {"label": ep.prompt.label, "domain": ep.prompt.domain, "turns": ep.turns, **ep.prompt.metadata,
             **{f"env/{k}": v for k, v in ep.info.items()}, "num_segments": len(ep.segments) + 1,
-            "action_lengths": list(ep.action_lengths)}
+            "action_lengths": list(ep.action_lengths), "summary_lengths": list(ep.summary_lengths)}
     if ep.error:
         meta["env_error"] = ep.error
     parts = ep.segments + [Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,

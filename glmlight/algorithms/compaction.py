@@ -5,8 +5,10 @@ reward). The loss is a token mean over every trainable token of every segment in
 the batch (loss_agg=token_mean: Σ m·ℓ / Σ m), not a mean per segment. Advantages
 use cross-trajectory GAE: local GAE inside each segment with λ_s = 1 − 1/(1.5·L_s),
 scaled by (γ·λ_s)^N_after(s), N_after(s) = trainable tokens in later segments.
-The critic is SAO's. With whiten_advantages, the advantages are divided by their std over the
-batch but not centred, so the discount between segments and every advantage's sign survive.
+The critic is SAO's. `train/summary_advantage_success` (and `_other`) is the mean advantage of the
+summary tokens of successful (and other) trajectories. With whiten_advantages, the advantages are
+divided by their std over the batch but not centred, so the discount between segments and every
+advantage's sign survive.
 """
 
 from __future__ import annotations
@@ -64,3 +66,32 @@ class CompactionRL(SAO):
         # of a successful trajectory, discounted by (γλ_s)^N_after, falls below the batch mean).
         self.set_targets(batch, adv, returns, values, mask, center=False)
         batch.stats["train/segments"] = float(len(batch.samples))
+        batch.stats.update(summary_advantages(batch, mask))
+
+
+def summary_mask(batch: Experience, mask: torch.Tensor) -> torch.Tensor:
+    """1 on the summary tokens: the last `summary_lengths[segment]` action tokens of every segment that
+    a summary closed (all but an episode's last)."""
+    out = torch.zeros_like(mask)
+    for i, s in enumerate(batch.samples):
+        lengths = s.metadata.get("summary_lengths", ())
+        if s.segment < len(lengths) and lengths[s.segment] > 0:
+            pos = mask[i].nonzero().flatten()[-lengths[s.segment]:]
+            out[i, pos] = 1
+    return out
+
+
+def summary_advantages(batch: Experience, mask: torch.Tensor) -> dict[str, float]:
+    """The mean advantage of summary tokens in successful (outcome reward >= 1) and other trajectories:
+    a summary that carried what the rest needed has a positive advantage when the trajectory succeeds."""
+    summ = summary_mask(batch, mask).float()
+    if not summ.any():
+        return {}
+    ok = torch.tensor([float(s.reward is not None and s.reward >= 1.0) for s in batch.samples],
+                      device=summ.device).unsqueeze(-1)
+    out = {"train/summary_tokens": float(summ.sum())}
+    for name, rows in (("success", ok), ("other", 1.0 - ok)):
+        m = summ * rows
+        if m.any():
+            out[f"train/summary_advantage_{name}"] = float((batch.advantages * m).sum() / m.sum())
+    return out

@@ -6,8 +6,12 @@ Per set, under `<prefix>/<name>/`: pass@1 (the mean over samples), unbiased pass
 k (`glmlight.ops.eval_metrics`), maj@k where the reward reports an extracted answer (the
 verifier's `pred`), the mean reward and response length, the greedy pass rate, reward and
 length, failures, and the cost (`seconds`, `tokens`); `<prefix>/seconds` and `<prefix>/tokens`
-sum over the sets. An answer is correct when its reward (before any overlong penalty) reaches
-`eval.pass_threshold`.
+sum over the sets. Agent tasks add, per episode (a compacted episode counts once),
+`turns_per_episode`, `tool_calls_per_episode`, `compactions_per_episode`, `truncated_frac`,
+`summary_length` (tokens per summary, under compaction) and the mean of every numeric environment
+info value (`env/<key>`); a set whose prompts come from several domains also reports each domain's
+pass@1 and greedy pass rate (`<prefix>/<name>/<domain>/pass@1`, `.../greedy/pass_rate`). An answer
+is correct when its reward (before any overlong penalty) reaches `eval.pass_threshold`.
 
 Evaluation has its own seed stream and leaves training's alone: every request carries a seed
 derived from (eval.seed, the set's name, the engine call, the row), so the engine's own seed
@@ -27,12 +31,12 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
 from glmlight.config import EvalConfig
-from glmlight.data.sources import Prompt, PromptSource
+from glmlight.prompt import Prompt, PromptSource
 from glmlight.ops.eval_metrics import maj_at_k, mean_pass_at_k, pass_k_values
 from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
 from glmlight.sample import Sample, Status
@@ -128,13 +132,15 @@ def build_eval_sets(cfg: EvalConfig, task: Any) -> dict[str, EvalSet]:
 
 
 def evaluate(dm: Any, engine: RolloutEngine, sets: dict[str, EvalSet], cfg: EvalConfig,
-             prefix: str = "eval") -> dict[str, float]:
+             prefix: str = "eval", select: Callable[[Prompt], bool] | None = None) -> dict[str, float]:
     """Evaluate `engine` on every set through `dm.rollout` (the data module's generation and reward
-    path); returns the metrics, named `<prefix>/<set>/<metric>`. Touches no training stream."""
+    path); returns the metrics, named `<prefix>/<set>/<metric>`. `select` keeps only the prompts it
+    accepts (an OPD teacher is evaluated on the domains routed to it). Touches no training stream."""
     out: dict[str, float] = {}
     with preserved_rng():
         for name, eval_set in sets.items():
-            prompts = [_tagged(p, i) for i, p in enumerate(eval_set.prompts())]
+            kept = [p for p in eval_set.prompts() if select is None or select(p)]
+            prompts = [_tagged(p, i) for i, p in enumerate(kept)]
             if prompts:
                 out.update(evaluate_set(dm, engine, name, prompts, cfg, prefix))
     if out:
@@ -165,13 +171,19 @@ def evaluate_set(dm: Any, engine: RolloutEngine, name: str, prompts: list[Prompt
         flat = [t for trajs in by_prompt for t in trajs]
         m.update(_means(flat, p))
         failed += sum(_failed(t) for t in flat)
+        for d, rows in _by_domain(prompts, correct).items():
+            m[f"{p}/{d}/pass@1"] = sum(sum(c) / max(len(c), 1) for c in rows) / len(rows)
     if cfg.greedy:
         samples = dm.rollout(prompts, 1, counts, greedy=True, engine=SeededEngine(engine, f"{name}/greedy", cfg.seed),
                              ids=LocalIds())
-        flat = [t for trajs in _trajectories(samples, len(prompts)) for t in trajs]
+        by_prompt = _trajectories(samples, len(prompts))
+        flat = [t for trajs in by_prompt for t in trajs]
         m[f"{p}/greedy/pass_rate"] = sum(_correct(t, cfg.pass_threshold) for t in flat) / len(prompts)
         m.update(_means(flat, f"{p}/greedy"))
         failed += sum(_failed(t) for t in flat)
+        correct = [[_correct(t, cfg.pass_threshold) for t in trajs] for trajs in by_prompt]
+        for d, rows in _by_domain(prompts, correct).items():
+            m[f"{p}/{d}/greedy/pass_rate"] = sum(any(c) for c in rows) / len(rows)
     m[f"{p}/failed"] = float(failed)
     m[f"{p}/tokens"] = float(counts["rollout_tokens"])
     m[f"{p}/seconds"] = time.perf_counter() - t0
@@ -221,8 +233,38 @@ def _answer(traj: list[Sample]) -> Hashable | None:
         return json.dumps(pred, sort_keys=True, default=str)
 
 
+def _by_domain(prompts: list[Prompt], rows: list[list[bool]]) -> dict[str, list[list[bool]]]:
+    """Per-prompt rows grouped by the prompts' domains; empty when there is only one domain."""
+    out: dict[str, list[list[bool]]] = {}
+    for prompt, row in zip(prompts, rows):
+        out.setdefault(str(prompt.domain), []).append(row)
+    return out if len(out) > 1 else {}
+
+
 def _means(trajs: list[list[Sample]], p: str) -> dict[str, float]:
     rewards = [r for r in map(_reward, trajs) if r is not None]
     lengths = [sum(s.response_length for s in t) for t in trajs]
-    return {f"{p}/reward": sum(rewards) / len(rewards) if rewards else 0.0,
-            f"{p}/response_length": sum(lengths) / len(lengths) if lengths else 0.0}
+    out = {f"{p}/reward": sum(rewards) / len(rewards) if rewards else 0.0,
+           f"{p}/response_length": sum(lengths) / len(lengths) if lengths else 0.0}
+    out.update(agent_means(trajs, p))
+    return out
+
+
+def agent_means(trajs: list[list[Sample]], p: str) -> dict[str, float]:
+    """Per-episode statistics of agent trajectories (the metadata of an episode's last segment)."""
+    episodes = [t[-1] for t in trajs if t and "num_segments" in t[-1].metadata]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    out = {f"{p}/turns_per_episode": sum(s.metadata["turns"] for s in episodes) / n,
+           f"{p}/tool_calls_per_episode": sum(float(s.metadata.get("env/tool_calls", 0)) for s in episodes) / n,
+           f"{p}/compactions_per_episode": sum(s.metadata["num_segments"] - 1 for s in episodes) / n,
+           f"{p}/truncated_frac": sum(s.status is Status.TRUNCATED for s in episodes) / n}
+    summaries = [k for s in episodes for k in s.metadata.get("summary_lengths", ())]
+    if summaries:
+        out[f"{p}/summary_length"] = sum(summaries) / len(summaries)
+    keys = sorted({k for s in episodes for k, v in s.metadata.items()
+                   if k.startswith("env/") and k != "env/tool_calls" and isinstance(v, (bool, int, float))})
+    for k in keys:
+        out[f"{p}/{k}"] = sum(float(s.metadata.get(k, 0)) for s in episodes) / n
+    return out

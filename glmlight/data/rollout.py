@@ -52,10 +52,11 @@ class RolloutDataModule(pl.LightningDataModule):
                  rank: int = 0, world_size: int = 1, env_factory: Callable[[], Any] | None = None,
                  max_turns: int = 4, compaction: dict[str, Any] | None = None, vocab_size: int | None = None,
                  eval_sets: dict[str, PromptSource | evaluation.EvalSet] | None = None,
-                 eval_cfg: EvalConfig | None = None):
+                 eval_cfg: EvalConfig | None = None, turn_max_new_tokens: int | None = None):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
         self.env_factory, self.max_turns = env_factory, max_turns
+        self.turn_max_new_tokens = turn_max_new_tokens  # agent turns: tokens per turn (None: cfg.max_new_tokens)
         self.compaction = compaction  # CompactingAgentLoop options, or None
         self.vocab_size = vocab_size  # engine answers with ids outside [0, vocab_size) are FAILED
         # Held-out sets by name: the task's own ("heldout") first, then eval.sets.
@@ -134,8 +135,8 @@ class RolloutDataModule(pl.LightningDataModule):
         return encode_prompt(self.tokenizer, prompt.messages)
 
     # ----------------------------------------------------------------- rollout
-    def sampling_params(self, prompt_len: int, greedy: bool = False) -> SamplingParams:
-        budget = min(self.cfg.max_new_tokens, self.cfg.max_context - prompt_len)
+    def sampling_params(self, prompt_len: int, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:
+        budget = min(max_new_tokens or self.cfg.max_new_tokens, self.cfg.max_context - prompt_len)
         return SamplingParams(temperature=0.0 if greedy else self.cfg.temperature, top_p=self.cfg.top_p,
                               top_k=self.cfg.top_k, max_new_tokens=max(budget, 1), stop_token_ids=self.stop_ids)
 
@@ -208,7 +209,8 @@ class RolloutDataModule(pl.LightningDataModule):
                   ids: Any) -> list[Sample]:
         engine = RetryingEngine(engine, counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s,
                                 self.vocab_size)
-        args = (engine, self.tokenizer, self.env_factory, lambda ctx: self.sampling_params(ctx, greedy),
+        args = (engine, self.tokenizer, self.env_factory,
+                lambda ctx: self.sampling_params(ctx, greedy, self.turn_max_new_tokens),
                 self.max_turns, self.cfg.max_context)
         loop = CompactingAgentLoop(*args, **self.compaction) if self.compaction else AgentLoop(*args)
         episodes = loop.run(prompts, n)
@@ -379,13 +381,15 @@ class RolloutDataModule(pl.LightningDataModule):
         return s.prompts() if s is not None else []
 
     def evaluate(self, engine: RolloutEngine | None = None, sets: list[str] | None = None,
-                 prefix: str = "eval") -> dict[str, float]:
+                 prefix: str = "eval", select: Callable[[Prompt], bool] | None = None) -> dict[str, float]:
         """Evaluate `engine` (default: the rollout engine) on the named held-out sets (default: all) with
         `eval.k` samples per prompt and a greedy answer (`glmlight.data.evaluation`); the metrics are
-        named `<prefix>/<set>/<metric>`. Draws from no training seed or id stream."""
+        named `<prefix>/<set>/<metric>`; `select` keeps only the prompts it accepts. Draws from no
+        training seed or id stream."""
         chosen = {n: s for n, s in self.eval_sets.items() if sets is None or n in sets}
         with self.generation_lock:
-            return evaluation.evaluate(self, self.engine if engine is None else engine, chosen, self.eval_cfg, prefix)
+            return evaluation.evaluate(self, self.engine if engine is None else engine, chosen, self.eval_cfg, prefix,
+                                       select)
 
 
 def outcome(sample: Sample) -> float | None:
@@ -412,6 +416,14 @@ def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),
         "rollout/trained": float(counts["trained"]),
     }
+    episodes = {(s.group_id, s.rollout_id): s.metadata for s in batch if "num_segments" in s.metadata}  # agents
+    if episodes:
+        stats["rollout/turns_per_episode"] = sum(m["turns"] for m in episodes.values()) / len(episodes)
+        stats["rollout/tool_calls_per_episode"] = sum(m.get("env/tool_calls", 0) for m in episodes.values()) / len(episodes)
+        stats["rollout/compactions_per_episode"] = sum(m["num_segments"] - 1 for m in episodes.values()) / len(episodes)
+        summaries = [n for m in episodes.values() for n in m.get("summary_lengths", ())]
+        if summaries:
+            stats["rollout/summary_length"] = sum(summaries) / len(summaries)
     records = [t for s in batch for t in (s.routed_experts, s.indexer_topk) if t is not None]
     if records:  # replay records (routed experts, DSA top-k): their memory per token of prompt + response
         tokens = sum(len(s.prompt_ids) + s.response_length for s in batch)

@@ -1,0 +1,140 @@
+"""The default runs learn: each algorithm's own default run (the real Trainer, engine and tiny
+model, the warm start included) ends with a held-out pass rate above its start, with margins
+taken from the measured runs (docs/agents.md, "What the default runs show"; one seed each), and
+the fast check that agent tasks give RL something to learn from after the warm start (groups
+whose rewards differ).
+
+The learning tests are slow (a few CPU minutes each): `python -m pytest -m slow tests/test_learning.py`.
+"""
+
+from collections import Counter
+
+import pytest
+
+import glmlight
+from glmlight import compose
+
+
+def _run(tmp_path, *overrides: str):
+    run = glmlight.build(compose(["logger=csv", f"trainer.default_root_dir={tmp_path}",
+                                  "trainer.enable_progress_bar=false", "logger.report=false", *overrides]))
+    run.fit()
+    history = next(cb.history for cb in run.trainer.callbacks if type(cb).__name__ == "HeldOutEval")
+    return run, history
+
+
+def _student(history, key="eval/heldout/greedy/pass_rate"):
+    """The student's (policy's) metric at every evaluation, in RL-step order."""
+    return [(step, m[key]) for step, m in history if key in m]
+
+
+# ----------------------------------------------------------------- fast: variance after the warm start
+@pytest.mark.parametrize("task,extra", [("calculator_agent", ["task.max_operand=9"]), ("running_sum", [])])
+def test_agent_groups_have_reward_variance_after_the_warm_start(tmp_path, task, extra):
+    """A short expert warm start (the test-size model, one-digit operands for the calculator; the default
+    run's warm start is longer) already gives groups of sampled episodes whose rewards differ: GRPO's
+    group advantages are not all zero. (Measured: 3 of these 8 calculator groups differ.)"""
+    cfg = compose([f"task={task}", "model.preset=test", "model.warm_start.steps=40", "model.warm_start.batch_size=32",
+                   "model.warm_start.lr=1e-2", f"model.warm_start.cache_dir={tmp_path}", "logger=none",
+                   "trainer.enable_progress_bar=false", f"trainer.default_root_dir={tmp_path}", *extra])
+    run = glmlight.build(cfg)
+    try:
+        dm = run.datamodule
+        samples = dm.rollout(dm.stream.draw(8), 8, Counter())
+    finally:
+        run.close()
+    groups: dict[int, dict[int, float]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, {})[s.rollout_id] = s.reward
+    rewards = [list(g.values()) for g in groups.values()]
+    assert len(rewards) == 8 and all(len(r) == 8 for r in rewards)
+    assert any(len(set(r)) > 1 for r in rewards), rewards
+    assert any(x > 0 for r in rewards for x in r)
+
+
+# ----------------------------------------------------------------- slow: the default runs learn
+def _report(name, history, keys):
+    for step, m in history:
+        shown = {k: round(m[k], 3) for k in keys if k in m}
+        if shown:
+            print(f"[{name}] rl_step {step}: {shown}")
+
+
+CALC_KEYS = ("eval/heldout/greedy/pass_rate", "eval/heldout/pass@1", "eval/heldout/greedy/tool_calls_per_episode",
+             "eval/heldout/greedy/truncated_frac", "eval/heldout/greedy/env/called_target")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo", "sao"])
+def test_calculator_agent_default_run_learns(tmp_path, algo):
+    """`task=calculator_agent [algo=sao]` as shipped: the greedy held-out pass rate (256 prompts) ends
+    at least 0.3 above the warm start's (measured: docs/agents.md); the calculator is called more."""
+    _, history = _run(tmp_path, "task=calculator_agent", f"algo={algo}")
+    _report(f"calculator_agent/{algo}", history, CALC_KEYS)
+    greedy = _student(history)
+    calls = _student(history, "eval/heldout/greedy/env/called_target")
+    assert greedy[0][0] == 0 and greedy[-1][0] == 50
+    assert greedy[-1][1] >= greedy[0][1] + 0.3, greedy
+    assert max(v for _, v in greedy[1:]) >= greedy[0][1] + 0.3
+    assert calls[-1][1] > calls[0][1], calls
+
+
+@pytest.mark.slow
+def test_opd_default_run_moves_the_student_toward_its_teacher(tmp_path):
+    """`algo=opd` as shipped: the teacher (evaluated once, at the start, as the student is) is clearly
+    better than the student's start; the student's pass@1 ends above its start and closer to the
+    teacher. The margin (0.05) is about half the one measured gain; no second seed was measured."""
+    _, history = _run(tmp_path, "algo=opd")
+    _report("opd", history, ("eval/heldout/pass@1", "eval/heldout/greedy/pass_rate", "eval/teacher/heldout/pass@1",
+                             "eval/teacher/heldout/greedy/pass_rate"))
+    teacher = [m for _, m in history if "eval/teacher/heldout/pass@1" in m]
+    assert len(teacher) == 1  # once, at the start
+    t = teacher[0]["eval/teacher/heldout/pass@1"]
+    student = _student(history, "eval/heldout/pass@1")
+    start, end = student[0][1], student[-1][1]
+    # Measured (seed 0, docs/opd_and_pipeline.md): teacher 0.891, student 0.471 -> 0.559.
+    assert t >= start + 0.2, (t, student)
+    assert end >= start + 0.05, student
+    assert t - end <= t - start - 0.05, (t, student)
+
+
+def _logged(run, key):
+    """Every logged value of `key` (metrics.jsonl, written by the metric route)."""
+    import json
+    import os
+
+    with open(os.path.join(run.cfg.trainer.default_root_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [r[key] for r in rows if key in r]
+
+
+@pytest.mark.slow
+def test_compaction_default_run_learns_and_beats_no_compaction(tmp_path):
+    """`algo=compaction` as shipped against the same run without compaction (the same budget, seed and
+    steps): the compacting agent's greedy held-out pass rate is above its start at every evaluation and
+    above the agent without compaction (which is truncated before it can finish), and the summary
+    tokens of successful trajectories get a positive advantage."""
+    run, comp = _run(tmp_path / "compaction", "algo=compaction")
+    summary_adv = _logged(run, "train/summary_advantage_success")
+    summary_len = _logged(run, "rollout/summary_length")
+    compactions = _logged(run, "rollout/compactions_per_episode")
+    _, plain = _run(tmp_path / "none", "algo=compaction", "task.agent.compact_threshold=null")
+    keys = ("eval/heldout/pass@1", "eval/heldout/greedy/pass_rate", "eval/heldout/reward",
+            "eval/heldout/greedy/compactions_per_episode", "eval/heldout/greedy/summary_length",
+            "eval/heldout/greedy/truncated_frac")
+    _report("compaction", comp, keys)
+    _report("no compaction", plain, keys)
+    print(f"summary advantage on successes: mean {sum(summary_adv) / len(summary_adv):.3f} over {len(summary_adv)} "
+          f"steps, {sum(a > 0 for a in summary_adv)} positive; summary length {sum(summary_len) / len(summary_len):.2f}; "
+          f"compactions per episode {sum(compactions) / len(compactions):.2f}")
+    # Measured (seed 0, docs/agents.md): greedy 0.000 -> 0.359 0.094 0.219 0.367 0.117; pass@1 0.159 -> at
+    # most 0.281; without compaction 0 throughout. The curve is not steady; the margins are below its dips.
+    greedy = _student(comp)
+    pass1 = _student(comp, "eval/heldout/pass@1")
+    assert all(v >= greedy[0][1] + 0.05 for _, v in greedy[1:]), greedy
+    assert max(v for _, v in pass1[1:]) >= pass1[0][1] + 0.08, pass1
+    plain_greedy = _student(plain)
+    assert max(v for _, v in plain_greedy) == 0.0  # truncated before the last total, every time
+    assert min(v for _, v in greedy[1:]) > max(v for _, v in plain_greedy)
+    assert sum(summary_adv) / len(summary_adv) > 0 and sum(a > 0 for a in summary_adv) > 0.8 * len(summary_adv)
+    assert min(compactions) >= 0.9
