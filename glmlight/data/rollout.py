@@ -28,6 +28,7 @@ from glmlight.agents.compaction import CompactingAgentLoop
 from glmlight.agents.loop import AgentLoop, episode_to_samples
 from glmlight.config import EvalConfig, RolloutConfig
 from glmlight.data import evaluation
+from glmlight.data.rollout_stats import outcome, rollout_stats  # noqa: F401 - outcome re-exported
 from glmlight.data.groups import pad_or_drop_group, tag_dropped
 from glmlight.data.producer import AsyncProducer
 from glmlight.data.sources import Prompt, PromptSource
@@ -288,7 +289,7 @@ class RolloutDataModule(pl.LightningDataModule):
             raise RuntimeError(f"no trainable samples in this step (counts: {dict(counts)}); "
                                "check the reward function and filters")
         exp = Experience.collate(batch, pad_token_id=self.tokenizer.pad_token_id)
-        exp.stats.update(_rollout_stats(batch, counts))
+        exp.stats.update(rollout_stats(batch, counts))
         return exp
 
     def _account(self, counts: Counter) -> None:
@@ -390,52 +391,6 @@ class RolloutDataModule(pl.LightningDataModule):
         with self.generation_lock:
             return evaluation.evaluate(self, self.engine if engine is None else engine, chosen, self.eval_cfg, prefix,
                                        select)
-
-
-def outcome(sample: Sample) -> float | None:
-    """The reward before length shaping (the soft overlong penalty)."""
-    if sample.reward is None:
-        return None
-    return sample.reward - sample.metadata.get("overlong_penalty", 0.0)
-
-
-def _rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
-    rewards = torch.tensor([s.reward for s in batch], dtype=torch.float32)
-    lengths = torch.tensor([s.response_length for s in batch], dtype=torch.float32)
-    secs = max(counts["rollout_seconds"], 1e-9)
-    stats = {
-        "rollout/reward_mean": rewards.mean().item(),
-        "rollout/reward_std": rewards.std(unbiased=False).item(),
-        "rollout/pass_rate": (rewards >= 1.0).float().mean().item(),
-        "rollout/response_length": lengths.mean().item(),
-        "rollout/truncated_frac": sum(s.status is Status.TRUNCATED for s in batch) / len(batch),
-        "rollout/tokens_per_s": counts["rollout_tokens"] / secs,
-        "rollout/seconds": float(counts["rollout_seconds"]),  # generating this batch (async: overlapped)
-        "rollout/refill_rounds": float(counts["refill_rounds"]),
-        "rollout/produced": float(counts["produced"]),
-        "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),
-        "rollout/trained": float(counts["trained"]),
-    }
-    episodes = {(s.group_id, s.rollout_id): s.metadata for s in batch if "num_segments" in s.metadata}  # agents
-    if episodes:
-        stats["rollout/turns_per_episode"] = sum(m["turns"] for m in episodes.values()) / len(episodes)
-        stats["rollout/tool_calls_per_episode"] = sum(m.get("env/tool_calls", 0) for m in episodes.values()) / len(episodes)
-        stats["rollout/compactions_per_episode"] = sum(m["num_segments"] - 1 for m in episodes.values()) / len(episodes)
-        summaries = [n for m in episodes.values() for n in m.get("summary_lengths", ())]
-        if summaries:
-            stats["rollout/summary_length"] = sum(summaries) / len(summaries)
-    records = [t for s in batch for t in (s.routed_experts, s.indexer_topk) if t is not None]
-    if records:  # replay records (routed experts, DSA top-k): their memory per token of prompt + response
-        tokens = sum(len(s.prompt_ids) + s.response_length for s in batch)
-        stats["rollout/replay_bytes_per_token"] = sum(t.numel() * t.element_size() for t in records) / tokens
-    for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "reward_timeout",
-              "reward_seconds", "engine_errors", "invalid_tokens"):
-        if k in counts:
-            stats[f"rollout/{k}"] = float(counts[k])
-    for k, v in counts.items():
-        if k.startswith("dropped/"):
-            stats[f"rollout/{k}"] = float(v)
-    return stats
 
 
 class _ExperienceStream(IterableDataset):
