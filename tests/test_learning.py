@@ -65,12 +65,13 @@ CALC_KEYS = ("eval/heldout/greedy/pass_rate", "eval/heldout/pass@1", "eval/heldo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["grpo", "sao"])
-def test_calculator_agent_default_run_learns(tmp_path, algo):
-    """`task=calculator_agent [algo=sao]` as shipped: the greedy held-out pass rate (256 prompts) ends
-    at least 0.3 above the warm start's (measured: docs/agents.md); the calculator is called more."""
-    _, history = _run(tmp_path, "task=calculator_agent", f"algo={algo}")
-    _report(f"calculator_agent/{algo}", history, CALC_KEYS)
+@pytest.mark.parametrize("extra", [["algo=grpo"], ["algo=grpo", "rollout.mode=async"], ["algo=sao"]])
+def test_calculator_agent_default_run_learns(tmp_path, extra):
+    """`task=calculator_agent [rollout.mode=async | algo=sao]` as shipped: the greedy held-out pass rate
+    (128 prompts) ends at least 0.3 above the warm start's (measured, seed 0: 0.023 -> 0.859-0.906,
+    docs/agents.md); the calculator is called on the question more."""
+    _, history = _run(tmp_path, "task=calculator_agent", *extra)
+    _report(f"calculator_agent/{' '.join(extra)}", history, CALC_KEYS)
     greedy = _student(history)
     calls = _student(history, "eval/heldout/greedy/env/called_target")
     assert greedy[0][0] == 0 and greedy[-1][0] == 50
