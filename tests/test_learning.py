@@ -29,7 +29,8 @@ def _student(history, key="eval/heldout/greedy/pass_rate"):
 
 
 # ----------------------------------------------------------------- fast: variance after the warm start
-@pytest.mark.parametrize("task,extra", [("calculator_agent", ["task.max_operand=9"]), ("running_sum", [])])
+@pytest.mark.parametrize("task,extra", [("calculator_agent", ["task.max_operand=9"]),
+                                        ("running_sum", ["model.warm_start.steps=20", "task.num_steps=4"])])
 def test_agent_groups_have_reward_variance_after_the_warm_start(tmp_path, task, extra):
     """A short expert warm start (the test-size model, one-digit operands for the calculator; the default
     run's warm start is longer) already gives groups of sampled episodes whose rewards differ: GRPO's
