@@ -29,7 +29,8 @@ def _student(history, key="eval/heldout/greedy/pass_rate"):
 
 
 # ----------------------------------------------------------------- fast: variance after the warm start
-@pytest.mark.parametrize("task,extra", [("calculator_agent", ["task.max_operand=9"]), ("running_sum", [])])
+@pytest.mark.parametrize("task,extra", [("calculator_agent", ["task.max_operand=9"]),
+                                        ("running_sum", ["model.warm_start.steps=20", "task.num_steps=4"])])
 def test_agent_groups_have_reward_variance_after_the_warm_start(tmp_path, task, extra):
     """A short expert warm start (the test-size model, one-digit operands for the calculator; the default
     run's warm start is longer) already gives groups of sampled episodes whose rewards differ: GRPO's
@@ -65,12 +66,13 @@ CALC_KEYS = ("eval/heldout/greedy/pass_rate", "eval/heldout/pass@1", "eval/heldo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["grpo", "sao"])
-def test_calculator_agent_default_run_learns(tmp_path, algo):
-    """`task=calculator_agent [algo=sao]` as shipped: the greedy held-out pass rate (256 prompts) ends
-    at least 0.3 above the warm start's (measured: docs/agents.md); the calculator is called more."""
-    _, history = _run(tmp_path, "task=calculator_agent", f"algo={algo}")
-    _report(f"calculator_agent/{algo}", history, CALC_KEYS)
+@pytest.mark.parametrize("extra", [["algo=grpo"], ["algo=grpo", "rollout.mode=async"], ["algo=sao"]])
+def test_calculator_agent_default_run_learns(tmp_path, extra):
+    """`task=calculator_agent [rollout.mode=async | algo=sao]` as shipped: the greedy held-out pass rate
+    (128 prompts) ends at least 0.3 above the warm start's (measured, seed 0: 0.023 -> 0.859-0.906,
+    docs/agents.md); the calculator is called on the question more."""
+    _, history = _run(tmp_path, "task=calculator_agent", *extra)
+    _report(f"calculator_agent/{' '.join(extra)}", history, CALC_KEYS)
     greedy = _student(history)
     calls = _student(history, "eval/heldout/greedy/env/called_target")
     assert greedy[0][0] == 0 and greedy[-1][0] == 50
