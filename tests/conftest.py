@@ -72,10 +72,10 @@ class DigitRunningSumEnv:
     """RunningSumEnv whose final reward is the fraction of digit characters in the actions (dense, so a
     random tiny model gets non-zero returns and advantages)."""
 
-    def __init__(self) -> None:
+    def __init__(self, **options) -> None:  # the task's own env options (step_rewards, modulus, ...)
         from glmlight.agents.envs import RunningSumEnv
 
-        self.env, self.digits, self.chars = RunningSumEnv(), 0, 0
+        self.env, self.digits, self.chars = RunningSumEnv(**options), 0, 0
 
     def reset(self, prompt):
         self.digits = self.chars = 0
