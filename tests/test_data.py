@@ -8,6 +8,7 @@ import pytest
 from glmlight.config import RolloutConfig
 from glmlight.data.groups import pad_or_drop_group, trajectories
 from glmlight.data.rollout import RolloutDataModule
+from glmlight.data.shaping import apply_overlong
 from glmlight.data.sources import ArithmeticTask, JsonlSource
 from glmlight.errors import DataError
 from glmlight.rewards import build_reward
@@ -197,12 +198,12 @@ def test_soft_overlong_penalty_counts_the_turn_the_budget_limits(tokenizer, tiny
     (sample,) = episode_to_samples(ep, group_id=0, rollout_id=0)
     assert sample.response_length > 8
     dm = _datamodule(tokenizer, tiny_model, lambda s: 1.0, overlong="soft_penalty", overlong_cache=4, max_new_tokens=8)
-    dm._apply_overlong([sample], Counter())
+    apply_overlong([sample], dm.cfg.overlong, dm.cfg.max_new_tokens, dm.cfg.overlong_cache, Counter())
     assert sample.reward == 1.0 and sample.metadata["overlong_penalty"] == 0.0
     # a turn that runs into the cache window is penalised: (8 - 4 - 7) / 4 = -0.75
     long = episode_to_samples(ep, group_id=0, rollout_id=1)[0]
     long.metadata["action_lengths"] = [3, 7, 3]
-    dm._apply_overlong([long], Counter())
+    apply_overlong([long], dm.cfg.overlong, dm.cfg.max_new_tokens, dm.cfg.overlong_cache, Counter())
     assert long.metadata["overlong_penalty"] == -0.75
 
 

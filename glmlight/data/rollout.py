@@ -29,12 +29,12 @@ from glmlight.agents.loop import AgentLoop, episode_to_samples
 from glmlight.config import EvalConfig, RolloutConfig
 from glmlight.data import evaluation
 from glmlight.data.rollout_stats import outcome, rollout_stats  # noqa: F401 - outcome re-exported
+from glmlight.data.shaping import apply_overlong
 from glmlight.data.groups import pad_or_drop_group, tag_dropped
 from glmlight.data.producer import AsyncProducer
 from glmlight.data.sources import Prompt, PromptSource
 from glmlight.data.stream import PromptStream
 from glmlight.models.tokenizer import PromptEncodingError, encode_prompt, stop_token_ids
-from glmlight.ops.advantages import soft_overlong_penalty
 from glmlight.rewards.base import RewardFn, RewardRunner, score_samples
 from glmlight.rollout.base import RolloutEngine, SamplingParams
 from glmlight.rollout.retry import RetryingEngine, generate_with_retries
@@ -164,7 +164,7 @@ class RolloutDataModule(pl.LightningDataModule):
         else:
             counts["env_failed"] += sum(s.status is Status.FAILED for s in samples)
             counts["env_aborted"] += sum(s.status is Status.ABORTED for s in samples)
-        self._apply_overlong(samples, counts)
+        apply_overlong(samples, self.cfg.overlong, self.cfg.max_new_tokens, self.cfg.overlong_cache, counts)
         return samples
 
     def _single_turn(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool, engine: RolloutEngine,
@@ -225,24 +225,6 @@ class RolloutDataModule(pl.LightningDataModule):
                 counts["agent_turns"] += ep.turns
                 counts["compactions"] += len(ep.segments)
         return samples
-
-    def _apply_overlong(self, samples: list[Sample], counts: Counter) -> None:
-        if self.cfg.overlong == "mask":
-            for s in samples:
-                if s.status is Status.TRUNCATED:
-                    s.loss_mask = [0] * s.response_length
-                    counts["overlong_masked"] += 1
-        elif self.cfg.overlong == "soft_penalty":
-            # DAPO's penalty on the length that max_new_tokens bounds: the response of a single-turn
-            # sample; for an agent episode its longest action turn (observations and the other turns
-            # do not count against a turn's budget).
-            scored = [s for s in samples if s.reward is not None]
-            if scored:
-                lengths = torch.tensor([max(s.metadata.get("action_lengths") or [s.response_length]) for s in scored])
-                pen = soft_overlong_penalty(lengths, self.cfg.max_new_tokens, self.cfg.overlong_cache)
-                for s, p in zip(scored, pen.tolist()):
-                    s.reward += p
-                    s.metadata["overlong_penalty"] = p
 
     def _filter_groups(self, samples: list[Sample], counts: Counter) -> list[list[Sample]]:
         groups: dict[int, list[Sample]] = {}

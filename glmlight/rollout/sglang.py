@@ -59,7 +59,7 @@ import torch
 from glmlight.dtypes import dtype_name
 from glmlight.errors import EngineError
 from glmlight.rollout import transport as wt
-from glmlight.rollout.base import Generation, SamplingParams
+from glmlight.rollout.base import SamplingParams
 from glmlight.rollout.http import Rejected, get_field
 from glmlight.rollout.launch import free_port, local_ip_towards, sglang_launch
 from glmlight.rollout.replay_codec import decode_sglang_indexer_topk, decode_sglang_routed_experts
@@ -68,7 +68,7 @@ from glmlight.rollout.server_replay import ReplayField
 from glmlight.rollout.servers import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
                                       server_settings)
 from glmlight.rollout.sglang_wire import (FINISH_REASONS, FilteredLogprobsMissing, attempt_rid, check_sampling,  # noqa: F401
-                                         pairs, serialize_named_tensors, single)
+                                         pairs, parse_generate_answer, serialize_named_tensors, single)
 
 log = logging.getLogger(__name__)
 
@@ -151,31 +151,7 @@ class SGLangEngine(ServerEngineBase):
         return True
 
     def _parse_generation(self, body: Any, url: str, rid: str, filtered: bool, num_prompt: int) -> Answer:
-        path = "/generate"
-        meta = get_field(body, "meta_info", url, path, self.name, dict)
-        if not str(meta.get("id", rid)).startswith(rid):
-            raise EngineError(f"SGLang server at {url} answered request {rid} with meta_info.id {meta['id']!r}")
-        ids, lps = pairs(get_field(body, "meta_info.output_token_logprobs", url, path, self.name, list), url, path,
-                          "meta_info.output_token_logprobs")
-        out_ids = body.get("output_ids")
-        if out_ids is not None and list(out_ids) != ids:
-            raise EngineError(f"SGLang server at {url} answered {path} with output_ids that differ from "
-                              "meta_info.output_token_logprobs")
-        fin = get_field(body, "meta_info.finish_reason", url, path, self.name, (dict, str))
-        kind = fin.get("type") if isinstance(fin, dict) else fin
-        if kind not in FINISH_REASONS:
-            raise EngineError(f"SGLang server at {url} answered {path} with unknown meta_info.finish_reason {kind!r}")
-        if filtered and ids:
-            field = "meta_info.output_token_sampling_logprobs"
-            lps = get_field(body, field, url, path, self.name, list)
-            if len(lps) != len(ids) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
-                raise EngineError(f"SGLang server at {url} answered {path} with {len(lps)} {field} for {len(ids)} "
-                                  "tokens (top-k/top-p log-probs need SGLang 0.5.18 or later)")
-            lps = [float(x) for x in lps]
-        spans = meta.get("weight_versions")
-        labels = ([str(s.get("version")) for s in spans if isinstance(s, dict)] if isinstance(spans, list) and spans
-                  else ([str(meta["weight_version"])] if meta.get("weight_version") is not None else []))
-        gen = Generation(token_ids=ids, logprobs=lps, finish_reason=kind, versions=[])
+        gen, meta, labels = parse_generate_answer(body, url, rid, filtered, self.name)
         self.attach_records(gen, meta, url, num_prompt)
         return Answer(gen, url, labels)
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from glmlight.errors import ConfigError, EngineError
+from glmlight.rollout.base import Generation
 
 log = logging.getLogger(__name__)
 _DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, device, ...)
@@ -102,3 +103,37 @@ def pairs(entries: list, url: str, path: str, field: str) -> tuple[list[int], li
         ids.append(e[1])
         lps.append(float(e[0]))
     return ids, lps
+
+
+def parse_generate_answer(body: Any, url: str, rid: str, filtered: bool,
+                          name: str = "SGLang") -> tuple[Generation, dict, list[str]]:
+    """(generation without versions, meta_info, weight-version labels) of a /generate answer to `rid`;
+    `filtered`: the log-probs are meta_info.output_token_sampling_logprobs (top-k/top-p renormalised).
+    A body of another shape is one EngineError naming the field."""
+    from glmlight.rollout.http import get_field
+
+    path = "/generate"
+    meta = get_field(body, "meta_info", url, path, name, dict)
+    if not str(meta.get("id", rid)).startswith(rid):
+        raise EngineError(f"SGLang server at {url} answered request {rid} with meta_info.id {meta['id']!r}")
+    ids, lps = pairs(get_field(body, "meta_info.output_token_logprobs", url, path, name, list), url, path,
+                     "meta_info.output_token_logprobs")
+    out_ids = body.get("output_ids")
+    if out_ids is not None and list(out_ids) != ids:
+        raise EngineError(f"SGLang server at {url} answered {path} with output_ids that differ from "
+                          "meta_info.output_token_logprobs")
+    fin = get_field(body, "meta_info.finish_reason", url, path, name, (dict, str))
+    kind = fin.get("type") if isinstance(fin, dict) else fin
+    if kind not in FINISH_REASONS:
+        raise EngineError(f"SGLang server at {url} answered {path} with unknown meta_info.finish_reason {kind!r}")
+    if filtered and ids:
+        field = "meta_info.output_token_sampling_logprobs"
+        lps = get_field(body, field, url, path, name, list)
+        if len(lps) != len(ids) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
+            raise EngineError(f"SGLang server at {url} answered {path} with {len(lps)} {field} for {len(ids)} "
+                              "tokens (top-k/top-p log-probs need SGLang 0.5.18 or later)")
+        lps = [float(x) for x in lps]
+    spans = meta.get("weight_versions")
+    labels = ([str(s.get("version")) for s in spans if isinstance(s, dict)] if isinstance(spans, list) and spans
+              else ([str(meta["weight_version"])] if meta.get("weight_version") is not None else []))
+    return Generation(token_ids=ids, logprobs=lps, finish_reason=kind, versions=[]), meta, labels
