@@ -276,6 +276,18 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
     return merged
 
 
+def typed_entry(schema: type, spec: Any, where: str) -> DictConfig:
+    """`spec` (one entry of a free-form mapping such as eval.sets or algo.teachers) merged onto the
+    dataclass `schema`; an unknown key or a wrong type is one ConfigError naming `where`.key."""
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), spec)
+    except ConfigKeyError as e:
+        key = e.full_key or e.key
+        raise ConfigError(f"config error: unknown key '{where}.{key}'{_suggest(str(e.key), schema)}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config error: {where}.{getattr(e, 'full_key', '')}: {_first_line(str(e))}") from None
+
+
 def _check_eval_sets(cfg: DictConfig) -> None:
     """Type every eval.sets entry as an EvalSetConfig (one line naming the bad key)."""
     for name in list(cfg.eval.sets):
@@ -283,12 +295,7 @@ def _check_eval_sets(cfg: DictConfig) -> None:
         spec = cfg.eval.sets[name]
         if not isinstance(spec, DictConfig):
             raise ConfigError(f"config error: {where} must be a mapping with a path, got {spec!r}")
-        try:
-            typed = OmegaConf.merge(OmegaConf.structured(EvalSetConfig), spec)
-        except ConfigKeyError as e:
-            raise ConfigError(f"config error: unknown key '{where}.{e.key}'{_suggest(str(e.key), EvalSetConfig)}") from None
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"config error: {where}.{getattr(e, 'full_key', '')}: {_first_line(str(e))}") from None
+        typed = typed_entry(EvalSetConfig, spec, where)
         if OmegaConf.is_missing(typed, "path"):
             raise ConfigError(f"config error: {where}.path is required (a JSONL file like task.eval_path)")
         cfg.eval.sets[name] = typed

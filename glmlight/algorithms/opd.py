@@ -38,10 +38,9 @@ from typing import Any, Optional
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from glmlight.algorithms.base import RLModule
-from glmlight.config import AlgoConfig, WarmStartConfig
+from glmlight.config import AlgoConfig, typed_entry, WarmStartConfig
 from glmlight.errors import ConfigError, DataError, EngineError
 from glmlight.models.loading import load_causal_lm
 from glmlight.models.warm_start import supervised_warm_start
@@ -303,13 +302,7 @@ def parse_teachers(specs: Any) -> dict[str, TeacherConfig]:
         where = f"algo.teachers.{name}"
         if spec is None:
             continue
-        try:
-            merged = OmegaConf.merge(OmegaConf.structured(TeacherConfig), spec)
-        except ConfigKeyError as e:
-            raise ConfigError(f"config error: unknown key '{where}.{e.full_key or e.key}'") from None
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"config error: {where}.{e.full_key}: {str(e).strip().splitlines()[0]}") from None
-        tc = OmegaConf.to_object(merged)
+        tc = OmegaConf.to_object(typed_entry(TeacherConfig, spec, where))
         tc.domains = [str(d) for d in tc.domains]
         out[str(name)] = tc
     return out
