@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 import pytest
+import torch
 
 from glmlight.rollout.base import SamplingParams
 from glmlight.rollout.local import LocalEngine
@@ -88,6 +89,22 @@ def greedy(tokenizer: Any, n: int = 5) -> SamplingParams:
 def expected(ref: Any, ps: list[list[int]], sp: SamplingParams) -> list:
     """What the embedded engine answers to each prompt on its own."""
     return [ref.generate([p], sp)[0] for p in ps]
+
+
+def perturbed(model: Any, scale: float = 0.05, seed: int = 0) -> list:
+    """The model's weights plus seeded noise: an update whose answers differ from the model's."""
+    g = torch.Generator().manual_seed(seed)
+    return [(k, v + scale * torch.randn(v.shape, generator=g)) for k, v in model.state_dict().items()]
+
+
+def answers_of(model: Any, named: list, ps: list[list[int]], sp: SamplingParams) -> list:
+    """What the embedded engine answers with `named` loaded: the reference for a server after an update."""
+    engine = LocalEngine(model)
+    engine.update_weights(named, version=1)
+    try:
+        return expected(engine, ps, sp)
+    finally:
+        engine.close()
 
 
 def assert_same(got: list, want: list, served: list | None = None) -> None:

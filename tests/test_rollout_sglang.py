@@ -13,7 +13,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from glmlight.errors import ConfigError, EngineError
 from glmlight.rollout.base import SamplingParams
@@ -23,7 +22,8 @@ from glmlight.rollout.launch import free_port, server_processes
 from glmlight.rollout.local import LocalEngine
 from glmlight.rollout.sglang import SGLangEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
-    SGLangServer, assert_same, expected, greedy, launch_config, model, prompts, ref, standin_script)
+    SGLangServer, answers_of, assert_same, expected, greedy, launch_config, model, perturbed, prompts, ref,
+    standin_script)
 
 
 @pytest.fixture()
@@ -38,20 +38,6 @@ def make(url_or_urls, tmp_path, **kw) -> SGLangEngine:
     urls = [url_or_urls] if isinstance(url_or_urls, str) else url_or_urls
     return SGLangEngine(urls, http=http, ready_timeout_s=5, weight_sync_dir=str(tmp_path / "w"),
                         sync_backend="gloo", **kw)
-
-
-def perturbed(model, scale=0.05, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(k, v + scale * torch.randn(v.shape, generator=g)) for k, v in model.state_dict().items()]
-
-
-def answers_of(model, named, ps, sp):
-    engine = LocalEngine(model)
-    engine.update_weights(named, version=1)
-    try:
-        return expected(engine, ps, sp)
-    finally:
-        engine.close()
 
 
 def _generate_calls(server, start=0):

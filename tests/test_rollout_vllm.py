@@ -21,7 +21,8 @@ from glmlight.rollout.launch import PACKAGE_ROOT, free_port, server_processes
 from glmlight.rollout.local import LocalEngine
 from glmlight.rollout.vllm import EXTENSION, VLLMEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
-    VLLMServer, assert_same, expected, greedy, launch_config, model, prompts, ref, standin_script)
+    VLLMServer, answers_of, assert_same, expected, greedy, launch_config, model, perturbed, prompts, ref,
+    standin_script)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,20 +39,6 @@ def make(url, tmp_path, **kw) -> VLLMEngine:
     urls = [url] if isinstance(url, str) else url
     return VLLMEngine(urls, http=http, ready_timeout_s=5, weight_sync_dir=str(tmp_path / "w"),
                       sync_backend="gloo", **kw)
-
-
-def perturbed(model, scale=0.05, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(k, v + scale * torch.randn(v.shape, generator=g)) for k, v in model.state_dict().items()]
-
-
-def answers_of(model, named, ps, sp):
-    engine = LocalEngine(model)
-    engine.update_weights(named, version=1)
-    try:
-        return expected(engine, ps, sp)
-    finally:
-        engine.close()
 
 
 def test_generate_equals_embedded_engine_in_order(server, ref, tokenizer, tmp_path):
