@@ -47,7 +47,9 @@ ENV_VARS = {
 def interpreter(backend: str) -> str:
     """The server environment's Python, or skip saying how to get one."""
     python = os.environ.get(ENV[backend])
-    if not python:
+    if python == "":  # set, but to nothing: the environment's build failed (README: `export ...=$(...)`)
+        pytest.fail(f"{ENV[backend]} is set but empty: building the {backend} environment failed ({HOW[backend]})")
+    if python is None:
         pytest.skip(f"real {backend} server tests: set {ENV[backend]} to a Python that has {backend} "
                     f"installed ({HOW[backend]})")
     if not os.path.exists(python):
