@@ -26,7 +26,7 @@ from glmlight.errors import ConfigError
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.lora import apply_lora
-from glmlight.models.warm_start import supervised_warm_start
+from glmlight.models.warm_start import label_examples, supervised_warm_start
 from glmlight.rewards import build_reward
 from glmlight.rewards.base import RewardRunner
 from glmlight.rollout.factory import build_engine
@@ -224,7 +224,36 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
 def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource,
                make_datamodule: Any) -> str | None:
     """The supervised warm start (cached): on reference answers, or on the environment's expert episodes
-    through the task's own agent loop (model.warm_start.data)."""
+    through the task's own agent loop (model.warm_start.data); with model.warm_start.mix, the rows of
+    other tasks (each built as its own run would build it) in the same batches."""
+    identity, examples = _warm_start_rows(cfg, tokenizer, make_datamodule)
+    mix = []
+    for name in cfg.model.warm_start.mix:
+        other = _task_config(cfg, name)
+        other_source, _ = build_sources(other.task, other.seed)
+        reward = RewardRunner(build_reward(other.task.reward), other.task.reward_options)
+        other_identity, other_examples = _warm_start_rows(
+            other, tokenizer, _datamodule_factory(other, policy, tokenizer, other_source, reward))
+        mix.append((other_source, other_examples or label_examples(tokenizer)))
+        identity.setdefault("mix", []).append(other_identity)
+    return supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity, examples, mix)
+
+
+def _task_config(cfg: DictConfig, name: str) -> DictConfig:
+    """The config a run of task `name` (conf/task/<name>.yaml) would have, with this run's model, seed and
+    warm-start settings: what a warm-start mix entry trains on."""
+    from glmlight.cli import compose
+
+    try:
+        other = compose([f"task={name}"])
+    except Exception as e:  # noqa: BLE001 - Hydra's missing-config error: one line
+        raise ConfigError(f"config error: model.warm_start.mix: no task {name!r} in conf/task ({_root_cause(e)})") from None
+    other.model, other.seed = cfg.model, cfg.seed
+    return other
+
+
+def _warm_start_rows(cfg: DictConfig, tokenizer: Any, make_datamodule: Any) -> tuple[dict[str, Any], Any]:
+    """(the task's identity for the warm start's cache key, its row maker or None for reference answers)."""
     from glmlight.agents.expert import env_experts, expert_examples
 
     ws, task = cfg.model.warm_start, cfg.task
@@ -236,19 +265,19 @@ def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source:
     if ws.data == "expert" and not experts:
         raise ConfigError("config error: model.warm_start.data=expert needs an agent task whose environment "
                           "has an expert(messages, summarize) or experts() method")
-    examples = None
-    if experts:
-        identity["agent"] = OmegaConf.to_container(task.agent, resolve=True)
-        identity["max_context"] = cfg.rollout.max_context
-        identity["max_new_tokens"] = cfg.rollout.max_new_tokens
-        examples = expert_examples(make_datamodule, tokenizer, experts, task.agent.summary_prompt)
-    return supervised_warm_start(policy, tokenizer, source, ws, identity, examples)
+    if not experts:
+        return identity, None
+    identity["agent"] = OmegaConf.to_container(task.agent, resolve=True)
+    identity["max_context"] = cfg.rollout.max_context
+    identity["max_new_tokens"] = cfg.rollout.max_new_tokens
+    return identity, expert_examples(make_datamodule, tokenizer, experts, task.agent.summary_prompt)
 
 
 def _datamodule_options(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
     agent = cfg.task.agent
     return dict(env_factory=build_env_factory(agent), max_turns=agent.max_turns, compaction=compaction_options(agent),
-                vocab_size=max(policy.config.vocab_size, len(tokenizer)), turn_max_new_tokens=agent.max_new_tokens)
+                vocab_size=max(policy.config.vocab_size, len(tokenizer)), turn_max_new_tokens=agent.max_new_tokens,
+                agent_domains=list(agent.domains or ()))
 
 
 def _datamodule_factory(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource,

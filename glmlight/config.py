@@ -43,6 +43,10 @@ class WarmStartConfig:
     # What is trained on: "labels" = (prompt, reference answer) pairs; "expert" = the environment's expert
     # episodes through the task's own agent loop, loss on action tokens only; "auto" = expert for agent tasks.
     data: str = "auto"
+    # Other tasks (conf/task names) trained in the same pass: each step's batch also holds batch_size prompts
+    # of each, as that task's own warm start would train on them (labels or expert episodes). A multi-task
+    # supervised start, so that later RL stages find every format already learned (conf/pipeline/glm5.yaml).
+    mix: list[str] = field(default_factory=list)
     cache_dir: str = ".cache/glmlight"
 
 
@@ -321,6 +325,7 @@ CHOICES = {
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.old_logprobs": ("auto", "forward", "update"),
     "algo.replay": ("none", "routing", "index", "both"),
+    "algo.reward_placement": ("terminal", "turns"),
     "model.forward": ("auto", "glmlight", "transformers"),
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),

@@ -217,13 +217,18 @@ def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Ma
 
 def evaluation_summary(run: Any) -> dict[str, Any]:
     """The held-out evaluation at the stage's first and last evaluated RL steps (headline metrics:
-    pass rates, reward, tool calls, compactions), and the teachers' where the stage evaluated them."""
+    pass rates, reward, tool calls, compactions; each domain's pass rates for a set of several domains),
+    and the teachers' where the stage evaluated them."""
     history = next((cb.history for cb in run.trainer.callbacks if type(cb).__name__ == "HeldOutEval"), [])
     keep = ("pass@1", "greedy/pass_rate", "reward", "tool_calls_per_episode", "compactions_per_episode")
 
+    def wanted(name: str) -> bool:  # <set>/<metric> or, for a set of several domains, <set>/<domain>/<metric>
+        rest = name.split("/", 1)[-1]
+        return rest in keep or (rest.split("/", 1)[-1] in keep and not rest.startswith(("greedy/", "env/")))
+
     def pick(metrics: dict[str, float], prefix: str) -> dict[str, float]:
         return {k[len(prefix):]: round(v, 4) for k, v in metrics.items()
-                if k.startswith(prefix) and k[len(prefix):].split("/", 1)[-1] in keep and "/teacher/" not in k}
+                if k.startswith(prefix) and wanted(k[len(prefix):]) and "/teacher/" not in k}
 
     student = [(step, m) for step, m in history if not any(k.startswith("eval/teacher/") for k in m)]
     out: dict[str, Any] = {}
@@ -246,6 +251,7 @@ def prepare_distillation(p: PipelineConfig, name: str, cfg: DictConfig, manifest
 
     st = p.stages[name]
     teachers: dict[str, Any] = {}
+    agent: dict[str, Any] = {"env": None}  # an agent stage's prompts run as its episodes (task.agent.domains)
     train_rows: list[dict[str, Any]] = []
     eval_rows: list[dict[str, Any]] = []
     for src in st.distill_from:
@@ -257,6 +263,11 @@ def prepare_distillation(p: PipelineConfig, name: str, cfg: DictConfig, manifest
         domain = p.stages[src].domain or src
         teachers[src] = {"path": entry["output_checkpoint"], "domains": [domain]}
         src_cfg = stage_config(p, src)
+        if src_cfg.task.agent.env is not None:
+            if agent["env"] is not None:
+                raise ConfigError(f"config error: stage {name}: distill_from has more than one agent stage "
+                                  f"({agent['domains'][0]} and {domain}); one environment per distillation stage")
+            agent = {**OmegaConf.to_container(src_cfg.task.agent, resolve=True), "domains": [domain]}
         train, held_out = build_sources(src_cfg.task, src_cfg.seed)
         train_rows += _rows(train, st.prompts_per_teacher, domain)
         if held_out is not None:
@@ -268,7 +279,7 @@ def prepare_distillation(p: PipelineConfig, name: str, cfg: DictConfig, manifest
     os.makedirs(run_dir, exist_ok=True)
     task = {"name": f"{name}_mix", "source": "jsonl", "path": _write_jsonl(os.path.join(run_dir, "prompts.jsonl"), train_rows),
             "eval_path": _write_jsonl(os.path.join(run_dir, "eval_prompts.jsonl"), eval_rows) if eval_rows else None,
-            "agent": {"env": None}}
+            "agent": agent}
     cfg.task = OmegaConf.merge(cfg.task, task)
     cfg.algo.teachers = teachers
     cfg.algo.default_teacher = None

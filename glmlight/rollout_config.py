@@ -88,6 +88,9 @@ class AgentConfig:
     """Multi-turn episodes: set env to an Environment class (_target_) to turn the task into an agent task."""
 
     env: Optional[dict[str, Any]] = None
+    # The prompt domains (Prompt.domain) that run as episodes; the others stay single-turn, scored by
+    # task.reward (a mixed-domain prompt set, e.g. cross-stage distillation). Empty = every prompt.
+    domains: list[str] = field(default_factory=list)
     max_turns: int = 4
     max_new_tokens: Optional[int] = None  # tokens per turn; None = rollout.max_new_tokens
     # Context compaction (CompactionRL): summarise when the remaining budget falls below this.

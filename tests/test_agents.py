@@ -79,6 +79,24 @@ def test_env_crash_fails_the_sample_and_is_counted(tokenizer, tiny_model):
     assert dm.totals["dropped/failed"] + dm.totals["dropped/group_failed"] == dm.totals["produced"]
 
 
+def test_only_the_listed_domains_run_as_episodes(tokenizer, tiny_model):
+    """task.agent.domains: prompts of a listed domain are episodes of the environment (its reward); the
+    others are single-turn answers scored by the task's reward."""
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4)
+    dm = RolloutDataModule(LocalEngine(tiny_model), tokenizer, ArithmeticTask(seed=0), lambda s: 0.25, cfg,
+                           env_factory=lambda: ScriptedEnv(turns=2), max_turns=4, agent_domains=["agent"])
+    prompts = [Prompt(messages=[{"role": "user", "content": "2*3="}], label="6", domain=d)
+               for d in ("agent", "math", "agent")]
+    counts = Counter()
+    samples = dm.rollout(prompts, 2, counts)
+    by_domain = {d: [s for s in samples if s.metadata["domain"] == d] for d in ("agent", "math")}
+    assert len(by_domain["agent"]) == 4 and len(by_domain["math"]) == 2
+    assert all(s.metadata["turns"] == 2 and s.reward == 1.0 and 0 in s.loss_mask for s in by_domain["agent"])
+    assert all("turns" not in s.metadata and s.reward == 0.25 and set(s.loss_mask) == {1} for s in by_domain["math"])
+    assert counts["agent_turns"] == 8 and counts["produced"] == 6
+    assert len({s.group_id for s in samples}) == 3
+
+
 def test_turn_limit_and_context_budget_truncate(tokenizer, tiny_model):
     engine = LocalEngine(tiny_model)
     ep = AgentLoop(engine, tokenizer, lambda: ScriptedEnv(turns=10), _greedy, max_turns=2).run([_prompt()])[0]

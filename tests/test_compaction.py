@@ -133,10 +133,47 @@ def test_threshold_must_leave_room_for_the_summary(tokenizer):
         _loop(tokenizer, threshold=8)
 
 
-def _segment(n_actions, rollout_id, segment, reward=1.0):
+def _segment(n_actions, rollout_id, segment, reward=1.0, turn_rewards=None):
     return Sample(prompt_ids=[1], response_ids=[2] * n_actions, loss_mask=[1] * n_actions,
                   rollout_logprobs=[-1.0] * n_actions, versions=[0] * n_actions, reward=reward,
-                  rollout_id=rollout_id, segment=segment)
+                  rollout_id=rollout_id, segment=segment,
+                  metadata={} if turn_rewards is None else {"turn_rewards": turn_rewards})
+
+
+def test_turn_rewards_credit_each_turn_and_carry_the_rest_to_the_summary(tiny_model):
+    # One trajectory, R = 1 paid turn by turn: segment 0 (2 tokens: a turn paid 0.25 at 0, then a 1-token
+    # summary at 1), segment 1 (3 tokens, one turn paid 0.75 at 2). V = 0, γ = 1, λ0 = 2/3, λ1 = 7/9.
+    # reward_placement=turns: r(seg 0) = [0.25, 0.75] (the summary token carries what segment 1 earns),
+    # r(seg 1) = [0, 0, 0.75]. Local GAE with V = 0: seg 1 [λ1²·0.75, λ1·0.75, 0.75]; seg 0 [0.25 + λ0·0.75, 0.75],
+    # scaled by (γλ0)^3 = 8/27 as before. With "terminal" the 0.25 would reach segment 0's first token
+    # only through λ0 (λ0·1 = 2/3, against 0.25 + 0.5 = 0.75 here).
+    cfg = CompactionConfig(whiten_advantages=False, critic_freeze_attention=False, reward_placement="turns")
+    module = CompactionRL(cfg, tiny_model)
+    exp = Experience.collate([_segment(3, 7, 1, turn_rewards=[[2, 0.75]]), _segment(2, 7, 0, turn_rewards=[[0, 0.25]])],
+                             pad_token_id=0)
+    exp.values = torch.zeros_like(exp.loss_mask)
+    module.compute_advantages(exp)
+    l0, l1 = 2 / 3, 7 / 9
+    assert_close(exp.advantages, torch.tensor([[l1 * l1 * 0.75, l1 * 0.75, 0.75],
+                                               [(0.25 + l0 * 0.75) * 8 / 27, 0.75 * 8 / 27, 0.0]]))
+    # the critic's targets (λ = 1): the reward still to come at every token
+    assert_close(exp.returns, torch.tensor([[0.75, 0.75, 0.75], [1.0, 0.75, 0.0]]))
+
+
+def test_the_agent_loop_records_each_paid_turn_on_its_last_action_token(tokenizer):
+    loop, _ = _loop(tokenizer, max_context=200, threshold=26)  # room for the whole episode: one segment
+    class Paying(Echo):
+        def step(self, action):
+            r = super().step(action)
+            return StepResult(r.observation, reward=0.5 if self.t % 2 else 0.0, done=r.done)
+    loop.env_factory = lambda: Paying(4)
+    ep = loop.run([Prompt(messages=[{"role": "user", "content": "go"}])])[0]
+    (s,) = episode_to_samples(ep, 0, 0)
+    paid = s.metadata["turn_rewards"]
+    assert [r for _, r in paid] == [0.5, 0.5] and s.reward == 1.0  # turns 1 and 3
+    for pos, _ in paid:  # the last token of the action that was paid: an action token followed by an observation
+        assert s.loss_mask[pos] == 1 and s.loss_mask[pos + 1] == 0
+    assert s.response_ids[paid[0][0]] == tokenizer.eos_token_id
 
 
 def test_cross_trajectory_gae_by_hand(tokenizer, tiny_model):

@@ -25,7 +25,9 @@ def _config(tmp_path, *extra):
     return load_config(overrides=[f"pipeline.dir={tmp_path}/pipe", "pipeline.common=" + json.dumps(common),
                                   f"pipeline.stages.general.merge.task.reward.components.digits={DENSE}",
                                   "pipeline.stages.opd.prompts_per_teacher=8",
-                                  "pipeline.stages.opd.eval_prompts_per_teacher=2", *extra])
+                                  "pipeline.stages.opd.eval_prompts_per_teacher=2",
+                                  # the shipped first stage's multi-task warm start is 150 steps: none here
+                                  "pipeline.stages.reasoning.overrides=[algo=grpo,task=arithmetic]", *extra])
 
 
 def _metrics(run_dir):
@@ -49,9 +51,8 @@ def test_pipeline_end_to_end_resume_and_skip(tmp_path, tokenizer):
     for prev, cur in (("reasoning", "agentic"), ("agentic", "general"), ("general", "opd")):
         assert stages[cur]["input_checkpoint"] == stages[prev]["output_checkpoint"]
         assert "model.warm_start.steps=0" in stages[cur]["overrides"]
-    # the agentic stage keeps its own (format) warm start: only the common overrides turn it off here
-    assert stages["agentic"]["overrides"].count("model.warm_start.steps=0") == 1
-    assert stages["general"]["overrides"].count("model.warm_start.steps=0") == 2
+    # every later stage starts from its input as it is (the first stage's warm start trained all formats)
+    assert all(stages[s]["overrides"].count("model.warm_start.steps=0") == 2 for s in ("agentic", "general", "opd"))
     assert stages["reasoning"]["evaluation"] == {}  # this test runs without the held-out evaluation
     for s in manifest["stages"]:
         assert s["started_at"] <= s["finished_at"] and os.path.isdir(s["output_checkpoint"])
@@ -77,6 +78,9 @@ def test_pipeline_end_to_end_resume_and_skip(tmp_path, tokenizer):
     assert sorted(domains) == ["agent"] * 8 + ["general"] * 8 + ["math"] * 8
     rows = [r for r in _metrics(stages["opd"]["run_dir"]) if r.get("opd/reverse_kl")]
     assert len(rows) == 2
+    # the agent stage's prompts run as its episodes (its environment, domain 'agent' only); the others single-turn
+    episodes = [r for r in _metrics(stages["opd"]["run_dir"]) if r.get("rollout/tool_calls_per_episode")]
+    assert episodes and all(0 < float(r["rollout/turns_per_episode"]) for r in episodes)
     for r in rows:
         assert sum(float(r[f"opd/frac/{t}"]) for t in teachers) == pytest.approx(1.0)
 
@@ -127,3 +131,23 @@ def test_pipeline_cli_one_line_error(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "pipeline.skip names 'nope'" in out.stderr
+
+
+def test_stage_summary_keeps_each_domains_pass_rates():
+    """The manifest's evaluation of a stage over several domains (cross-stage OPD) has each domain's pass
+    rates beside the whole set's, so a student can be read against each teacher on its own domain."""
+    from types import SimpleNamespace
+
+    from glmlight.pipeline import evaluation_summary
+
+    class HeldOutEval:
+        history = [(0, {"eval/heldout/pass@1": 0.5, "eval/heldout/math/pass@1": 0.4, "eval/heldout/pass@8": 0.9,
+                        "eval/heldout/math/greedy/pass_rate": 0.3, "eval/heldout/greedy/env/correct": 1.0}),
+                   (0, {"eval/teacher/math/heldout/pass@1": 0.8}),
+                   (10, {"eval/heldout/pass@1": 0.6, "eval/heldout/math/pass@1": 0.7})]
+
+    out = evaluation_summary(SimpleNamespace(trainer=SimpleNamespace(callbacks=[HeldOutEval()])))
+    assert out["first"] == {"rl_step": 0, "heldout/pass@1": 0.5, "heldout/math/pass@1": 0.4,
+                            "heldout/math/greedy/pass_rate": 0.3}
+    assert out["last"] == {"rl_step": 10, "heldout/pass@1": 0.6, "heldout/math/pass@1": 0.7}
+    assert out["teachers"] == {"eval/teacher/math/heldout/pass@1": 0.8}

@@ -6,7 +6,7 @@ from torch.testing import assert_close
 
 import glmlight
 from glmlight.algorithms.sao import RunningMeanStd, SAO
-from glmlight.ops.value import terminal_rewards, value_loss
+from glmlight.ops.value import segment_terminals, terminal_rewards, turn_rewards, value_loss
 from tests.conftest import overrides_for_tests
 from glmlight import compose
 
@@ -15,6 +15,19 @@ def test_terminal_rewards_on_last_action_token():
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
     out = terminal_rewards(torch.tensor([2.0, 5.0, -1.0]), mask)
     assert_close(out, torch.tensor([[0.0, 0.0, 0.0, 2.0, 0.0], [0.0] * 5, [-1.0, 0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_turn_rewards_by_hand():
+    # row 0: action tokens at 0, 1, 3 (2 is an observation); turns paid 0.25 at 1 and 0.5 at 3, 0.1 left at the end
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
+    out = turn_rewards(mask, [[(1, 0.25), (3, 0.5)], []], [0.1, 2.0])
+    assert_close(out, torch.tensor([[0.0, 0.25, 0.0, 0.6, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="not on an action token"):
+        turn_rewards(mask, [[(2, 1.0)], []], [0.0, 0.0])  # an observation token
+    # a trajectory of 3 segments whose turns were paid 0.25, 0.5, 0 of R = 1: each segment ends with what
+    # the rest of the trajectory earns (0.75, 0.25) and the last with what no turn was paid (0.25)
+    assert segment_terminals(1.0, [0.25, 0.5, 0.0]) == [0.75, 0.25, 0.25]
+    assert segment_terminals(2.0, []) == []
 
 
 def test_value_loss_and_clipping_by_hand():

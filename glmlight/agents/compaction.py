@@ -80,7 +80,7 @@ class CompactingAgentLoop(AgentLoop):
     def resume(self, ep: Episode, summary_ids: list[int]) -> None:
         """Close the current segment and continue from the resume prompt."""
         ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
-                                   ep.routed_experts, ep.indexer_topk))
+                                   ep.routed_experts, ep.indexer_topk, ep.turn_rewards))
         ep.summary_lengths.append(len(summary_ids))  # the segment's last action tokens are its summary
         k = min(self.keep_last_steps, len(ep.steps))
         prompt = self.resume_prompt(ep, summary_ids, k)
@@ -89,6 +89,7 @@ class CompactingAgentLoop(AgentLoop):
             prompt = self.resume_prompt(ep, summary_ids, k)
         ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions = prompt, [], [], [], []
         ep.routed_experts = ep.indexer_topk = None  # the new segment's records start with its prompt
+        ep.turn_rewards = []
         ep.records_lost, ep.record_turns = False, 0
         ep.steps = ep.steps[len(ep.steps) - k:] if k else []
         ep.info["compactions"] = ep.info.get("compactions", 0) + 1

@@ -75,6 +75,8 @@ class Episode:
     indexer_topk: Any = None
     records_lost: bool = False  # a turn came without the records the others have: the segment has none
     record_turns: int = 0  # turns of the current segment whose records were added
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)  # (response index of the turn's last
+    # action token, the environment's reward for that turn) in the current segment; algo.reward_placement=turns
 
     @property
     def context(self) -> list[int]:
@@ -120,6 +122,7 @@ class Segment:
     versions: list[int]
     routed_experts: Any = None  # replay records (Episode)
     indexer_topk: Any = None
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)  # (Episode.turn_rewards)
 
 
 class AgentLoop:
@@ -190,6 +193,8 @@ class AgentLoop:
             log.warning("environment %s: %s", type(ep.env).__name__, problem)
             return
         ep.reward += float(result.reward)
+        if result.reward and g.token_ids:  # paid for this turn: on its last action token (reward_placement=turns)
+            ep.turn_rewards.append((len(ep.response_ids) - 1, float(result.reward)))
         ep.info.update(result.info)
         if result.done:
             ep.finish(Status.COMPLETED)
@@ -219,10 +224,11 @@ def episode_to_samples(ep: Episode, group_id: int, rollout_id: int) -> list[Samp
     if ep.error:
         meta["env_error"] = ep.error
     parts = ep.segments + [Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
-                                   ep.routed_experts, ep.indexer_topk)]
+                                   ep.routed_experts, ep.indexer_topk, ep.turn_rewards)]
     reward = None if ep.status is Status.FAILED else ep.reward
     return [Sample(prompt_ids=p.prompt_ids, response_ids=p.response_ids, loss_mask=p.loss_mask,
                    rollout_logprobs=p.logprobs, versions=p.versions, reward=reward, status=ep.status,
-                   group_id=group_id, rollout_id=rollout_id, segment=i, metadata=dict(meta),
+                   group_id=group_id, rollout_id=rollout_id, segment=i,
+                   metadata={**meta, "turn_rewards": [list(t) for t in p.turn_rewards]},
                    routed_experts=p.routed_experts, indexer_topk=p.indexer_topk)
             for i, p in enumerate(parts)]

@@ -20,7 +20,6 @@ import torch
 from glmlight.algorithms.sao import SAO, SAOConfig
 from glmlight.data.groups import trajectories
 from glmlight.ops.gae import cross_trajectory_gae, segment_lambda, skip_observation_gae
-from glmlight.ops.value import terminal_rewards
 from glmlight.ranges import ranges
 from glmlight.registry import register_algorithm
 from glmlight.sample import Experience
@@ -44,7 +43,7 @@ class CompactionRL(SAO):
     def compute_advantages(self, batch: Experience) -> None:
         cfg, mask = self.cfg, batch.action_mask
         values = self._denormalize(batch.values) * mask
-        rewards = terminal_rewards(batch.rewards, mask)
+        rewards = self.token_rewards(batch, mask)
         lengths = mask.sum(-1)
         lam = torch.tensor([segment_lambda(max(float(n), 1.0), cfg.segment_alpha) for n in lengths.tolist()])
         local, _ = skip_observation_gae(rewards, values, mask, cfg.gamma, lam.to(mask.device))

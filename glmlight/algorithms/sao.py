@@ -23,7 +23,7 @@ from glmlight.distributed import global_moments
 from glmlight.models.lora import frozen_backbone, is_lora
 from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_scale, masked_whiten, skip_observation_gae
 from glmlight.ops.reduce import masked_mean
-from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
+from glmlight.ops.value import merge_moments, segment_terminals, terminal_rewards, turn_rewards, value_loss
 from glmlight.ranges import ranges
 from glmlight.registry import register_algorithm
 from glmlight.sample import Experience
@@ -46,6 +46,10 @@ class SAOConfig(AlgoConfig):
     lambda_alpha: float = 1.5  # λ_policy = 1 − 1/(α·l): SAO's α (VAPO's is 0.05; see ops.gae.adaptive_lambda)
     lambda_critic: float = 1.0
     whiten_advantages: bool = True
+    # Where the environment's rewards go on the tokens: "terminal" = the episode's reward on its last action
+    # token; "turns" = each turn's reward (multi-turn environments that pay per turn) on that turn's last
+    # token and the rest at the end (ops.value.turn_rewards): credit where it was earned.
+    reward_placement: str = "terminal"
 
 
 ranges(SAOConfig, critic_lr=">= 0", critic_updates=">= 1", critic_warmup_steps=">= 0", value_clip="> 0",
@@ -156,9 +160,30 @@ class SAO(RLModule):
             batch.values = self.per_row(batch, self.critic_values)
             self.critic.train()
 
+    def token_rewards(self, batch: Experience, mask: torch.Tensor) -> torch.Tensor:
+        """r_t [B, T] as `reward_placement` says. With "turns", each segment of a trajectory (the samples of
+        one rollout_id) gets its turns' rewards where they were paid and, at its last action token, the
+        rest of the trajectory's reward (`segment_terminals`): later segments' turns and what no turn was
+        paid. Samples without turn rewards (single-turn tasks) get their reward at the end, as "terminal"."""
+        if self.cfg.reward_placement == "terminal":
+            return terminal_rewards(batch.rewards, mask)
+        placed = [s.metadata.get("turn_rewards", ()) for s in batch.samples]
+        rows: dict[tuple[int, int], dict[int, list[int]]] = {}  # trajectory -> segment -> rows (padding repeats rows)
+        for i, s in enumerate(batch.samples):
+            rows.setdefault((s.group_id, s.rollout_id), {}).setdefault(s.segment, []).append(i)
+        ends = [0.0] * len(batch.samples)
+        for segments in rows.values():
+            order = sorted(segments)
+            total = float(batch.rewards[segments[order[0]][0]])
+            own = [sum(r for _, r in placed[segments[k][0]]) for k in order]
+            for k, end in zip(order, segment_terminals(total, own)):
+                for i in segments[k]:
+                    ends[i] = end
+        return turn_rewards(mask, placed, ends)
+
     def compute_advantages(self, batch: Experience) -> None:
         cfg, mask = self.cfg, batch.action_mask
-        rewards = terminal_rewards(batch.rewards, mask)
+        rewards = self.token_rewards(batch, mask)
         values = self._denormalize(batch.values) * mask
         lengths = mask.sum(-1).clamp(min=1)
         lam = adaptive_lambda(lengths, cfg.lambda_alpha)

@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -53,10 +53,12 @@ class RolloutDataModule(pl.LightningDataModule):
                  rank: int = 0, world_size: int = 1, env_factory: Callable[[], Any] | None = None,
                  max_turns: int = 4, compaction: dict[str, Any] | None = None, vocab_size: int | None = None,
                  eval_sets: dict[str, PromptSource | evaluation.EvalSet] | None = None,
-                 eval_cfg: EvalConfig | None = None, turn_max_new_tokens: int | None = None):
+                 eval_cfg: EvalConfig | None = None, turn_max_new_tokens: int | None = None,
+                 agent_domains: Iterable[str] = ()):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
         self.env_factory, self.max_turns = env_factory, max_turns
+        self.agent_domains = frozenset(agent_domains)  # with env_factory: only these domains are episodes (empty: all)
         self.turn_max_new_tokens = turn_max_new_tokens  # agent turns: tokens per turn (None: cfg.max_new_tokens)
         self.compaction = compaction  # CompactingAgentLoop options, or None
         self.vocab_size = vocab_size  # engine answers with ids outside [0, vocab_size) are FAILED
@@ -149,23 +151,33 @@ class RolloutDataModule(pl.LightningDataModule):
         t0 = time.perf_counter()
         engine = self.engine if engine is None else engine
         ids = self.stream if ids is None else ids
-        samples = self._episodes(prompts, n, counts, greedy, engine, ids) if self.env_factory else \
-            self._single_turn(prompts, n, counts, greedy, engine, ids)
-        counts["rollout_seconds"] += time.perf_counter() - t0
-        counts["produced"] += len(samples)
-        counts["rollout_tokens"] += sum(s.num_action_tokens for s in samples)
-        if not self.env_factory:
-            counts["engine_failed"] += sum(s.status is Status.FAILED for s in samples)
+        episodic = [p for p in prompts if self.is_episode(p)]
+        single = [p for p in prompts if not self.is_episode(p)]
+        samples, reward_seconds = [], 0.0
+        if episodic:
+            episodes = self._episodes(episodic, n, counts, greedy, engine, ids)
+            counts["env_failed"] += sum(s.status is Status.FAILED for s in episodes)
+            counts["env_aborted"] += sum(s.status is Status.ABORTED for s in episodes)
+            samples += episodes
+        if single:
+            answers = self._single_turn(single, n, counts, greedy, engine, ids)
+            counts["engine_failed"] += sum(s.status is Status.FAILED for s in answers)
             t1 = time.perf_counter()
-            scored = score_samples(self.reward_fn, samples)
-            counts["reward_seconds"] += time.perf_counter() - t1
+            scored = score_samples(self.reward_fn, answers)
+            reward_seconds = time.perf_counter() - t1
+            counts["reward_seconds"] += reward_seconds
             counts["reward_failed"] += scored["failed"]
             counts["reward_timeout"] += scored["timeout"]
-        else:
-            counts["env_failed"] += sum(s.status is Status.FAILED for s in samples)
-            counts["env_aborted"] += sum(s.status is Status.ABORTED for s in samples)
+            samples += answers
+        counts["rollout_seconds"] += time.perf_counter() - t0 - reward_seconds
+        counts["produced"] += len(samples)
+        counts["rollout_tokens"] += sum(s.num_action_tokens for s in samples)
         apply_overlong(samples, self.cfg.overlong, self.cfg.max_new_tokens, self.cfg.overlong_cache, counts)
         return samples
+
+    def is_episode(self, prompt: Prompt) -> bool:
+        """Whether `prompt` runs as an agent episode (an environment, and its domain listed or none listed)."""
+        return self.env_factory is not None and (not self.agent_domains or prompt.domain in self.agent_domains)
 
     def _single_turn(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool, engine: RolloutEngine,
                      id_source: Any) -> list[Sample]:

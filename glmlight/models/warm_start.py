@@ -99,14 +99,21 @@ def batch_prompts(source: PromptSource, step: int, batch_size: int) -> list[Prom
 
 
 def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: PromptSource, cfg: WarmStartConfig,
-                          task_identity: dict[str, Any], examples: ExampleFn | None = None) -> str | None:
+                          task_identity: dict[str, Any], examples: ExampleFn | None = None,
+                          mix: list[tuple[PromptSource, ExampleFn]] = ()) -> str | None:
     """Train `model` in place for `cfg.steps` batches (or load the cached result). Returns the cache path.
 
-    `examples` turns each step's prompts into training rows (default: `label_examples`)."""
+    `examples` turns each step's prompts into training rows (default: `label_examples`). `mix`: more
+    (source, examples) pairs, other tasks whose rows join every step's batch (`cfg.batch_size` prompts
+    of each): one supervised pass over several formats at once."""
     if cfg.steps <= 0:
         return None
-    make = examples or label_examples(tokenizer)
-    first = make(batch_prompts(source, 0, cfg.batch_size))
+    parts = [(source, examples or label_examples(tokenizer)), *mix]
+
+    def make_rows(step: int) -> list[Example]:
+        return [row for src, make in parts for row in make(batch_prompts(src, step, cfg.batch_size))]
+
+    first = make_rows(0)
     key = warm_start_key(model, cfg, task_identity, _fingerprint(first))
     path = os.path.join(cfg.cache_dir, f"warm_start-{key}.safetensors")
     if os.path.exists(path):
@@ -121,7 +128,7 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: Prompt
     model.train()
     losses = []
     for step in range(cfg.steps):
-        rows = first if step == 0 else make(batch_prompts(source, step, cfg.batch_size))
+        rows = first if step == 0 else make_rows(step)
         loss = masked_lm_loss(model, rows, tokenizer.pad_token_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()

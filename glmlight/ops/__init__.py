@@ -14,6 +14,8 @@ gae          gae                       generalised advantage estimation, (advant
              masked_scale              x / std over mask tokens (no mean shift)
              explained_variance        1 − Var[R − V] / Var[R] over mask tokens
 value        terminal_rewards          a sequence's reward on its last action token, [B, T]
+             turn_rewards              rewards paid per turn on their turns' last tokens, the rest at the end
+             segment_terminals         what each segment of a trajectory carries at its end (later segments' rewards)
              value_loss                ½·(V − R)² with optional PPO value clipping
              merge_moments             running mean / variance after one more batch
 policy_loss  ppo_clip_loss             PPO clip with clip-higher (DAPO) and dual clip
@@ -68,7 +70,7 @@ from glmlight.ops.policy_loss import PolicyLossOutput, ppo_clip_loss
 from glmlight.ops.quant import dequantize_fp8_block, quantize_fp8_block
 from glmlight.ops.reduce import aggregate_loss, masked_mean
 from glmlight.ops.schedule import lr_lambda
-from glmlight.ops.value import merge_moments, terminal_rewards, value_loss
+from glmlight.ops.value import merge_moments, segment_terminals, terminal_rewards, turn_rewards, value_loss
 
 __all__ = [
     "CorrectionResult", "PolicyLossOutput", "adaptive_lambda", "aggregate_loss", "cross_trajectory_gae",
@@ -77,6 +79,6 @@ __all__ = [
     "masked_mean", "masked_scale", "masked_whiten", "mean_pass_at_k", "merge_moments", "mismatch_metrics",
     "mismatch_sums", "mix_outcome_advantages", "opd_advantages", "pass_at_k", "ppo_clip_loss",
     "quantize_fp8_block", "reduce_mismatch_sums", "rejection_sampling", "reverse_kl", "segment_lambda",
-    "skip_observation_gae", "soft_overlong_penalty", "terminal_rewards", "token_agreement", "topk_agreement",
-    "topk_mask", "topk_recent", "truncated_is", "value_loss",
+    "segment_terminals", "skip_observation_gae", "soft_overlong_penalty", "terminal_rewards", "token_agreement", "topk_agreement",
+    "topk_mask", "topk_recent", "truncated_is", "turn_rewards", "value_loss",
 ]

@@ -1,4 +1,4 @@
-"""Critic-side math: terminal rewards on tokens and the (clipped) value loss."""
+"""Critic-side math: rewards on tokens (terminal or per turn) and the (clipped) value loss."""
 
 from __future__ import annotations
 
@@ -16,6 +16,35 @@ def terminal_rewards(rewards: torch.Tensor, action_mask: torch.Tensor) -> torch.
     out = torch.zeros_like(action_mask, dtype=torch.float32)
     has = last >= 0
     out[has.nonzero().squeeze(-1), last[has]] = rewards[has].float()
+    return out
+
+
+def turn_rewards(action_mask: torch.Tensor, placed: list, terminal: list[float]) -> torch.Tensor:
+    """Rewards on tokens [B, T] for rewards paid turn by turn: row i gets each (position, reward) of
+    `placed[i]` at that response position (an action token: the last token of the turn it paid) and
+    `terminal[i]` added at its last action token. With nothing placed this is
+    `terminal_rewards(terminal, action_mask)`; with γ = 1 the return at every token is the reward the
+    rest of the row (and, through `terminal`, the rest of the trajectory) earns."""
+    out = terminal_rewards(torch.tensor(terminal, dtype=torch.float32, device=action_mask.device), action_mask)
+    T = action_mask.shape[1]
+    for i, row in enumerate(placed):
+        for pos, r in row:
+            if not 0 <= pos < T or action_mask[i, pos] == 0:
+                raise ValueError(f"row {i}: a turn reward at response position {pos} is not on an action token")
+            out[i, pos] += float(r)
+    return out
+
+
+def segment_terminals(total: float, own: list[float]) -> list[float]:
+    """What each segment of one trajectory carries at its last action token when its turns' rewards sit on
+    their own tokens: segment k's terminal is R − Σ_{j<=k} own_j, the rewards of every later segment
+    plus the part of the trajectory's reward R that no turn was paid (an outcome bonus, length shaping).
+    The segments' rewards then sum to R, and the return at a segment's last token is what the rest of
+    the trajectory earns (a summary's return is what the segments it opens earn)."""
+    out, paid = [], 0.0
+    for o in own:
+        paid += float(o)
+        out.append(float(total) - paid)
     return out
 
 
