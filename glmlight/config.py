@@ -326,6 +326,7 @@ CHOICES = {
     "algo.old_logprobs": ("auto", "forward", "update"),
     "algo.replay": ("none", "routing", "index", "both"),
     "algo.reward_placement": ("terminal", "turns"),
+    "algo.distill_loss": ("sampled", "full"),
     "model.forward": ("auto", "glmlight", "transformers"),
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),

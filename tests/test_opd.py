@@ -15,7 +15,7 @@ from glmlight.config import validate
 from glmlight.errors import ConfigError, DataError
 from glmlight.models.loading import load_causal_lm, save_checkpoint
 from glmlight.ops.advantages import group_advantages
-from glmlight.ops.distill import mix_outcome_advantages, opd_advantages, reverse_kl
+from glmlight.ops.distill import full_reverse_kl, mix_outcome_advantages, opd_advantages, reverse_kl
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.sample import Experience, Sample
 from tests.conftest import encode, overrides_for_tests
@@ -37,6 +37,28 @@ def test_opd_advantage_by_hand():
     assert torch.allclose(reverse_kl(student, teacher, mask, dim=-1), torch.tensor([0.25, -6.5 / 3]))
     with pytest.raises(ValueError, match="shapes differ"):
         opd_advantages(teacher[:, :2], student, mask)
+
+
+def test_full_reverse_kl_by_hand():
+    # student logits [0, 0] -> p = (1/2, 1/2); teacher [ln 3, 0] -> q = (3/4, 1/4):
+    # KL(p || q) = 1/2 ln(2/3) + 1/2 ln 2 = 0.143841; at temperature 2 the teacher is (√3, 1)/(√3 + 1).
+    student = torch.zeros(1, 2, 2, requires_grad=True)
+    teacher = torch.tensor([[[torch.log(torch.tensor(3.0)), 0.0], [0.0, 0.0]]])
+    mask = torch.tensor([[1.0, 0.0]])
+    kl = full_reverse_kl(student, teacher, mask)
+    assert kl[0, 0].item() == pytest.approx(0.5 * torch.log(torch.tensor(2 / 3)).item() + 0.5 * torch.log(torch.tensor(2.0)).item())
+    assert kl[0, 1].item() == 0.0
+    q = torch.tensor([3 ** 0.5, 1.0]) / (3 ** 0.5 + 1)
+    assert full_reverse_kl(student, teacher, mask, teacher_temperature=2.0)[0, 0].item() == pytest.approx(
+        float((0.5 * (torch.log(torch.tensor(0.5)) - q.log())).sum()), rel=1e-5)
+    # its gradient is the reverse KL's: d/dz_v = p_v (log p_v − log q_v − KL); the teacher gets none
+    kl[0, 0].backward()
+    p = torch.tensor([0.5, 0.5])
+    log_ratio = p.log() - torch.tensor([0.75, 0.25]).log()
+    assert torch.allclose(student.grad[0, 0], p * (log_ratio - (p * log_ratio).sum()), atol=1e-6)
+    assert torch.all(student.grad[0, 1] == 0)
+    with pytest.raises(ValueError, match="do not match"):
+        full_reverse_kl(student, teacher[:, :1], mask)
 
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -195,6 +217,48 @@ def test_orm_term_with_one_sample_per_prompt_is_the_raw_reward(tokenizer, tiny_m
     assert batch.stats["opd/orm_advantage_abs_mean"] > 0
 
 
+def test_full_distill_loss_is_the_exact_kl_to_each_rows_teacher(tokenizer, tiny_model, teacher_dirs):
+    """distill_loss=full: the extra loss is opd_coef · the token mean of the exact reverse KL to each row's own
+    teacher; the advantages keep only the outcome term (none here)."""
+    teachers = {"A": {"path": teacher_dirs["A"], "domains": ["math"]}, "B": {"path": teacher_dirs["B"], "domains": ["agent"]}}
+    module = _module(tiny_model, teachers=teachers, distill_loss="full", opd_coef=2.0)
+    batch = _batch(tokenizer, ["math", "agent", "agent"])
+    module.prepare_experience(batch)
+    module.compute_advantages(batch)
+    assert torch.all(batch.advantages == 0)
+    logits = module.forward_logits(module.policy, batch)
+    scale = {"total_tokens": float(batch.loss_mask.sum()), "num_sequences": 3.0}
+    loss, stats = module.extra_loss(batch, logits, None, batch.loss_mask, scale)
+    models = {n: load_causal_lm(p, None).eval() for n, p in teacher_dirs.items()}
+    expected = 0.0
+    for i, name in enumerate(["A", "B", "B"]):
+        row = batch.select([i])
+        with torch.no_grad():
+            t = module.forward_logits(models[name], row)
+        expected = expected + full_reverse_kl(logits[i:i + 1], t, row.loss_mask).sum()
+    assert loss.item() == pytest.approx(2.0 * expected.item() / scale["total_tokens"], rel=1e-5)
+    assert stats["opd/full_reverse_kl"].item() == pytest.approx(expected.item() / scale["total_tokens"], rel=1e-5)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.policy.parameters())
+    assert all(p.grad is None for m in models.values() for p in m.parameters())
+    module.teardown("fit")
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"teachers": {"E": {"path": "/x", "serve": "engine"}}}, "served by an engine"),
+    ({"teachers": {"E": {"engine": {"_target_": "x.Y"}}}}, "served by an engine"),
+])
+def test_full_distill_loss_needs_trainer_side_teachers(tiny_model, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        _module(tiny_model, distill_loss="full", **extra)
+
+
+def test_full_distill_loss_refuses_top_k(tiny_model, teacher_dirs):
+    cfg = validate({"algo": {"name": "opd", "distill_loss": "full", "teachers": {"A": {"path": teacher_dirs["A"]}}}}).algo
+    with pytest.raises(ConfigError, match="top_k=0"):
+        OPD(cfg, tiny_model, temperature=1.0, top_k=5, max_new_tokens=4, pad_token_id=0)
+
+
 # ------------------------------------------------------------------------------------------ the real loop
 def _metrics(tmp_path):
     with open(glob.glob(os.path.join(str(tmp_path), "csv", "*", "metrics.csv"))[0]) as f:
@@ -216,6 +280,18 @@ def test_opd_fit_builtin_teacher_with_icepop(tmp_path):
     assert len(rows) == 2 and all(r["opd/frac/tiny150"] == "1.0" and r["icepop/popped_frac"] for r in rows)
     ckpt = torch.load(os.path.join(str(tmp_path), "checkpoints", "last.ckpt"), weights_only=False)
     assert all(k.startswith("policy.") for k in ckpt["state_dict"])  # the teacher is not checkpointed
+
+
+def test_opd_fit_full_distill_loss(tmp_path, teacher_dirs):
+    """The real loop with distill_loss=full: the student trains on the exact KL to its checkpoint teacher."""
+    run = glmlight.build(compose(overrides_for_tests(
+        tmp_path, "algo=opd", "~algo.teachers.tiny150", "algo.default_teacher=null", "algo.distill_loss=full",
+        f"+algo.teachers.A={{path:{teacher_dirs['A']}}}", "~callbacks.held_out_eval", "~callbacks.sample_table")))
+    before = {k: v.clone() for k, v in run.module.policy.state_dict().items()}
+    run.fit()
+    assert any(not torch.equal(before[k], v) for k, v in run.module.policy.state_dict().items())
+    rows = [r for r in _metrics(tmp_path) if r.get("opd/full_reverse_kl")]
+    assert len(rows) == 2 and all(float(r["opd/full_reverse_kl"]) > 0 for r in rows)
 
 
 def test_opd_fit_checkpoint_teachers_orm_and_dis(tmp_path, teacher_dirs):

@@ -45,7 +45,8 @@ from glmlight.errors import ConfigError, DataError, EngineError
 from glmlight.models.loading import load_causal_lm
 from glmlight.models.warm_start import supervised_warm_start
 from glmlight.ops.advantages import group_advantages
-from glmlight.ops.distill import mix_outcome_advantages, opd_advantages, reverse_kl
+from glmlight.ops.distill import full_reverse_kl, mix_outcome_advantages, opd_advantages, reverse_kl
+from glmlight.ops.reduce import aggregate_loss
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.ops.reduce import masked_mean
 from glmlight.ranges import ranges
@@ -81,6 +82,11 @@ class OPDConfig(AlgoConfig):
     # The temperature of the teachers' log-probs; None = the rollout temperature, the student's (both
     # sides then score the same tempered distribution; top-k / top-p apply to the student's sampling only).
     teacher_temperature: Optional[float] = None
+    # How the teacher's judgement enters the loss: "sampled" = GLM-5 Eq. 2, the per-token advantage
+    # opd_coef·(log π_T − log π_S) of the sampled token through the policy loss; "full" = the exact reverse KL
+    # over the whole vocabulary at every action position (ops.distill.full_reverse_kl, GKD), opd_coef times
+    # it added to the loss: no sampling noise per token. "full" needs trainer-side teachers (their logits).
+    distill_loss: str = "sampled"
     orm_coef: float = 0.0  # α: add α·(group-normalised outcome advantage); a group of one keeps its raw R
     orm_normalize_std: bool = True  # outcome advantage: GRPO (true) or Dr.GRPO (false)
 
@@ -170,6 +176,15 @@ class OPD(RLModule):
         self.teacher_temperature = cfg.teacher_temperature if cfg.teacher_temperature is not None else self.temperature
         if self.teacher_temperature <= 0:
             raise ConfigError(f"config error: algo.teacher_temperature={self.teacher_temperature:g} must be > 0")
+        if cfg.distill_loss == "full":
+            if self.top_k > 0 or self.top_p < 1:
+                raise ConfigError("config error: algo.distill_loss=full compares whole distributions; it needs "
+                                  "rollout.top_k=0 and rollout.top_p=1 (use distill_loss=sampled with top-k / top-p)")
+            remote = [n for n, tc in self.teacher_cfgs.items() if tc.engine is not None or tc.serve == "engine"]
+            if remote:
+                raise ConfigError(f"config error: algo.distill_loss=full needs every teacher's logits in the trainer; "
+                                  f"algo.teachers.{remote[0]} is served by an engine (serve: trainer, or "
+                                  "distill_loss=sampled)")
 
     # ----------------------------------------------------------------- teachers
     def setup(self, stage: str) -> None:
@@ -281,6 +296,8 @@ class OPD(RLModule):
         if batch.teacher_logprobs is None:
             raise RuntimeError("OPD.compute_advantages needs teacher log-probs (run prepare_experience first)")
         adv = opd_advantages(batch.teacher_logprobs, batch.old_logprobs, batch.loss_mask, self.cfg.opd_coef)
+        if self.cfg.distill_loss == "full":  # the teacher enters through extra_loss; advantages: the outcome term only
+            adv = torch.zeros_like(adv)
         batch.stats["opd/advantage_abs_mean"] = masked_mean(adv.abs(), batch.loss_mask).item()
         if self.cfg.orm_coef:
             group_ids = torch.tensor([s.group_id for s in batch.samples])
@@ -292,6 +309,29 @@ class OPD(RLModule):
             batch.stats["opd/orm_advantage_abs_mean"] = orm.abs().mean().item()
         batch.advantages = adv
         batch.stats["train/advantage_abs_mean"] = masked_mean(adv.abs(), batch.loss_mask).item()
+
+    def extra_loss(self, mb: Experience, logits: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor,
+                   scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """distill_loss=full: opd_coef · the exact reverse KL to each row's teacher at every action position,
+        aggregated as the policy loss is (algo.loss_agg over the whole minibatch)."""
+        if self.cfg.distill_loss != "full":
+            return super().extra_loss(mb, logits, logprobs, mask, scale)
+        teachers, names = self.teachers(), self.route(mb.samples)
+        kl = logits.new_zeros(mask.shape, dtype=torch.float32)
+        for name in dict.fromkeys(names):
+            rows = torch.tensor([i for i, n in enumerate(names) if n == name], device=logits.device)
+            teacher = teachers[name].model
+            if next(teacher.parameters()).device != logits.device:
+                teacher.to(logits.device)
+            with torch.no_grad():
+                t_logits = self.forward_logits(teacher, mb.select(rows.tolist()))
+            kl = kl.index_put((rows,), full_reverse_kl(logits[rows], t_logits, mask[rows], self.temperature,
+                                                       self.teacher_temperature))
+        cfg = self.cfg
+        loss = aggregate_loss(kl, mask, cfg.loss_agg, constant=cfg.loss_agg_constant or self.max_new_tokens,
+                              num_sequences=scale["num_sequences"], total_tokens=scale["total_tokens"],
+                              num_rows=scale.get("num_rows"))
+        return cfg.opd_coef * loss, {"opd/full_reverse_kl": masked_mean(kl.detach(), mask)}
 
 
 # ---------------------------------------------------------------------------------------------- config checks

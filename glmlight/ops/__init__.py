@@ -31,6 +31,7 @@ corrections  icepop                    IcePop band on k = π_old / π_rollout
              masked_is                 k inside [low, high], removed outside
              rejection_sampling        token / sequence / geometric IS and rejection
 distill      opd_advantages            sg(log π_teacher − log π_student) per token (OPD)
+             full_reverse_kl           exact KL(π_student ‖ π_teacher) over the vocabulary per position (GKD)
              mix_outcome_advantages    + α·Â_ORM broadcast over tokens (MOPD)
              reverse_kl                Monte-Carlo KL(π_student ‖ π_teacher)
 mismatch     mismatch_sums             rank-summable sums behind the mismatch metrics
@@ -50,7 +51,7 @@ quant        quantize_fp8_block        float8_e4m3fn + one scale per 128 x 128 b
 from glmlight.ops.advantages import group_advantages, soft_overlong_penalty
 from glmlight.ops.corrections import CorrectionResult, icepop, masked_is, rejection_sampling, truncated_is
 from glmlight.ops.dis import dis_loss_per_token, dis_mask
-from glmlight.ops.distill import mix_outcome_advantages, opd_advantages, reverse_kl
+from glmlight.ops.distill import full_reverse_kl, mix_outcome_advantages, opd_advantages, reverse_kl
 from glmlight.ops.dsa import topk_mask, topk_recent
 from glmlight.ops.eval_metrics import maj_at_k, majority_vote, mean_pass_at_k, pass_at_k
 from glmlight.ops.gae import (
@@ -74,7 +75,7 @@ from glmlight.ops.value import merge_moments, segment_terminals, terminal_reward
 
 __all__ = [
     "CorrectionResult", "PolicyLossOutput", "adaptive_lambda", "aggregate_loss", "cross_trajectory_gae",
-    "dequantize_fp8_block", "dis_loss_per_token", "dis_mask", "entropy_from_logits", "explained_variance", "gae", "group_advantages",
+    "dequantize_fp8_block", "dis_loss_per_token", "dis_mask", "entropy_from_logits", "explained_variance", "full_reverse_kl", "gae", "group_advantages",
     "icepop", "kl_penalty", "logprobs_from_logits", "lr_lambda", "maj_at_k", "majority_vote", "masked_is",
     "masked_mean", "masked_scale", "masked_whiten", "mean_pass_at_k", "merge_moments", "mismatch_metrics",
     "mismatch_sums", "mix_outcome_advantages", "opd_advantages", "pass_at_k", "ppo_clip_loss",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from glmlight.ops.logprobs import log_softmax
 from glmlight.ops.reduce import masked_mean
 
 
@@ -46,3 +47,23 @@ def reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, m
     `dim=None`: one number over the batch; `dim=-1`: one per sequence.
     """
     return masked_mean((student_logprobs - teacher_logprobs).float(), mask.float(), dim)
+
+
+def full_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+                    student_temperature: float = 1.0, teacher_temperature: float = 1.0) -> torch.Tensor:
+    """KL(π_student(·|s_t) ‖ π_teacher(·|s_t)) = Σ_v π_S(v)·(log π_S(v) − log π_T(v)) at every masked
+    position t of the student's own samples: [B, T] (0 off the mask), differentiable in the student's
+    logits [B, T, V], the teacher's held fixed. Each distribution is the softmax of logits / temperature.
+
+    GKD (Agarwal et al., ICLR 2024, arXiv:2306.13649), on-policy (λ = 1) with the reverse KL as the
+    token-level divergence: the exact divergence at each visited prefix, of which GLM-5's Eq. 2
+    advantage log π_T(y_t) − log π_S(y_t) is the one-sample estimate (its mean over y_t ~ π_S is −KL).
+    """
+    if student_logits.shape != teacher_logits.shape or student_logits.shape[:-1] != mask.shape:
+        raise ValueError(f"full_reverse_kl: student logits {tuple(student_logits.shape)}, teacher logits "
+                         f"{tuple(teacher_logits.shape)} and mask {tuple(mask.shape)} do not match")
+    keep = mask.bool()
+    s = log_softmax(student_logits[keep] / student_temperature)
+    t = log_softmax(teacher_logits[keep].detach() / teacher_temperature)
+    kl = (s.exp() * (s - t)).sum(-1)
+    return mask.new_zeros(mask.shape, dtype=kl.dtype).masked_scatter(keep, kl)
