@@ -129,13 +129,14 @@ def test_compaction_default_run_learns_and_beats_no_compaction(tmp_path):
     print(f"summary advantage on successes: mean {sum(summary_adv) / len(summary_adv):.3f} over {len(summary_adv)} "
           f"steps, {sum(a > 0 for a in summary_adv)} positive; summary length {sum(summary_len) / len(summary_len):.2f}; "
           f"compactions per episode {sum(compactions) / len(compactions):.2f}")
-    # Measured (seed 0, docs/agents.md, reward_placement=turns): greedy 0.000 -> 0.453 0.312 0.477 0.570 0.664,
-    # pass@1 0.159 -> 0.339 0.247 0.322 0.372 0.514; without compaction 0 throughout. Margins: about half the gains.
+    # Measured (seed 0, docs/agents.md: reward_placement=turns, lr 1e-4 cosine): greedy 0.000 -> 0.391 0.523 0.516
+    # 0.516 0.500, pass@1 0.159 -> 0.258 0.371 0.414 0.435 0.430; without compaction 0 throughout. Margins: about
+    # half the gains.
     greedy = _student(comp)
     pass1 = _student(comp, "eval/heldout/pass@1")
     assert all(v >= greedy[0][1] + 0.15 for _, v in greedy[1:]), greedy
-    assert greedy[-1][1] >= greedy[0][1] + 0.3, greedy
-    assert pass1[-1][1] >= pass1[0][1] + 0.15, pass1
+    assert greedy[-1][1] >= greedy[0][1] + 0.25, greedy
+    assert pass1[-1][1] >= pass1[0][1] + 0.12, pass1
     plain_greedy = _student(plain)
     assert max(v for _, v in plain_greedy) == 0.0  # truncated before the last total, every time
     assert min(v for _, v in greedy[1:]) > max(v for _, v in plain_greedy)
