@@ -338,15 +338,19 @@ def test_compile_on_cpu_needs_a_cxx_compiler(tiny_model, monkeypatch):
         LocalEngine(tiny_model, compile=True)
 
 
-def test_compiled_decode_with_the_model_s_own_moe(tokenizer, tiny_model, monkeypatch):
-    """Experts too large for the dense form: the compiled step runs the MoE eagerly (a graph break)
-    and still computes the eager runner's logits."""
+def test_compiled_decode_with_the_model_s_own_moe(tokenizer, tiny_model, monkeypatch, caplog):
+    """Experts too large for the dense form route with data-dependent shapes, a graph break inside the
+    layer loop that would make the compiled step slower than eager: the runner decodes eagerly, says so,
+    and computes the eager runner's logits."""
     from glmlight.models.glm5 import moe as glm_moe
     from glmlight.rollout.glm_runner import GlmDsaRunner
 
     monkeypatch.setattr(glm_moe, "DENSE_MOE_MAX_WASTED_FLOPS", 0.0)
-    runners = [GlmDsaRunner(tiny_model), GlmDsaRunner(tiny_model, compile=True)]
+    with caplog.at_level("WARNING", logger="glmlight.rollout.glm_runner"):
+        runners = [GlmDsaRunner(tiny_model), GlmDsaRunner(tiny_model, compile=True)]
     assert all(L.experts is None for L in runners[1].layers if L.moe)
+    assert runners[1].compiled is False and runners[1]._decode is None
+    assert "decoding eagerly" in caplog.text
     prompts = [encode(tokenizer, t) for t in TEXTS]
     with torch.inference_mode():
         logits = [r.admit(prompts) for r in runners]
