@@ -126,6 +126,15 @@ def _fp8_reference(model):
     return ref
 
 
+def _generates_as(engine, ref, prompts, params):
+    """`engine` samples the reference engine's tokens with its log-probs (to 1e-5); returns its generations."""
+    got, want = engine.generate(prompts, params), ref.generate(prompts, params)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    for a, b in zip(got, want):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    return got
+
+
 def test_engine_holds_fp8_and_runs_the_dequantised_weights(tiny_model, tokenizer):
     with LocalEngine(tiny_model, weight_format="fp8") as e8, LocalEngine(_fp8_reference(tiny_model)) as ref, \
             LocalEngine(tiny_model) as e32:
@@ -135,11 +144,7 @@ def test_engine_holds_fp8_and_runs_the_dequantised_weights(tiny_model, tokenizer
         assert any(k.endswith("weight_scale_inv") for k in state)
         assert e8.model.model.embed_tokens.weight.dtype == torch.float32  # not quantised
         prompts = _prompts(tokenizer)
-        params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
-        g8, gref = e8.generate(prompts, params), ref.generate(prompts, params)
-        assert [g.token_ids for g in g8] == [g.token_ids for g in gref]
-        for a, b in zip(g8, gref):
-            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        g8 = _generates_as(e8, ref, prompts, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))
         # the FP8 engine really differs from the fp32 one
         comp = [g.token_ids for g in g8]
         s8, s32 = e8.score(prompts, comp), e32.score(prompts, comp)
@@ -180,12 +185,7 @@ def test_fp8_engine_generic_runner_moe(tokenizer, tmp_path):
     with LocalEngine(model, weight_format="fp8") as e8, LocalEngine(_fp8_reference(model)) as ref:
         assert "model.layers.0.mlp.experts.gate_up_proj" in e8._fp8
         assert e8._fp8["model.layers.0.mlp.experts.gate_up_proj"].parametrization.weight_scale_inv.shape == (4, 2, 1)
-        prompts = _prompts(tokenizer)
-        params = SamplingParams(max_new_tokens=5, temperature=1.0, seed=1)
-        g8, gref = e8.generate(prompts, params), ref.generate(prompts, params)
-        assert [g.token_ids for g in g8] == [g.token_ids for g in gref]
-        for a, b in zip(g8, gref):
-            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        _generates_as(e8, ref, _prompts(tokenizer), SamplingParams(max_new_tokens=5, temperature=1.0, seed=1))
 
 
 def test_fp8_engine_in_bf16(tiny_model, tokenizer):
