@@ -4,7 +4,8 @@ stage's checkpoint. `scripts/pipeline.py` is the command line.
 Each stage is one `glmlight.build(compose(overrides))` + fit in `<dir>/<stage>/`, after
 which its final policy is saved as a Hugging Face checkpoint in `<dir>/<stage>/policy`.
 A stage's input is the previous stage's output (`model.path=<dir>`, warm start off unless the
-stage sets `warm_start: true`: an agent stage's format warm start on expert episodes). The
+stage sets `warm_start: true`: an agent stage's format warm start on expert episodes), or what its
+`start_from` names: `base` (the model the first stage started from) or an earlier stage. The
 manifest also records each stage's held-out evaluation at its first and last evaluation.
 A distillation stage (`distill_from: [...]`) gets one teacher per listed stage (its final
 checkpoint, routed by that stage's `domain`) and a prompt mix of those stages' tasks,
@@ -46,6 +47,10 @@ class StageConfig:
     # Keep the stage's own warm start on its input checkpoint (an agent stage's format warm start on the
     # environment's expert episodes); false = the warm start is off for every stage after the first.
     warm_start: bool = False
+    # The stage's input: None = the previous stage's output; "base" = the model the first stage started
+    # from (pipeline.base_model, or the warm-started configured model, saved as <dir>/<first>/initial);
+    # or an earlier stage's name = that stage's output.
+    start_from: Optional[str] = None
 
 
 @dataclass
@@ -125,6 +130,9 @@ def check_stages(p: PipelineConfig) -> None:
         if s not in p.stages:
             raise ConfigError(f"config error: pipeline.skip names {s!r}, which is not a stage ({names})")
     for i, (name, st) in enumerate(p.stages.items()):
+        if st.start_from is not None and st.start_from != "base" and st.start_from not in names[:i]:
+            raise ConfigError(f"config error: pipeline.stages.{name}.start_from is {st.start_from!r}: 'base' or an "
+                              f"earlier stage ({names[:i]})")
         for src in st.distill_from:
             if src not in names[:i]:
                 raise ConfigError(f"config error: pipeline.stages.{name}.distill_from names {src!r}, which is not an "
@@ -155,13 +163,16 @@ def run_pipeline(p: PipelineConfig) -> dict[str, Any]:
     root = os.path.abspath(p.dir)
     os.makedirs(root, exist_ok=True)
     manifest = Manifest(os.path.join(root, "manifest.json"), p, fresh=not p.resume)
-    current = os.path.abspath(p.base_model) if p.base_model else None
+    base = os.path.abspath(p.base_model) if p.base_model else None
+    current = base
     for name in p.stages:
         entry = manifest.stage(name)
         if name in p.skip:
             manifest.update(name, status="skipped", skipped_at=_now())
             log.info("stage %s: skipped", name)
             continue
+        if p.stages[name].start_from is not None:
+            current = stage_input(p, name, manifest, base)
         if (p.resume and entry.get("status") == "completed" and entry.get("input_checkpoint") == current
                 and os.path.isdir(entry.get("output_checkpoint") or "")):
             log.info("stage %s: completed earlier (%s), not rerun", name, entry["output_checkpoint"])
@@ -169,6 +180,27 @@ def run_pipeline(p: PipelineConfig) -> dict[str, Any]:
             continue
         current = run_stage(p, name, current, manifest, root)
     return manifest.data
+
+
+def stage_input(p: PipelineConfig, name: str, manifest: Manifest, base: str | None) -> str:
+    """The checkpoint a stage with `start_from` begins with: an earlier stage's output or the base model."""
+    from glmlight.errors import ConfigError
+
+    src = p.stages[name].start_from
+    if src != "base":
+        entry = manifest.stage(src)
+        if entry.get("status") != "completed" or src in p.skip:
+            raise ConfigError(f"config error: stage {name} starts from stage {src}, which has no final checkpoint "
+                              f"(status {entry.get('status')})")
+        return entry["output_checkpoint"]
+    if base is not None:
+        return base
+    initial = next((manifest.stage(n).get("initial_checkpoint") for n in p.stages if n not in p.skip), None)
+    if not initial or not os.path.isdir(initial):
+        raise ConfigError(f"config error: stage {name} starts from the base model, which the first stage saves "
+                          "when it runs from the configured model; run it (pipeline.resume=false) or set "
+                          "pipeline.base_model")
+    return initial
 
 
 def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Manifest, root: str) -> str:
@@ -201,6 +233,9 @@ def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Ma
             teachers = prepare_distillation(p, name, cfg, manifest, run_dir)
             manifest.update(name, teachers=teachers)
         run = build(cfg)
+        if input_ckpt is None:  # the configured model, warm-started: a later stage may start from it
+            save_checkpoint(run.module.policy, run.datamodule.tokenizer, os.path.join(run_dir, "initial"))
+            manifest.update(name, initial_checkpoint=os.path.join(run_dir, "initial"))
         run.fit()
         save_checkpoint(run.module.policy, run.datamodule.tokenizer, output)
         run.datamodule.engine.close()
@@ -279,6 +314,7 @@ def prepare_distillation(p: PipelineConfig, name: str, cfg: DictConfig, manifest
     os.makedirs(run_dir, exist_ok=True)
     task = {"name": f"{name}_mix", "source": "jsonl", "path": _write_jsonl(os.path.join(run_dir, "prompts.jsonl"), train_rows),
             "eval_path": _write_jsonl(os.path.join(run_dir, "eval_prompts.jsonl"), eval_rows) if eval_rows else None,
+            "num_eval_prompts": len(eval_rows),  # every teacher's domain (the evaluation takes the first N rows)
             "agent": agent}
     cfg.task = OmegaConf.merge(cfg.task, task)
     cfg.algo.teachers = teachers

@@ -111,9 +111,43 @@ def test_pipeline_failed_stage_is_recorded_and_resumed(tmp_path):
     assert fixed["opd"]["status"] == "completed" and set(fixed["opd"]["teachers"]) == {"reasoning"}
 
 
+def test_stage_starts_from_the_base_model_or_a_named_stage(tmp_path):
+    """`start_from: base`: the distillation student is the warm-started model the first stage began from
+    (saved as <dir>/<first>/initial), not the last stage's output; `start_from: <stage>`: that stage's output."""
+    cfg = _config(tmp_path, "pipeline.skip=[agentic]", "pipeline.stages.opd.start_from=base",
+                  "pipeline.stages.general.start_from=reasoning",
+                  # a warm start of its own, so that the saved base differs from the untouched model
+                  "pipeline.stages.reasoning.overrides=[algo=grpo,task=arithmetic,model.warm_start.steps=2]")
+    stages = _stages(run_pipeline(cfg))
+    initial = stages["reasoning"]["initial_checkpoint"]
+    assert initial == os.path.join(stages["reasoning"]["run_dir"], "initial") and os.path.isdir(initial)
+    assert stages["reasoning"]["input_checkpoint"] is None
+    assert stages["general"]["input_checkpoint"] == stages["reasoning"]["output_checkpoint"]
+    assert stages["opd"]["input_checkpoint"] == initial and "model.warm_start.steps=0" in stages["opd"]["overrides"]
+    assert set(stages["opd"]["teachers"]) == {"reasoning", "general"}
+    tok = load_tokenizer(initial)
+    base, trained = load_causal_lm(initial, tok), load_causal_lm(stages["reasoning"]["output_checkpoint"], tok)
+    fresh = load_causal_lm(None, tok, preset="test")
+    assert any(not torch.equal(a, b) for a, b in zip(base.state_dict().values(), trained.state_dict().values()))
+    assert any(not torch.equal(a, b) for a, b in zip(base.state_dict().values(), fresh.state_dict().values()))
+    # resume: nothing reruns, and the base is found again in the manifest
+    again = _stages(run_pipeline(_config(tmp_path, "pipeline.skip=[agentic]", "pipeline.stages.opd.start_from=base",
+                                         "pipeline.stages.general.start_from=reasoning",
+                                         "pipeline.stages.reasoning.overrides=[algo=grpo,task=arithmetic,"
+                                         "model.warm_start.steps=2]")))
+    assert [again[s]["finished_at"] for s in ("reasoning", "general", "opd")] == \
+        [stages[s]["finished_at"] for s in ("reasoning", "general", "opd")]
+    # a base model given to the pipeline is the base
+    given = _stages(run_pipeline(_config(tmp_path, f"pipeline.base_model={initial}", "pipeline.dir=" + str(tmp_path / "p2"),
+                                         "pipeline.skip=[agentic,general]", "pipeline.stages.opd.start_from=base")))
+    assert given["opd"]["input_checkpoint"] == given["reasoning"]["input_checkpoint"] == initial
+    assert "initial_checkpoint" not in given["reasoning"]
+
+
 @pytest.mark.parametrize("override, message", [
     ("pipeline.skip=[nope]", "pipeline.skip names 'nope'"),
     ("pipeline.stages.opd.distill_from=[later]", "distill_from names 'later'"),
+    ("pipeline.stages.agentic.start_from=opd", "start_from is 'opd'"),
     ("pipeline.stagez=1", "stagez"),
 ])
 def test_pipeline_config_errors(tmp_path, override, message):
@@ -151,3 +185,22 @@ def test_stage_summary_keeps_each_domains_pass_rates():
                             "heldout/math/greedy/pass_rate": 0.3}
     assert out["last"] == {"rl_step": 10, "heldout/pass@1": 0.6, "heldout/math/pass@1": 0.7}
     assert out["teachers"] == {"eval/teacher/math/heldout/pass@1": 0.8}
+
+
+def test_distillation_evaluates_every_teachers_domain(tmp_path):
+    """The distillation stage's held-out set holds `eval_prompts_per_teacher` prompts of every teacher's
+    domain, also when they add up to more than the task's `num_eval_prompts` (64 by default): the evaluation
+    took the first 64 rows, which left the last teacher's domain out at 32 per teacher."""
+    from glmlight.builder import build_sources
+    from glmlight.data.evaluation import EvalSet
+    from glmlight.pipeline import Manifest, prepare_distillation
+
+    cfg = _config(tmp_path, "pipeline.stages.opd.eval_prompts_per_teacher=30")
+    manifest = Manifest(str(tmp_path / "manifest.json"), cfg, fresh=True)
+    for name in ("reasoning", "agentic", "general"):
+        manifest.update(name, status="completed", output_checkpoint=str(tmp_path / name))
+    stage = stage_config(cfg, "opd")
+    prepare_distillation(cfg, "opd", stage, manifest, str(tmp_path / "opd"))
+    _, held_out = build_sources(stage.task, stage.seed)
+    chosen = EvalSet(held_out, stage.task.num_eval_prompts).prompts()  # what the evaluation runs
+    assert sorted(p.domain for p in chosen) == ["agent"] * 30 + ["general"] * 30 + ["math"] * 30
