@@ -181,19 +181,35 @@ def test_warm_start_mix_trains_every_task_in_each_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_agentic_stage_learns(tmp_path):
-    """`python scripts/pipeline.py` as shipped: the agentic stage starts from the reasoning stage's
-    checkpoint with the agent format already learned (the first stage's multi-task warm start) and its
-    held-out pass rate rises (measured, seed 0: pass@1 0.271 -> 0.838, greedy 0.039 -> 0.945); the general
-    stage starts with the arithmetic format intact (pass@1 0.840 measured) and ends above its start."""
+def test_pipeline_stages_learn_and_opd_brings_the_student_to_each_teacher(tmp_path):
+    """`python scripts/pipeline.py` as shipped (seed 0). The reasoning stage lifts arithmetic (measured
+    pass@1 0.811 -> 0.967); the agentic stage starts from the reasoning checkpoint with the agent format
+    already learned (the first stage's multi-task warm start) and rises (0.231 -> 0.801, greedy 0.031 ->
+    0.883); the general stage starts with the answer format intact (0.809) and ends above it (0.924).
+    The distillation student (the multi-task warm-started base) starts clearly below every teacher on the
+    teacher's own domain and ends above its start and closer to that teacher on each (measured, 32 held-out
+    prompts per domain: math 0.832 -> 0.906, teacher 0.984; agent 0.312 -> 0.777, teacher 0.828; general
+    0.789 -> 0.949, teacher 0.977). The margins allow for the evaluations' spread: math read 0.87-0.91 over
+    the last three evaluations of a one-thread run of the same stage."""
     from glmlight.pipeline import load_config, run_pipeline
 
-    manifest = run_pipeline(load_config(overrides=[f"pipeline.dir={tmp_path}/pipe", "pipeline.skip=[opd]"]))
+    manifest = run_pipeline(load_config(overrides=[f"pipeline.dir={tmp_path}/pipe"]))
     stages = {s["name"]: s for s in manifest["stages"]}
-    for name in ("reasoning", "agentic", "general"):
+    for name in stages:
         print(f"[pipeline] {name}: {stages[name]['evaluation']}")
-    agentic, general = stages["agentic"]["evaluation"], stages["general"]["evaluation"]
+    reasoning, agentic = stages["reasoning"]["evaluation"], stages["agentic"]["evaluation"]
+    general, opd = stages["general"]["evaluation"], stages["opd"]["evaluation"]
+    assert reasoning["last"]["heldout/pass@1"] >= reasoning["first"]["heldout/pass@1"] + 0.08, reasoning
     assert agentic["last"]["heldout/pass@1"] >= agentic["first"]["heldout/pass@1"] + 0.3, agentic
     assert agentic["last"]["heldout/greedy/pass_rate"] >= agentic["first"]["heldout/greedy/pass_rate"] + 0.4, agentic
     assert general["first"]["heldout/pass@1"] >= 0.5, general  # the agentic stage did not erase the answer format
     assert general["last"]["heldout/pass@1"] > general["first"]["heldout/pass@1"], general
+    assert stages["opd"]["input_checkpoint"] == stages["reasoning"]["initial_checkpoint"]
+    gaps = []
+    for teacher, domain in (("reasoning", "math"), ("agentic", "agent"), ("general", "general")):
+        start, end = opd["first"][f"heldout/{domain}/pass@1"], opd["last"][f"heldout/{domain}/pass@1"]
+        best = opd["teachers"][f"eval/teacher/{teacher}/heldout/pass@1"]
+        assert best >= start + 0.1, (domain, start, best)  # a teacher clearly better than the student
+        assert end >= start + 0.04, (domain, start, end, best)  # so also closer to that teacher
+        gaps.append((best - start, best - end))
+    assert sum(g[1] for g in gaps) <= sum(g[0] for g in gaps) / 2, gaps  # measured: 0.86 -> 0.16 in all
