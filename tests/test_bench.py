@@ -50,11 +50,18 @@ def test_flop_count_by_hand(tokenizer):
 
 def test_grpo_figures_against_trl(capsys):
     pytest.importorskip("trl")
-    rows = bench.bench_grpo(TINY, "cpu", rounds=1, trl_threads=())
-    _check(rows, 4)
-    assert [r["figure"].split(":")[0] for r in rows] == ["GRPO step, sync"] * 2 + ["GRPO step, async"] * 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = bench.bench_grpo(TINY, "cpu", rounds=1, trl_threads=())
+    finally:
+        torch.set_num_threads(threads)
+    two = bench.machine("cpu")["cores"] >= 2  # then also sync on two threads, without a target
+    _check(rows, 6 if two else 4)
+    assert [r["figure"].split(":")[0] for r in rows] == (["GRPO step, sync"] * 2 + ["GRPO step, async"] * 2
+                                                         + ["GRPO step, sync, 2 threads"] * 2 * two)
     assert {r["unit"] for r in rows} == {"completions/s", "tokens/s"} and "TRL completions/s" in rows[0]["note"]
-    assert [r["target"] for r in rows] == [3.0, 3.0, 4.0, 4.0]
+    assert [r["target"] for r in rows] == [3.0, 3.0, 4.0, 4.0] + [None, None] * two
     out = capsys.readouterr().out  # the per-step breakdown of every run
     for part in ("sync ", "async ", "trl@", "rollout", "update", "weight sync", "logging+loop"):
         assert part in out
