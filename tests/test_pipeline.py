@@ -18,6 +18,10 @@ from tests.conftest import overrides_for_tests
 DENSE = "{weight: 0.5, reward: {_target_: tests.conftest.digit_fraction_reward}}"
 
 
+OPD = [o for o in load_config().stages["opd"].overrides
+       if not o.startswith(("trainer.max_steps", "rollout.rollout_batch_size"))]
+
+
 def _config(tmp_path, *extra):
     common = [o for o in overrides_for_tests(tmp_path) if not o.startswith("trainer.default_root_dir")]
     common += ["trainer.max_steps=2", "~callbacks.held_out_eval", "~callbacks.sample_table",
@@ -27,7 +31,9 @@ def _config(tmp_path, *extra):
                                   "pipeline.stages.opd.prompts_per_teacher=8",
                                   "pipeline.stages.opd.eval_prompts_per_teacher=2",
                                   # the shipped first stage's multi-task warm start is 150 steps: none here
-                                  "pipeline.stages.reasoning.overrides=[algo=grpo,task=arithmetic]", *extra])
+                                  "pipeline.stages.reasoning.overrides=[algo=grpo,task=arithmetic]",
+                                  # the shipped distillation stage without its step count and batch size
+                                  "pipeline.stages.opd.overrides=" + json.dumps(OPD), *extra])
 
 
 def _metrics(run_dir):
@@ -46,11 +52,14 @@ def test_pipeline_end_to_end_resume_and_skip(tmp_path, tokenizer):
     manifest = run_pipeline(cfg)
     stages = _stages(manifest)
     assert [s["status"] for s in manifest["stages"]] == ["completed"] * 4
-    # each stage starts from the previous one's output; the first from the configured model
+    # each RL stage starts from the previous one's output, the first from the configured model (which it
+    # saves), and the shipped distillation stage from that saved base (start_from: base)
     assert stages["reasoning"]["input_checkpoint"] is None
-    for prev, cur in (("reasoning", "agentic"), ("agentic", "general"), ("general", "opd")):
+    for prev, cur in (("reasoning", "agentic"), ("agentic", "general")):
         assert stages[cur]["input_checkpoint"] == stages[prev]["output_checkpoint"]
         assert "model.warm_start.steps=0" in stages[cur]["overrides"]
+    assert stages["opd"]["input_checkpoint"] == stages["reasoning"]["initial_checkpoint"]
+    assert "model.warm_start.steps=0" in stages["opd"]["overrides"]
     # every later stage starts from its input as it is (the first stage's warm start trained all formats)
     assert all(stages[s]["overrides"].count("model.warm_start.steps=0") == 2 for s in ("agentic", "general", "opd"))
     assert stages["reasoning"]["evaluation"] == {}  # this test runs without the held-out evaluation
