@@ -125,6 +125,23 @@ def test_abort_on_pause_returns_partial_answer_with_right_logprobs(real):
         pytest.skip("drives vLLM's OpenAI API directly (ignore_eos)")
     _serving(real, 0)
     p = _prompts(real.tok, 1)[0]
+    weights = read_checkpoint(real.ckpts[0])  # the same weights: only the pause matters here
+    # The 900 tokens take about 3 s on the 2-core CPU machine and the pause follows the 20th within a few
+    # tokens; once, late in a full suite run, the update started only after the generation had run to
+    # 'length' (the cause was not found), and such an attempt shows nothing: it is repeated. A pause that
+    # does not abort fails every attempt.
+    for attempt in range(3):
+        box = _long_generation_paused(real, p, weights)
+        if box["finish"] != "length":
+            break
+    ids, lps = box["ids"], box["lps"]
+    assert box["finish"] == "abort" and 20 <= len(ids) < 900 and len(lps) == len(ids), (attempt, box["finish"], len(ids))
+    assert max_diff(lps, trainer_logprobs(real.models[0], p, ids, 1.0)) <= TOL
+
+
+def _long_generation_paused(real, p: list[int], weights) -> dict:
+    """Stream one 900-token generation; once 20 tokens have come back, run a weight update (which pauses
+    the server with mode=abort). Returns what the stream gave: token ids, log-probs, finish reason."""
     box = {"ids": [], "lps": [], "finish": None}
     started = threading.Event()
 
@@ -149,11 +166,9 @@ def test_abort_on_pause_returns_partial_answer_with_right_logprobs(real):
     t = threading.Thread(target=long_request)
     t.start()
     assert started.wait(120)
-    real.engine.update_weights(read_checkpoint(real.ckpts[0]), version=real.engine.version + 1)  # same weights
+    real.engine.update_weights(weights, version=real.engine.version + 1)
     t.join(120)
-    ids, lps = box["ids"], box["lps"]
-    assert box["finish"] == "abort" and 20 <= len(ids) < 900 and len(lps) == len(ids)
-    assert max_diff(lps, trainer_logprobs(real.models[0], p, ids, 1.0)) <= TOL
+    return box
 
 
 @pytest.mark.parametrize("mode,bucket_bytes", [("disk", None), ("tensor", 1), ("tensor", 1 << 28),
