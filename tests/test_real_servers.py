@@ -23,6 +23,7 @@ from glmlight.rollout.factory import build_server_engine
 from glmlight.rollout.launch import server_processes
 from glmlight.rollout.tiny_checkpoint import build_tiny_checkpoint
 from glmlight.rollout.transport import read_checkpoint
+from tests.conftest import newest_pushed_version
 from tests.real_servers import interpreter, max_diff, server_config, trainer_greedy, trainer_logprobs, TOL
 
 
@@ -341,7 +342,7 @@ def test_train_py_with_a_real_server_stopped_by_sigterm_leaves_nothing(tmp_path)
                                 env={**os.environ, "GLMLIGHT_TEST_TAG": tag, "PYTHONPATH": REPO})
     try:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None and not (tmp_path / "weights" / "v2").exists():
+        while time.monotonic() < deadline and proc.poll() is None and newest_pushed_version(tmp_path / "weights") < 2:
             time.sleep(0.5)
         assert proc.poll() is None, log.read_text()[-3000:]
         assert len(_tagged(tag)) >= 4  # train.py, the guard, vLLM's API server, engine core, worker

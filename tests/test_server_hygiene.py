@@ -17,7 +17,7 @@ import pytest
 
 import glmlight
 from glmlight.rollout.launch import SERVER_ID_ENV, processes_with_env, server_processes
-from tests.conftest import REPO, overrides_for_tests
+from tests.conftest import REPO, newest_pushed_version, overrides_for_tests
 from tests.protocol_servers import standin_script
 
 
@@ -73,7 +73,7 @@ def test_train_py_killed_by_a_signal_leaves_no_server(tmp_path, sig):
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None and not (tmp_path / "weights" / "v1").exists():
+        while time.monotonic() < deadline and proc.poll() is None and newest_pushed_version(tmp_path / "weights") < 1:
             time.sleep(0.3)  # until it has trained a step against its server and pushed the weights
         assert proc.poll() is None, log.read_text()[-2000:]
         proc.send_signal(sig)
