@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
     ap.add_argument("--only", choices=BENCHES, help="run one benchmark")
     ap.add_argument("--sweep", action="store_true", help="only the sweep over completion length, group size "
-                    "and model size (glmlight sync vs TRL; ~15 min at full sizes)")
+                    "and model size (glmlight sync vs TRL; ~13 min at full sizes on 2 cores)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--threads", type=int, help="intra-op CPU threads of the process (default on CPU: 1; "
