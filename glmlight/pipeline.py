@@ -48,7 +48,8 @@ class StageConfig:
     # environment's expert episodes); false = the warm start is off for every stage after the first.
     warm_start: bool = False
     # The stage's input: None = the previous stage's output; "base" = the model the first stage started
-    # from (pipeline.base_model, or the warm-started configured model, saved as <dir>/<first>/initial);
+    # from (pipeline.base_model, or the warm-started configured model, which the first stage then saves as
+    # <dir>/<first>/initial);
     # or an earlier stage's name = that stage's output.
     start_from: Optional[str] = None
 
@@ -233,9 +234,10 @@ def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Ma
             teachers = prepare_distillation(p, name, cfg, manifest, run_dir)
             manifest.update(name, teachers=teachers)
         run = build(cfg)
-        if input_ckpt is None:  # the configured model, warm-started: a later stage may start from it
-            save_checkpoint(run.module.policy, run.datamodule.tokenizer, os.path.join(run_dir, "initial"))
-            manifest.update(name, initial_checkpoint=os.path.join(run_dir, "initial"))
+        if input_ckpt is None and any(s.start_from == "base" for n, s in p.stages.items() if n not in p.skip):
+            initial = os.path.join(run_dir, "initial")  # the configured model, warm-started: a later stage's input
+            save_checkpoint(run.module.policy, run.datamodule.tokenizer, initial)
+            manifest.update(name, initial_checkpoint=initial)
         run.fit()
         save_checkpoint(run.module.policy, run.datamodule.tokenizer, output)
         run.datamodule.engine.close()

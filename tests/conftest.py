@@ -98,4 +98,3 @@ def newest_pushed_version(weights_dir) -> int:
     except FileNotFoundError:
         return 0
     return max((int(n[1:]) for n in names if n.startswith("v") and n[1:].isdigit()), default=0)
-

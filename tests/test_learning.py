@@ -145,7 +145,7 @@ def test_compaction_default_run_learns_and_beats_no_compaction(tmp_path):
 
 
 # ----------------------------------------------------------------- fast: a multi-task warm start
-def test_warm_start_mix_trains_every_task_in_each_batch(tmp_path):
+def test_warm_start_mix_trains_every_task_in_each_batch(tmp_path, monkeypatch):
     """model.warm_start.mix=[calculator_agent]: each step trains the run's own rows (arithmetic answers)
     and the calculator's expert episodes; the cache key and its record name the mixed task."""
     import json
@@ -160,14 +160,11 @@ def test_warm_start_mix_trains_every_task_in_each_batch(tmp_path):
         seen.append(rows)
         return real(model, rows, pad_id)
 
-    ws.masked_lm_loss = spy
-    try:
-        cfg = compose(["model.preset=test", "model.warm_start.steps=2", "model.warm_start.batch_size=4",
-                       "model.warm_start.mix=[calculator_agent]", f"model.warm_start.cache_dir={tmp_path}",
-                       "logger=none", "trainer.enable_progress_bar=false", f"trainer.default_root_dir={tmp_path}"])
-        glmlight.build(cfg).close()
-    finally:
-        ws.masked_lm_loss = real
+    monkeypatch.setattr(ws, "masked_lm_loss", spy)
+    cfg = compose(["model.preset=test", "model.warm_start.steps=2", "model.warm_start.batch_size=4",
+                   "model.warm_start.mix=[calculator_agent]", f"model.warm_start.cache_dir={tmp_path}",
+                   "logger=none", "trainer.enable_progress_bar=false", f"trainer.default_root_dir={tmp_path}"])
+    glmlight.build(cfg).close()
     assert len(seen) == 2
     for rows in seen:
         masks = [m for _, m in rows]

@@ -123,11 +123,11 @@ def test_pipeline_failed_stage_is_recorded_and_resumed(tmp_path):
 def test_stage_starts_from_the_base_model_or_a_named_stage(tmp_path):
     """`start_from: base`: the distillation student is the warm-started model the first stage began from
     (saved as <dir>/<first>/initial), not the last stage's output; `start_from: <stage>`: that stage's output."""
-    cfg = _config(tmp_path, "pipeline.skip=[agentic]", "pipeline.stages.opd.start_from=base",
-                  "pipeline.stages.general.start_from=reasoning",
-                  # a warm start of its own, so that the saved base differs from the untouched model
-                  "pipeline.stages.reasoning.overrides=[algo=grpo,task=arithmetic,model.warm_start.steps=2]")
-    stages = _stages(run_pipeline(cfg))
+    layout = ["pipeline.skip=[agentic]", "pipeline.stages.opd.start_from=base",
+              "pipeline.stages.general.start_from=reasoning",
+              # a warm start of its own, so that the saved base differs from the untouched model
+              "pipeline.stages.reasoning.overrides=[algo=grpo,task=arithmetic,model.warm_start.steps=2]"]
+    stages = _stages(run_pipeline(_config(tmp_path, *layout)))
     initial = stages["reasoning"]["initial_checkpoint"]
     assert initial == os.path.join(stages["reasoning"]["run_dir"], "initial") and os.path.isdir(initial)
     assert stages["reasoning"]["input_checkpoint"] is None
@@ -140,10 +140,7 @@ def test_stage_starts_from_the_base_model_or_a_named_stage(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(base.state_dict().values(), trained.state_dict().values()))
     assert any(not torch.equal(a, b) for a, b in zip(base.state_dict().values(), fresh.state_dict().values()))
     # resume: nothing reruns, and the base is found again in the manifest
-    again = _stages(run_pipeline(_config(tmp_path, "pipeline.skip=[agentic]", "pipeline.stages.opd.start_from=base",
-                                         "pipeline.stages.general.start_from=reasoning",
-                                         "pipeline.stages.reasoning.overrides=[algo=grpo,task=arithmetic,"
-                                         "model.warm_start.steps=2]")))
+    again = _stages(run_pipeline(_config(tmp_path, *layout)))
     assert [again[s]["finished_at"] for s in ("reasoning", "general", "opd")] == \
         [stages[s]["finished_at"] for s in ("reasoning", "general", "opd")]
     # a base model given to the pipeline is the base

@@ -26,8 +26,8 @@ TRL_FAST: dict[str, Any] = {"gradient_checkpointing": False}
 # each batch is one policy version old when trained (rollout.mode=async, max_staleness 1).
 # "sync2" is "sync" with two intra-op threads (the whole 2-core machine for the one loop, as TRL's fastest
 # configuration uses it): no target, for the like-for-like reading.
-GLMLIGHT_VARIANTS = {"sync": ["rollout.compile=true"], "async": ["rollout.mode=async", "rollout.compile=true"],
-                     "sync2": ["rollout.compile=true"]}
+GLMLIGHT_VARIANTS = {"sync": ["rollout.compile=true"], "async": ["rollout.mode=async", "rollout.compile=true"]}
+GLMLIGHT_VARIANTS["sync2"] = GLMLIGHT_VARIANTS["sync"]
 VARIANT_THREADS = {"sync2": 2}  # intra-op threads of a variant's process; the others: the bench's --threads
 
 # The parts of a glmlight step, from the metrics the run logs (glmlight/algorithms/base.py,
@@ -215,10 +215,10 @@ def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...]
                trl_variants: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """GRPO steps of glmlight's variants against TRL at its fastest (TRL_FAST, the fastest of
     `trl_threads` intra-op thread counts: by default 1 and 2 on CPU, with this process's count)."""
-    threads = torch.get_num_threads()
+    threads, cores = torch.get_num_threads(), machine(device)["cores"] or 1
     if trl_threads is None:
-        trl_threads = () if device.startswith("cuda") else (1, min(2, machine(device)["cores"] or 1))
-    if device.startswith("cuda") or threads >= 2 or (machine(device)["cores"] or 1) < 2:
+        trl_threads = () if device.startswith("cuda") else (1, min(2, cores))
+    if device.startswith("cuda") or threads >= 2 or cores < 2:
         variants = tuple(v for v in variants if v != "sync2")  # "sync" already runs on two threads, or cannot
     trl_threads = tuple(sorted(set(trl_threads) or {threads}))
     times, parts = run_grpo(s, device, rounds, variants, trl_threads, trl_variants)
