@@ -47,10 +47,12 @@ class WarmStartConfig:
     # of each, as that task's own warm start would train on them (labels or expert episodes). A multi-task
     # supervised start, so that later RL stages find every format already learned (conf/pipeline/glm5.yaml).
     mix: list[str] = field(default_factory=list)
+    mix_batch_size: int | None = None  # prompts of each mix task per step (null: batch_size)
     cache_dir: str = ".cache/glmlight"
 
 
-ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1", warmup_steps=">= 0", decay_steps=">= 0",
+ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1", mix_batch_size=">= 1", warmup_steps=">= 0",
+       decay_steps=">= 0",
        min_lr_ratio="[0, 1]")
 
 

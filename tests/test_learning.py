@@ -146,8 +146,9 @@ def test_compaction_default_run_learns_and_beats_no_compaction(tmp_path):
 
 # ----------------------------------------------------------------- fast: a multi-task warm start
 def test_warm_start_mix_trains_every_task_in_each_batch(tmp_path, monkeypatch):
-    """model.warm_start.mix=[calculator_agent]: each step trains the run's own rows (arithmetic answers)
-    and the calculator's expert episodes; the cache key and its record name the mixed task."""
+    """model.warm_start.mix=[calculator_agent]: each step trains the run's own rows (arithmetic answers,
+    model.warm_start.batch_size of them) and the calculator's expert episodes (mix_batch_size of them);
+    the cache key and its record name the mixed task."""
     import json
     import os
 
@@ -162,19 +163,22 @@ def test_warm_start_mix_trains_every_task_in_each_batch(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ws, "masked_lm_loss", spy)
     cfg = compose(["model.preset=test", "model.warm_start.steps=2", "model.warm_start.batch_size=4",
-                   "model.warm_start.mix=[calculator_agent]", f"model.warm_start.cache_dir={tmp_path}",
-                   "logger=none", "trainer.enable_progress_bar=false", f"trainer.default_root_dir={tmp_path}"])
+                   "model.warm_start.mix=[calculator_agent]", "model.warm_start.mix_batch_size=3",
+                   f"model.warm_start.cache_dir={tmp_path}", "logger=none", "trainer.enable_progress_bar=false",
+                   f"trainer.default_root_dir={tmp_path}"])
     glmlight.build(cfg).close()
     assert len(seen) == 2
     for rows in seen:
         masks = [m for _, m in rows]
         # 4 arithmetic rows (answer + <eos> trained) and the calculator's episodes (observations masked out)
-        assert sum(0 not in m[m.index(1):] for m in masks) >= 4
-        assert any(0 in m[m.index(1):] for m in masks)
+        assert sum(0 not in m[m.index(1):] for m in masks) == 4
+        assert sum(0 in m[m.index(1):] for m in masks) == 3
     (record,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
     with open(os.path.join(tmp_path, record)) as f:
         task = json.load(f)["task"]
     assert task["name"] == "arithmetic" and [m["name"] for m in task["mix"]] == ["calculator_agent"]
+    with open(os.path.join(tmp_path, record)) as f:
+        assert json.load(f)["mix_batch_size"] == 3
 
 
 @pytest.mark.slow

@@ -62,7 +62,9 @@ def warm_start_key(model: torch.nn.Module, cfg: WarmStartConfig, task_identity: 
     blob = json.dumps({"model": config, "task": task_identity, "steps": cfg.steps, "lr": cfg.lr,
                        "batch_size": cfg.batch_size, "schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps,
                        "min_lr_ratio": cfg.min_lr_ratio, "decay_steps": cfg.decay_steps, "data": data_fingerprint,
-                       "init": _param_fingerprint(model)}, sort_keys=True, default=str)
+                       "init": _param_fingerprint(model),
+                       **({"mix_batch_size": cfg.mix_batch_size} if cfg.mix_batch_size else {})},
+                      sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
@@ -104,14 +106,15 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: Prompt
     """Train `model` in place for `cfg.steps` batches (or load the cached result). Returns the cache path.
 
     `examples` turns each step's prompts into training rows (default: `label_examples`). `mix`: more
-    (source, examples) pairs, other tasks whose rows join every step's batch (`cfg.batch_size` prompts
-    of each): one supervised pass over several formats at once."""
+    (source, examples) pairs, other tasks whose rows join every step's batch (`cfg.mix_batch_size`
+    prompts of each, by default `cfg.batch_size`): one supervised pass over several formats at once."""
     if cfg.steps <= 0:
         return None
-    parts = [(source, examples or label_examples(tokenizer)), *mix]
+    mix_batch = cfg.mix_batch_size or cfg.batch_size
+    parts = [(source, examples or label_examples(tokenizer), cfg.batch_size), *((s, m, mix_batch) for s, m in mix)]
 
     def make_rows(step: int) -> list[Example]:
-        return [row for src, make in parts for row in make(batch_prompts(src, step, cfg.batch_size))]
+        return [row for src, make, n in parts for row in make(batch_prompts(src, step, n))]
 
     first = make_rows(0)
     key = warm_start_key(model, cfg, task_identity, _fingerprint(first))
@@ -145,7 +148,8 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: Prompt
     os.replace(tmp, path)
     with open(path[: -len(".safetensors")] + ".json", "w") as f:
         json.dump({"task": task_identity, "steps": cfg.steps, "lr": cfg.lr, "batch_size": cfg.batch_size,
-                   "schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio,
+                   "mix_batch_size": cfg.mix_batch_size, "schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps,
+                   "min_lr_ratio": cfg.min_lr_ratio,
                    "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
                    "seconds": round(time.perf_counter() - t0, 1), "torch_cpu_capability": _cpu_capability(),
                    "torch_threads": torch.get_num_threads()}, f, indent=2, default=str)
