@@ -47,7 +47,8 @@ class WarmStartConfig:
     # of each, as that task's own warm start would train on them (labels or expert episodes). A multi-task
     # supervised start, so that later RL stages find every format already learned (conf/pipeline/glm5.yaml).
     mix: list[str] = field(default_factory=list)
-    mix_batch_size: int | None = None  # prompts of each mix task per step (null: batch_size)
+    # prompts of each mix task per step, one number per mix entry (empty: batch_size for each)
+    mix_batch_size: list[int] = field(default_factory=list)
     cache_dir: str = ".cache/glmlight"
 
 

@@ -30,7 +30,7 @@ def _config(tmp_path, *extra):
                                   f"pipeline.stages.general.merge.task.reward.components.digits={DENSE}",
                                   "pipeline.stages.opd.prompts_per_teacher=8",
                                   "pipeline.stages.opd.eval_prompts_per_teacher=2",
-                                  # the shipped first stage's multi-task warm start is 150 steps: none here
+                                  # the shipped first stage's multi-task warm start is 300 steps: none here
                                   "pipeline.stages.reasoning.overrides=[algo=grpo,task=arithmetic]",
                                   # the shipped distillation stage without its step count and batch size
                                   "pipeline.stages.opd.overrides=" + json.dumps(OPD), *extra])

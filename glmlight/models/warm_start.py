@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glmlight.config import WarmStartConfig
+from glmlight.errors import ConfigError
 from glmlight.prompt import Prompt, PromptSource
 from glmlight.models.tokenizer import encode_chat
 
@@ -63,7 +64,7 @@ def warm_start_key(model: torch.nn.Module, cfg: WarmStartConfig, task_identity: 
                        "batch_size": cfg.batch_size, "schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps,
                        "min_lr_ratio": cfg.min_lr_ratio, "decay_steps": cfg.decay_steps, "data": data_fingerprint,
                        "init": _param_fingerprint(model),
-                       **({"mix_batch_size": cfg.mix_batch_size} if cfg.mix_batch_size else {})},
+                       **({"mix_batch_size": list(cfg.mix_batch_size)} if cfg.mix_batch_size else {})},
                       sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -106,12 +107,16 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: Prompt
     """Train `model` in place for `cfg.steps` batches (or load the cached result). Returns the cache path.
 
     `examples` turns each step's prompts into training rows (default: `label_examples`). `mix`: more
-    (source, examples) pairs, other tasks whose rows join every step's batch (`cfg.mix_batch_size`
-    prompts of each, by default `cfg.batch_size`): one supervised pass over several formats at once."""
+    (source, examples) pairs, other tasks whose rows join every step's batch (`cfg.mix_batch_size[i]`
+    prompts of the i-th, by default `cfg.batch_size`): one supervised pass over several formats at once."""
     if cfg.steps <= 0:
         return None
-    mix_batch = cfg.mix_batch_size or cfg.batch_size
-    parts = [(source, examples or label_examples(tokenizer), cfg.batch_size), *((s, m, mix_batch) for s, m in mix)]
+    sizes = list(cfg.mix_batch_size) or [cfg.batch_size] * len(mix)
+    if len(sizes) != len(mix):
+        raise ConfigError(f"config error: model.warm_start.mix_batch_size has {len(sizes)} entries for "
+                          f"{len(mix)} model.warm_start.mix tasks: give one per task, or none")
+    parts = [(source, examples or label_examples(tokenizer), cfg.batch_size),
+             *((src, make, n) for (src, make), n in zip(mix, sizes))]
 
     def make_rows(step: int) -> list[Example]:
         return [row for src, make, n in parts for row in make(batch_prompts(src, step, n))]
@@ -148,7 +153,7 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: Prompt
     os.replace(tmp, path)
     with open(path[: -len(".safetensors")] + ".json", "w") as f:
         json.dump({"task": task_identity, "steps": cfg.steps, "lr": cfg.lr, "batch_size": cfg.batch_size,
-                   "mix_batch_size": cfg.mix_batch_size, "schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps,
+                   "mix_batch_size": list(cfg.mix_batch_size), "schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps,
                    "min_lr_ratio": cfg.min_lr_ratio,
                    "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
                    "seconds": round(time.perf_counter() - t0, 1), "torch_cpu_capability": _cpu_capability(),
