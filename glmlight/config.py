@@ -43,18 +43,17 @@ class WarmStartConfig:
     # What is trained on: "labels" = (prompt, reference answer) pairs; "expert" = the environment's expert
     # episodes through the task's own agent loop, loss on action tokens only; "auto" = expert for agent tasks.
     data: str = "auto"
-    # Other tasks (conf/task names) trained in the same pass: each step's batch also holds batch_size prompts
-    # of each, as that task's own warm start would train on them (labels or expert episodes). A multi-task
-    # supervised start, so that later RL stages find every format already learned (conf/pipeline/glm5.yaml).
+    # Other tasks (conf/task names) trained in the same pass: each step's batch also holds mix_batch_size[i]
+    # prompts of the i-th (empty: batch_size of each), as that task's own warm start would train on them
+    # (labels or expert episodes). A multi-task supervised start, so that later RL stages find every format
+    # already learned (conf/pipeline/glm5.yaml).
     mix: list[str] = field(default_factory=list)
-    # prompts of each mix task per step, one number per mix entry (empty: batch_size for each)
     mix_batch_size: list[int] = field(default_factory=list)
     cache_dir: str = ".cache/glmlight"
 
 
 ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1", mix_batch_size=">= 1", warmup_steps=">= 0",
-       decay_steps=">= 0",
-       min_lr_ratio="[0, 1]")
+       decay_steps=">= 0", min_lr_ratio="[0, 1]")
 
 
 @dataclass

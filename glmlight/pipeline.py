@@ -11,20 +11,22 @@ A distillation stage (`distill_from: [...]`) gets one teacher per listed stage (
 checkpoint, routed by that stage's `domain`) and a prompt mix of those stages' tasks,
 each prompt tagged with its stage's domain. `<dir>/manifest.json` records every stage
 (status, input and output checkpoints, timestamps); with `pipeline.resume=true` (the
-default) a stage the manifest lists as completed, from the same input, is not rerun; when a
-stage runs, the later stages are marked stale and run again.
+default) a stage the manifest lists as completed, from the same input and with the same
+configuration (`stage_digest`), is not rerun; when a stage runs, the later stages are marked stale
+and run again.
 Overrides are `pipeline.KEY=VALUE` (values parsed as YAML).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -176,11 +178,22 @@ def run_pipeline(p: PipelineConfig) -> dict[str, Any]:
             current = stage_input(p, name, manifest, base)
         if (p.resume and entry.get("status") == "completed" and entry.get("input_checkpoint") == current
                 and os.path.isdir(entry.get("output_checkpoint") or "")):
-            log.info("stage %s: completed earlier (%s), not rerun", name, entry["output_checkpoint"])
-            current = entry["output_checkpoint"]
-            continue
+            if entry.get("config") == stage_digest(p, name):
+                log.info("stage %s: completed earlier (%s), not rerun", name, entry["output_checkpoint"])
+                current = entry["output_checkpoint"]
+                continue
+            log.info("stage %s: completed earlier with another configuration: run again", name)
         current = run_stage(p, name, current, manifest, root)
     return manifest.data
+
+
+def stage_digest(p: PipelineConfig, name: str) -> str:
+    """What a stage runs with, as a digest: pipeline.common, the stage's own settings and the teacher
+    stages it gets (those not skipped). A completed stage whose digest changed runs again on resume."""
+    st = p.stages[name]
+    blob = json.dumps({"common": list(p.common), "stage": asdict(st),
+                       "teachers": [s for s in st.distill_from if s not in p.skip]}, sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
 def stage_input(p: PipelineConfig, name: str, manifest: Manifest, base: str | None) -> str:
@@ -224,7 +237,8 @@ def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Ma
         if manifest.stage(after).get("status") == "completed":
             manifest.update(after, status="stale")
     manifest.update(name, status="running", input_checkpoint=input_ckpt, output_checkpoint=None, run_dir=run_dir,
-                    domain=st.domain, overrides=[*p.common, *st.overrides, *extra], started_at=_now(),
+                    domain=st.domain, overrides=[*p.common, *st.overrides, *extra], config=stage_digest(p, name),
+                    started_at=_now(),
                     finished_at=None, seconds=None, error=None)
     t0 = time.time()
     log.info("stage %s: starting from %s", name, input_ckpt or "the configured model")

@@ -175,10 +175,9 @@ def test_warm_start_mix_trains_every_task_in_each_batch(tmp_path, monkeypatch):
         assert sum(0 in m[m.index(1):] for m in masks) == 3
     (record,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
     with open(os.path.join(tmp_path, record)) as f:
-        task = json.load(f)["task"]
-    assert task["name"] == "arithmetic" and [m["name"] for m in task["mix"]] == ["calculator_agent"]
-    with open(os.path.join(tmp_path, record)) as f:
-        assert json.load(f)["mix_batch_size"] == [3]
+        saved = json.load(f)
+    assert saved["task"]["name"] == "arithmetic" and [m["name"] for m in saved["task"]["mix"]] == ["calculator_agent"]
+    assert saved["mix_batch_size"] == [3]
 
 
 def test_warm_start_mix_batch_sizes_must_match_the_mix(tmp_path):

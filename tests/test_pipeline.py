@@ -120,6 +120,23 @@ def test_pipeline_failed_stage_is_recorded_and_resumed(tmp_path):
     assert fixed["opd"]["status"] == "completed" and set(fixed["opd"]["teachers"]) == {"reasoning"}
 
 
+def test_resume_reruns_a_stage_whose_configuration_changed(tmp_path):
+    """A completed stage is kept on resume only when it would run the same way again: changed overrides
+    (of the stage or pipeline.common), or a changed teacher set, run it (and so the stages after it) again."""
+    layout = ["pipeline.skip=[agentic,general]"]
+    first = _stages(run_pipeline(_config(tmp_path, *layout)))
+    same = _stages(run_pipeline(_config(tmp_path, *layout)))
+    assert [same[s]["finished_at"] for s in ("reasoning", "opd")] == [first[s]["finished_at"] for s in ("reasoning", "opd")]
+    changed = _stages(run_pipeline(_config(tmp_path, *layout, "pipeline.stages.opd.prompts_per_teacher=6")))
+    assert changed["reasoning"]["finished_at"] == first["reasoning"]["finished_at"]
+    with open(os.path.join(changed["opd"]["run_dir"], "prompts.jsonl")) as f:
+        assert sum(1 for _ in f) == 6  # the distillation stage ran again, with 6 prompts (was 8)
+    # a teacher stage that ran before and is now skipped: the distillation stage has one teacher fewer
+    both = _stages(run_pipeline(_config(tmp_path, "pipeline.skip=[agentic]")))
+    fewer = _stages(run_pipeline(_config(tmp_path, "pipeline.skip=[agentic,general]")))
+    assert set(both["opd"]["teachers"]) == {"reasoning", "general"} and set(fewer["opd"]["teachers"]) == {"reasoning"}
+
+
 def test_stage_starts_from_the_base_model_or_a_named_stage(tmp_path):
     """`start_from: base`: the distillation student is the warm-started model the first stage began from
     (saved as <dir>/<first>/initial), not the last stage's output; `start_from: <stage>`: that stage's output."""

@@ -153,7 +153,7 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: Prompt
     os.replace(tmp, path)
     with open(path[: -len(".safetensors")] + ".json", "w") as f:
         json.dump({"task": task_identity, "steps": cfg.steps, "lr": cfg.lr, "batch_size": cfg.batch_size,
-                   "mix_batch_size": list(cfg.mix_batch_size), "schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps,
+                   "mix_batch_size": sizes, "schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps,
                    "min_lr_ratio": cfg.min_lr_ratio,
                    "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
                    "seconds": round(time.perf_counter() - t0, 1), "torch_cpu_capability": _cpu_capability(),
