@@ -55,3 +55,17 @@ def test_dual_clip_with_dis_is_refused():
     with pytest.raises(ConfigError, match="dual_clip_c applies to algo.policy_loss=ppo"):
         validate({"algo": {"name": "sao", "dual_clip_c": 3.0}})
     assert validate({"algo": {"name": "grpo", "dual_clip_c": 3.0}}).algo.dual_clip_c == 3.0
+
+
+def test_task_subtraction_is_arithmetic_with_minus():
+    from glmlight import compose
+    from glmlight.builder import build_sources
+
+    cfg = compose(["task=subtraction"])
+    validate(cfg)
+    assert cfg.task.name == "subtraction" and cfg.task.reward._target_ == "glmlight.rewards.verifiers.ExactMatch"
+    train, held_out = build_sources(cfg.task, cfg.seed)
+    for p in [train[i] for i in range(20)] + [held_out[0]]:
+        a, b = p.metadata["question"].rstrip("=").split("-")
+        assert int(p.label) == int(a) - int(b)
+    assert any(int(train[i].label) < 0 for i in range(20))
