@@ -32,6 +32,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from glmlight.cli import CONF_DIR, compose
+from glmlight.errors import ConfigError
 
 DEFAULT_CONFIG = os.path.join(CONF_DIR, "pipeline", "glm5.yaml")
 
@@ -51,8 +52,7 @@ class StageConfig:
     warm_start: bool = False
     # The stage's input: None = the previous stage's output; "base" = the model the first stage started
     # from (pipeline.base_model, or the warm-started configured model, which the first stage then saves as
-    # <dir>/<first>/initial);
-    # or an earlier stage's name = that stage's output.
+    # <dir>/<first>/initial); or an earlier stage's name = that stage's output.
     start_from: Optional[str] = None
 
 
@@ -74,8 +74,6 @@ class PipelineFile:
 
 def load_config(path: str = DEFAULT_CONFIG, overrides: list[str] = ()) -> PipelineConfig:
     """The typed pipeline config from a YAML file plus `pipeline.KEY=VALUE` overrides."""
-    from glmlight.errors import ConfigError
-
     if not os.path.isfile(path):
         raise ConfigError(f"config error: pipeline config {path} does not exist")
     bad = [o for o in overrides if "=" not in o or not o.startswith("pipeline.")]
@@ -124,8 +122,6 @@ class Manifest:
 
 # ---------------------------------------------------------------------------------------------- stages
 def check_stages(p: PipelineConfig) -> None:
-    from glmlight.errors import ConfigError
-
     names = list(p.stages)
     if not names:
         raise ConfigError("config error: pipeline.stages is empty")
@@ -147,8 +143,6 @@ def stage_config(p: PipelineConfig, name: str, extra: list[str] = ()) -> DictCon
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
     from glmlight.config import format_config_error
-    from glmlight.errors import ConfigError
-
     st = p.stages[name]
     try:
         cfg = compose([*p.common, *st.overrides, *extra])
@@ -198,8 +192,6 @@ def stage_digest(p: PipelineConfig, name: str) -> str:
 
 def stage_input(p: PipelineConfig, name: str, manifest: Manifest, base: str | None) -> str:
     """The checkpoint a stage with `start_from` begins with: an earlier stage's output or the base model."""
-    from glmlight.errors import ConfigError
-
     src = p.stages[name].start_from
     if src != "base":
         entry = manifest.stage(src)
@@ -297,8 +289,6 @@ def prepare_distillation(p: PipelineConfig, name: str, cfg: DictConfig, manifest
     """Cross-stage OPD: one teacher per completed `distill_from` stage (routed by its domain), and a
     prompt mix of those stages' tasks written to `<run_dir>/prompts.jsonl`. Edits `cfg`; returns the teachers."""
     from glmlight.builder import build_sources
-    from glmlight.errors import ConfigError
-
     st = p.stages[name]
     teachers: dict[str, Any] = {}
     agent: dict[str, Any] = {"env": None}  # an agent stage's prompts run as its episodes (task.agent.domains)

@@ -93,8 +93,6 @@ class DigitRunningSumEnv:
 def newest_pushed_version(weights_dir) -> int:
     """The highest `v<N>` a disk-mode weight push has written under `weights_dir` (0: none yet). The push
     keeps only the last two versions, so a fast run has deleted `v1` long before a poller looks for it."""
-    try:
-        names = os.listdir(weights_dir)
-    except FileNotFoundError:
-        return 0
-    return max((int(n[1:]) for n in names if n.startswith("v") and n[1:].isdigit()), default=0)
+    from glmlight.rollout.transport import checkpoint_versions
+
+    return max(checkpoint_versions(str(weights_dir)), default=0)

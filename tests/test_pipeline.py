@@ -120,20 +120,34 @@ def test_pipeline_failed_stage_is_recorded_and_resumed(tmp_path):
     assert fixed["opd"]["status"] == "completed" and set(fixed["opd"]["teachers"]) == {"reasoning"}
 
 
-def test_resume_reruns_a_stage_whose_configuration_changed(tmp_path):
+def test_resume_reruns_a_stage_whose_configuration_changed(tmp_path, monkeypatch):
     """A completed stage is kept on resume only when it would run the same way again: changed overrides
     (of the stage or pipeline.common), or a changed teacher set, run it (and so the stages after it) again."""
+    import glmlight.pipeline as pipeline
+
+    ran, real = [], pipeline.run_stage
+    monkeypatch.setattr(pipeline, "run_stage", lambda p, name, *a: ran.append(name) or real(p, name, *a))
+
+    def runs(*extra):
+        ran.clear()
+        return _stages(run_pipeline(_config(tmp_path, *extra)))
+
     layout = ["pipeline.skip=[agentic,general]"]
-    first = _stages(run_pipeline(_config(tmp_path, *layout)))
-    same = _stages(run_pipeline(_config(tmp_path, *layout)))
+    first = runs(*layout)
+    assert ran == ["reasoning", "opd"]
+    same = runs(*layout)
+    assert ran == []
     assert [same[s]["finished_at"] for s in ("reasoning", "opd")] == [first[s]["finished_at"] for s in ("reasoning", "opd")]
-    changed = _stages(run_pipeline(_config(tmp_path, *layout, "pipeline.stages.opd.prompts_per_teacher=6")))
+    changed = runs(*layout, "pipeline.stages.opd.prompts_per_teacher=6")
+    assert ran == ["opd"]
     assert changed["reasoning"]["finished_at"] == first["reasoning"]["finished_at"]
     with open(os.path.join(changed["opd"]["run_dir"], "prompts.jsonl")) as f:
         assert sum(1 for _ in f) == 6  # the distillation stage ran again, with 6 prompts (was 8)
     # a teacher stage that ran before and is now skipped: the distillation stage has one teacher fewer
-    both = _stages(run_pipeline(_config(tmp_path, "pipeline.skip=[agentic]")))
-    fewer = _stages(run_pipeline(_config(tmp_path, "pipeline.skip=[agentic,general]")))
+    both = runs("pipeline.skip=[agentic]")
+    assert ran == ["general", "opd"]
+    fewer = runs("pipeline.skip=[agentic,general]")
+    assert ran == ["opd"]
     assert set(both["opd"]["teachers"]) == {"reasoning", "general"} and set(fewer["opd"]["teachers"]) == {"reasoning"}
 
 

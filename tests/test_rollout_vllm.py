@@ -448,3 +448,17 @@ def test_fp8_weight_format_pushes_the_block_fp8_checkpoint_layout(model, tokeniz
     back = dequantize_fp8_block(got[name], got[name + "_scale_inv"])
     assert (back - sent).abs().max() <= 0.07 * sent.abs().max()  # e4m3: 3 mantissa bits
     assert not torch.equal(back, dict(model.state_dict())[name])  # the new weights, not the old
+
+
+def test_disk_push_keeps_the_last_versions(tmp_path):
+    """`write_hf_checkpoint` (the disk-mode push) writes root/vN atomically and keeps the newest `keep`."""
+    import torch
+
+    from glmlight.rollout.transport import checkpoint_versions, read_checkpoint, write_hf_checkpoint
+
+    root = str(tmp_path / "weights")
+    assert checkpoint_versions(root) == []
+    for v in (1, 2, 10):
+        path = write_hf_checkpoint([("w", torch.full((2,), float(v)))], root, v, keep=2)
+    assert checkpoint_versions(root) == [2, 10] and path == str(tmp_path / "weights" / "v10")
+    assert dict(read_checkpoint(path))["w"].tolist() == [10.0, 10.0]

@@ -228,13 +228,13 @@ def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...]
     fastest = min((k for k in step if k.startswith("trl@")), key=step.get)  # TRL_FAST at its best thread count
     base = f"baseline TRL GRPOTrainer at its fastest ({fastest.split('@')[1]} threads, no gradient checkpointing)"
     rows = []
-    for v, target, what in (("sync", TARGETS["grpo_sync"], f"on-policy, one trainer thread ({threads})"),
-                            ("async", TARGETS["grpo_async"], f"rollout overlapped with the update (decode "
-                             f"thread 1 + trainer {threads}), one step off-policy"),
-                            ("sync2", None, "on-policy, one trainer on 2 intra-op threads (engine and update)")):
+    for v, label, target, what in (
+            ("sync", "sync", TARGETS["grpo_sync"], f"on-policy, one trainer thread ({threads})"),
+            ("async", "async", TARGETS["grpo_async"], f"rollout overlapped with the update (decode thread 1 + "
+             f"trainer {threads}), one step off-policy"),
+            ("sync2", "sync, 2 threads", None, "on-policy, one trainer on 2 intra-op threads (engine and update)")):
         if v not in step:
             continue
-        label = "sync, 2 threads" if v == "sync2" else v
         note = f"{work}; {label}: {what}; {base}"
         rows.append(row(f"GRPO step, {label}: completions", "completions/s", completions / step[v],
                         completions / step[fastest], target, note))

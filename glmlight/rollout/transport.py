@@ -95,10 +95,16 @@ def write_hf_checkpoint(named: Iterable[tuple[str, torch.Tensor]], root: str, ve
     return final
 
 
+def checkpoint_versions(root: str) -> list[int]:
+    """The versions N of the `root/vN/` checkpoints `write_hf_checkpoint` has written, oldest first
+    (none: [], also when `root` does not exist yet)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(m.group(1)) for d in names if (m := re.fullmatch(r"v(\d+)", d)))
+
+
 def _prune(root: str, keep: int) -> None:
-    versions = sorted((int(m.group(1)), d) for d in os.listdir(root) if (m := re.fullmatch(r"v(\d+)", d)))
-    for _, d in versions[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    for v in checkpoint_versions(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(root, f"v{v}"), ignore_errors=True)
 
 
 def read_checkpoint(path: str) -> Named:
