@@ -29,7 +29,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glmlight.config import WarmStartConfig
-from glmlight.errors import ConfigError
 from glmlight.prompt import Prompt, PromptSource
 from glmlight.models.tokenizer import encode_chat
 
@@ -111,12 +110,9 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: Prompt
     prompts of the i-th, by default `cfg.batch_size`): one supervised pass over several formats at once."""
     if cfg.steps <= 0:
         return None
-    sizes = list(cfg.mix_batch_size) or [cfg.batch_size] * len(mix)
-    if len(sizes) != len(mix):
-        raise ConfigError(f"config error: model.warm_start.mix_batch_size has {len(sizes)} entries for "
-                          f"{len(mix)} model.warm_start.mix tasks: give one per task, or none")
+    sizes = list(cfg.mix_batch_size) or [cfg.batch_size] * len(mix)  # one per mix task (`config.validate`)
     parts = [(source, examples or label_examples(tokenizer), cfg.batch_size),
-             *((src, make, n) for (src, make), n in zip(mix, sizes))]
+             *((src, make, n) for (src, make), n in zip(mix, sizes, strict=True))]
 
     def make_rows(step: int) -> list[Example]:
         return [row for src, make, n in parts for row in make(batch_prompts(src, step, n))]
