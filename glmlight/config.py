@@ -112,7 +112,7 @@ class AlgoConfig:
     ppo_epochs: int = 1
     num_minibatches: int = 1  # optimizer steps per epoch over one rollout batch
     micro_batch_size: int = 64  # rows per forward pass (gradient accumulation inside a minibatch)
-    # Pack micro-batches by token count instead: rows × longest row <= this many tokens, each micro-batch
+    # Pack micro-batches by token count instead: rows × (longest prompt + longest response) <= this many tokens, each micro-batch
     # trimmed to its own rows' columns (verl use_dynamic_bsz); None = micro_batch_size rows.
     micro_batch_tokens: Optional[int] = None
     # Where θ_old's log-probs come from: "forward" = a no-grad forward before the update; "update" = the

@@ -65,8 +65,8 @@ def _rollout(model, tokenizer, runner="auto", max_batch_size=256, **capture):
             for i, (p, g) in enumerate(zip(prompts, gens))]
 
 
-def _module(tokenizer, model, replay="both", forward="glmlight"):
-    cfg = validate(compose(["model.preset=test", f"algo.replay={replay}"]))
+def _module(tokenizer, model, replay="both", forward="glmlight", *extra):
+    cfg = validate(compose(["model.preset=test", f"algo.replay={replay}", *extra]))
     return algorithm("grpo").module(cfg.algo, model, pad_token_id=tokenizer.pad_token_id,
                                     use_glm_forward=forward == "glmlight")
 
@@ -171,6 +171,47 @@ def test_replay_makes_engine_and_trainer_logprobs_agree_on_near_ties(tokenizer, 
     assert min(routing) < 0.9 and min(index) < 0.99 and gaps["none"] > 1e-2  # today: other experts and keys
     assert agree["both"] == ([1.0], [1.0, 1.0])
     assert gaps["both"] < 2e-6  # fp32 reassociation only (engine runner vs trainer forward)
+
+
+@pytest.mark.parametrize("forward", ["glmlight", "transformers"])
+def test_replay_survives_token_budget_micro_batches(tokenizer, forward):
+    """algo.micro_batch_tokens trims each micro-batch's left prompt padding; the recorded DSA key columns
+    move with it. Old log-probs and the update's forward give the engine's log-probs (fp32 rounding)
+    whether the rows run as row micro-batches or packed by a token budget, with several trims."""
+    model = _near_ties(_model(tokenizer))
+    samples = _rollout(model, tokenizer)
+    exp = Experience.collate(samples, pad_token_id=tokenizer.pad_token_id)
+    for extra in ([], ["algo.micro_batch_tokens=40"], ["algo.micro_batch_tokens=16"]):
+        module = _module(tokenizer, model, "both", forward, *extra)
+        old = module.compute_logprobs(model, exp)
+        gap = float(((old - exp.rollout_logprobs) * exp.loss_mask).abs().max())
+        assert gap < 2e-6, (extra, gap)
+        for idx in module._micro_batches(torch.arange(exp.batch_size), exp):
+            mb = module._select(exp, idx)
+            lp = module.logprobs(module.forward_logits(model, mb), mb.response_ids).detach()
+            assert float(((lp - mb.rollout_logprobs) * mb.loss_mask).abs().max()) < 2e-6, (extra, idx.tolist())
+
+
+@pytest.mark.parametrize("forward", ["glmlight", "transformers"])
+def test_only_the_policys_own_forwards_replay(tokenizer, forward):
+    """The records are the policy's choices: the frozen reference and a trainer-side OPD teacher (models
+    with their own routers and indexers) score with their own choices under algo.replay=both, giving the
+    log-probs they give with replay off; the policy's own old log-probs still replay."""
+    from glmlight.algorithms.opd import ModelTeacher
+
+    policy = _near_ties(_model(tokenizer))
+    other = _near_ties(_model(tokenizer), seed=2)
+    exp = Experience.collate(_rollout(policy, tokenizer), pad_token_id=tokenizer.pad_token_id)
+    on = _module(tokenizer, policy, "both", forward, "algo.kl_coef=0.1")
+    off = _module(tokenizer, policy, "none", forward, "algo.kl_coef=0.1")
+    on._reference, off._reference = [other], [other]
+    ref_on, ref_off = on.reference_logprobs(exp), off.reference_logprobs(exp)
+    assert float(((ref_on - ref_off) * exp.loss_mask).abs().max()) == 0.0
+    on.teacher_temperature = off.teacher_temperature = 1.0
+    teacher = ModelTeacher("t", other)
+    assert torch.equal(teacher.logprobs(on, exp) * exp.loss_mask, teacher.logprobs(off, exp) * exp.loss_mask)
+    own = on.compute_logprobs(policy, exp)
+    assert float(((own - exp.rollout_logprobs) * exp.loss_mask).abs().max()) < 2e-6
 
 
 def test_replay_only_replaces_choices_and_gradients_reach_the_router(tokenizer):

@@ -2,9 +2,10 @@
 
 `by_rows` cuts the rows into chunks of `algo.micro_batch_size` rows. `by_tokens`
 (`algo.micro_batch_tokens=N`) packs rows by their length instead (verl's use_dynamic_bsz,
-slime's --use-dynamic-batch-size): rows sorted longest first fill a micro-batch while
-rows × longest row ≤ N, and each micro-batch is `trim`med to the columns its own rows use, so
-a batch with a few long and many short responses is not padded to the longest. The losses of
+slime's --use-dynamic-batch-size): rows sorted longest first fill a micro-batch while its padded
+size, rows × (longest prompt + longest response), stays ≤ N, and each micro-batch is `trim`med to
+exactly those columns (prompts are left-padded, responses right-padded), so a batch with a few long
+and many short responses is not padded to the longest and no forward runs more than N tokens. The losses of
 the micro-batches add up to the same minibatch loss either way (their denominators are the
 minibatch's), so the gradients are the same; only the padding differs.
 """
@@ -21,34 +22,38 @@ def by_rows(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(rows.split(size)) if len(rows) else []
 
 
-def row_lengths(exp: Experience) -> torch.Tensor:
-    """Real tokens (prompt + response) of every row: [B]."""
-    return exp.attention_mask.sum(-1)
+def row_lengths(exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real prompt tokens and real response tokens of every row: ([B], [B])."""
+    P = exp.prompt_length
+    return exp.attention_mask[:, :P].sum(-1), exp.attention_mask[:, P:].sum(-1)
 
 
-def by_tokens(rows: torch.Tensor, lengths: torch.Tensor, budget: int) -> list[torch.Tensor]:
-    """`rows` packed into micro-batches of at most `budget` padded tokens (rows × longest row);
-    longest rows first, so similar lengths share a micro-batch; a row longer than the budget runs
-    alone. `lengths[i]` is the length of row `rows[i]`."""
+def by_tokens(rows: torch.Tensor, prompts: torch.Tensor, responses: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """`rows` packed into micro-batches of at most `budget` padded tokens: rows × (longest prompt +
+    longest response), the width `trim` leaves. Longest rows first, so similar lengths share a
+    micro-batch; a row longer than the budget runs alone. `prompts[i]`, `responses[i]`: the lengths of
+    row `rows[i]`."""
     if not len(rows):
         return []
-    order = torch.argsort(lengths.cpu(), descending=True, stable=True)
+    prompts, responses = prompts.cpu(), responses.cpu()
+    order = torch.argsort(prompts + responses, descending=True, stable=True)
     out: list[list[int]] = []
-    longest = 0
+    prompt = response = 0
     for i in order.tolist():
-        n = int(lengths[i])
-        if out and max(longest, n) * (len(out[-1]) + 1) <= budget:
+        p, r = int(prompts[i]), int(responses[i])
+        if out and (max(prompt, p) + max(response, r)) * (len(out[-1]) + 1) <= budget:
             out[-1].append(i)
-            longest = max(longest, n)
+            prompt, response = max(prompt, p), max(response, r)
         else:
             out.append([i])
-            longest = n
+            prompt, response = p, r
     return [rows[torch.tensor(chunk, dtype=torch.long)] for chunk in out]
 
 
 def trim(exp: Experience) -> Experience:
     """`exp` without the columns none of its rows uses: the left prompt padding above its longest
-    prompt and the right response padding past its longest response. Response position t stays t."""
+    prompt and the right response padding past its longest response. Response position t stays t;
+    the DSA replay records, which hold key columns of this layout, move left with the columns."""
     P, T = exp.prompt_length, exp.response_length
     prompt = int(exp.attention_mask[:, :P].sum(-1).max()) if exp.batch_size else P
     response = max(int(exp.response_mask.sum(-1).max()) if exp.batch_size else T, 1)
@@ -60,7 +65,8 @@ def trim(exp: Experience) -> Experience:
         v = getattr(exp, f)
         if isinstance(v, torch.Tensor) and v.dim() >= 2:
             if v.shape[1] == P + T:
-                setattr(out, f, v[:, start:stop])
+                v = v[:, start:stop]
+                setattr(out, f, v.where(v < 0, v - start) if f == "indexer_topk" and start else v)
             elif v.shape[1] == T:
                 setattr(out, f, v[:, :response])
     out.prompt_length = prompt

@@ -107,12 +107,9 @@ class ModelTeacher:
     def logprobs(self, module: OPD, exp: Experience) -> torch.Tensor:
         if next(self.model.parameters()).device != module.device:
             self.model.to(module.device)
-        chunks = []
-        for idx in module._micro_batches(torch.arange(exp.batch_size)):
-            mb = exp.select(idx)
-            logits = module.forward_logits(self.model, mb)
-            chunks.append(logprobs_from_logits(logits, mb.response_ids, module.teacher_temperature))
-        return torch.cat(chunks)
+        # the policy's micro-batches (algo.micro_batch_size or the token budget); the teacher's own routing
+        return module.per_row(exp, lambda mb: logprobs_from_logits(module.forward_logits(self.model, mb, replay=False),
+                                                                    mb.response_ids, module.teacher_temperature))
 
     def close(self) -> None:
         self.model = None
@@ -324,7 +321,7 @@ class OPD(RLModule):
             if next(teacher.parameters()).device != logits.device:
                 teacher.to(logits.device)
             with torch.no_grad():
-                t_logits = self.forward_logits(teacher, mb.select(rows.tolist()))
+                t_logits = self.forward_logits(teacher, mb.select(rows.tolist()), replay=False)
             kl = kl.index_put((rows,), full_reverse_kl(logits[rows], t_logits, mask[rows], self.temperature,
                                                        self.teacher_temperature))
         cfg = self.cfg

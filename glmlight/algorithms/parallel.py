@@ -45,7 +45,9 @@ class ParallelSteps:
         with `algo.micro_batch_tokens` (`glmlight.algorithms.microbatch`); none for no rows."""
         budget = getattr(self.cfg, "micro_batch_tokens", None)
         if budget and exp is not None:
-            return microbatch.by_tokens(rows, microbatch.row_lengths(exp)[rows.to(exp.attention_mask.device)], budget)
+            prompts, responses = microbatch.row_lengths(exp)
+            at = rows.to(prompts.device)
+            return microbatch.by_tokens(rows, prompts[at], responses[at], budget)
         return microbatch.by_rows(rows, self.cfg.micro_batch_size)
 
     def _select(self, exp: Experience, idx: torch.Tensor | None) -> Experience:

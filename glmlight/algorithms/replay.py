@@ -8,9 +8,9 @@
 - per sample (`RecordsFilter`, a datamodule filter): a sample whose records do not cover every
   position a trained token depends on is dropped and counted as `rollout/dropped/no_replay_records`
   (its group padded or dropped as for failures), with a warning;
-- per forward (`replay_for`): the `Replay` of the batch's records for one model (policy,
-  reference, a teacher of the same layout), handed to glmlight's GLM-5 forward or installed as
-  hooks around the model's own.
+- per forward (`replay_for`): the `Replay` of the batch's records for the policy's own forwards
+  (old log-probs, the update; never the reference or a teacher: `glmlight.algorithms.scoring`),
+  handed to glmlight's GLM-5 forward or installed as hooks around the model's own.
 """
 
 from __future__ import annotations

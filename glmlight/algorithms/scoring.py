@@ -1,6 +1,12 @@
-"""How an RLModule scores tokens: the trainer-side logits over a batch's responses (the engine's
-replayed experts and DSA keys where `algo.replay` asks), log-probs and entropy under the
-engine's sampling distribution (temperature, top-k, top-p), and the reference model's log-probs."""
+"""How an RLModule scores tokens: the trainer-side logits over a batch's responses, log-probs and
+entropy under the engine's sampling distribution (temperature, top-k, top-p), and the reference
+model's log-probs.
+
+Replay scope (`algo.replay`): the records are the choices the policy made in the engine, so only the
+policy's own forwards replay them (the old log-probs and the update). The frozen reference, a LoRA
+policy's frozen base and trainer-side OPD teachers are other distributions: they route and select
+keys by themselves, as slime's routing replay falls through for its reference and teacher forwards
+(slime/utils/routing_replay.py) and as an engine serving them would."""
 
 from __future__ import annotations
 
@@ -20,11 +26,14 @@ class PolicyScoring:
     """Mixin of `RLModule` (glmlight/algorithms/base.py), which sets temperature, top_k, top_p,
     replay_mode, use_glm_forward, policy, the reference and `per_row`."""
 
-    def forward_logits(self, model: torch.nn.Module, exp: Experience, capture: dict | None = None) -> torch.Tensor:
-        """Logits predicting each response token: [B, T, V]. With `algo.replay`, the engine's recorded
-        experts / DSA keys replace the model's own choices; `capture` receives the choices used."""
+    def forward_logits(self, model: torch.nn.Module, exp: Experience, capture: dict | None = None,
+                       replay: bool | None = None) -> torch.Tensor:
+        """Logits predicting each response token: [B, T, V]. `replay` (default: whether `model` is the
+        policy): with `algo.replay`, the engine's recorded experts / DSA keys replace the model's own
+        choices; `capture` receives the choices used."""
         P = exp.prompt_length
-        replay = replay_.replay_for(self.replay_mode, model, exp, capture)
+        own = model is self.policy if replay is None else replay
+        replay = replay_.replay_for(self.replay_mode if own else "none", model, exp, capture)
         if self.use_glm_forward and glm_forward.supports(model):
             return glm_forward.forward_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids,
                                               start=P - 1, replay=replay)[:, :-1]
@@ -34,8 +43,10 @@ class PolicyScoring:
         return out.logits[:, P - 1 : -1]
 
     @torch.no_grad()
-    def compute_logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
-        return self.per_row(exp, lambda mb: self.logprobs(self.forward_logits(model, mb), mb.response_ids))
+    def compute_logprobs(self, model: torch.nn.Module, exp: Experience, replay: bool | None = None) -> torch.Tensor:
+        """Log-probs [B, T] of the responses under `model` (`replay`: as in `forward_logits`)."""
+        return self.per_row(exp, lambda mb: self.logprobs(self.forward_logits(model, mb, replay=replay),
+                                                          mb.response_ids))
 
     def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Log-probs [B, T] of `labels` under the sampling distribution the engine used. With top-k /
@@ -59,7 +70,7 @@ class PolicyScoring:
         frozen copy of the initial policy; None without a reference."""
         if self._reference_is_base:
             with base_model_context(self.policy):
-                return self.compute_logprobs(self.policy, batch)
+                return self.compute_logprobs(self.policy, batch, replay=False)  # the base is not the policy
         if self._reference:
             ref = self._reference[0] if self.sharded else self._reference[0].to(self.device)
             return self.compute_logprobs(ref, batch)

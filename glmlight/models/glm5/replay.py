@@ -133,8 +133,8 @@ class Replay:
               *, routing: bool, index: bool, capture: dict | None = None, shape: tuple[int, int] | None = None,
               name: str = "model") -> "Replay | None":
         """The replay of `model` from an Experience's records ([B, S, L, k], -1 where none); None when
-        nothing is replayed or captured. Records of another layout than `model`'s (e.g. a teacher of
-        another architecture) are not replayed into it; that is logged once."""
+        nothing is replayed or captured. Records of another layout than `model`'s are not replayed into
+        it; that is logged once."""
         out = cls(capture=capture, shape=shape)
         if routing and routed_experts is not None:
             shape = routing_shape(model)
