@@ -161,3 +161,19 @@ def test_lora_with_a_sharded_strategy_is_one_line(strategy):
 
     with pytest.raises(ConfigError, match=f"model.lora with trainer.strategy={strategy} is not supported"):
         validate(compose(["model.lora.rank=4", f"trainer.strategy={strategy}"]))
+
+
+def test_replay_and_the_agreement_monitors_see_through_lora(tmp_path):
+    """A LoRA policy (peft wraps the model) has the routers and DSA indexers of its base: routing and index
+    replay are accepted, the policy's old log-probs replay the engine's choices, and the agreement
+    monitors measure it (1.0 under replay)."""
+    run = _build(tmp_path, "model.lora.rank=4", "algo.replay=both", "trainer.max_steps=1", "~callbacks.held_out_eval",
+                 "model.index_topk=4", "model.n_routed_experts=16", "model.num_experts_per_tok=4",
+                 "+callbacks.routing_agreement._target_=callbacks.RoutingAgreement",
+                 "+callbacks.routing_agreement.every_n_steps=1",
+                 "+callbacks.index_agreement._target_=callbacks.IndexAgreement",
+                 "+callbacks.index_agreement.every_n_steps=1")
+    run.fit()
+    rows = list(csv.DictReader(open(glob.glob(os.path.join(tmp_path, "csv", "version_*", "metrics.csv"))[0])))
+    logged = {k: float(v) for row in rows for k, v in row.items() if v not in ("", None)}
+    assert logged["routing_agreement/mean"] == 1.0 and logged["index_agreement/mean"] == 1.0, logged

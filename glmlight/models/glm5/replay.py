@@ -45,6 +45,10 @@ SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRoute
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a causal LM, seen through a peft wrapper (a LoRA policy keeps its base's
+    routers and indexers; peft adapts only their linear layers)."""
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     return list(layers) if layers is not None else []
