@@ -75,6 +75,36 @@ def test_blocks_are_independent():
     assert s[0, 1] == s[1, 0] == s[1, 1] == pytest.approx(0.01 / 448)
 
 
+def test_tiny_blocks_get_a_finite_scale():
+    """A block whose largest magnitude is positive but below 448 x the smallest normal float32 would get
+    amax / 448 = 0 (or a subnormal scale): the scale is clamped at the smallest normal float32, so no
+    0 / 0 ever reaches the weights, and the error bound still holds."""
+    w = torch.zeros(130, 130)
+    w[0, 0] = 3e-43           # block (0, 0): subnormal float32, amax / 448 underflows to 0
+    w[0, 129] = -1e-39        # block (0, 1): amax / 448 would be subnormal
+    w[129, 0] = 1.0           # block (1, 0): an ordinary block beside them
+    q, s = quantize_fp8_block(w)
+    deq = dequantize_fp8_block(q, s)
+    assert torch.isfinite(q.float()).all() and torch.isfinite(deq).all()
+    assert s[0, 0] == s[0, 1] == torch.finfo(torch.float32).tiny and s[1, 0] == pytest.approx(1 / 448)
+    assert ((deq - w).abs() <= fp8_error_bound(w, s)).all()
+    assert deq[129, 0] == 1.0
+
+
+def test_block_maxima_map_to_448_and_come_back_within_one_ulp():
+    """The largest element of a block maps to ±448, but comes back as 448 · fl(amax / 448), which can
+    differ from amax by one float32 ulp (the scale is rounded): what holds, over 200 random blocks."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 16, 16, generator=g) * torch.logspace(-6, 6, 200)[:, None, None]
+    q, s = quantize_fp8_block(w, (16, 16))
+    deq = dequantize_fp8_block(q, s, (16, 16))
+    at = w.abs().flatten(1).argmax(1)
+    top, back = w.flatten(1).gather(1, at[:, None])[:, 0], deq.flatten(1).gather(1, at[:, None])[:, 0]
+    assert q.float().flatten(1).gather(1, at[:, None]).abs().eq(448).all()
+    ulp = torch.nextafter(top.abs(), torch.tensor(float("inf"))) - top.abs()
+    assert ((back - top).abs() <= ulp).all()
+
+
 def test_zero_block_and_bad_input():
     q, s = quantize_fp8_block(torch.zeros(130, 5))
     assert s.eq(1).all() and q.float().eq(0).all()

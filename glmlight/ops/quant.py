@@ -3,12 +3,15 @@
 The layout of DeepSeek-V3's and GLM-5's FP8 checkpoints (DeepSeek-V3, arXiv:2412.19437 §3.3.2: weights
 quantised per 128 x 128 block with its own scale): for a weight W [N, K] (or a stack [..., N, K]),
 
-    s[i, j] = max |W[block i, j]| / 448                   (448 = the largest float8_e4m3fn value)
+    s[i, j] = max(max |W[block i, j]| / 448, 2^-126)     (448 = the largest float8_e4m3fn value)
     Q       = float8_e4m3fn(W / s)                         (round to nearest, |W / s| <= 448)
     W ≈ Q · s                                              (`weight_scale_inv` is s, shape [⌈N/128⌉, ⌈K/128⌉])
 
 The last block row and column may be partial (N or K not a multiple of 128): they are scaled by the
-largest value they hold. `weight_scale_inv` is float32.
+largest value they hold. `weight_scale_inv` is float32. A block whose largest magnitude is below
+448 · 2^-126 would get a scale that underflows to 0 (then 0 / 0) or is subnormal: its scale is clamped
+at the smallest normal float32, 2^-126 (such a block quantises to zeros and subnormal steps). An
+all-zero block gets the scale 1.
 
 Round-trip error: e4m3 keeps 3 mantissa bits, so a value whose scaled magnitude |W/s| is at least the
 smallest normal 2^-6 is off by at most half a step, 2^-4 of its magnitude; below that the steps are
@@ -16,7 +19,8 @@ the subnormal spacing 2^-9, so the error is at most 2^-10 · s. Per element:
 
     |W - Q·s| <= max(2^-4 · |W|, 2^-10 · s)
 
-and the largest element of every block comes back exactly (it maps to ±448).
+The largest element of every block maps to ±448 and comes back as 448 · fl(amax / 448): within one
+float32 ulp of itself, not always exactly, because the scale is rounded to float32.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple
         raise ValueError(f"block FP8 quantisation needs a floating-point weight, got {w.dtype}")
     wf = w.float()
     amax = _blocks(wf.abs(), block).amax(dim=(-3, -1))  # [..., N/bn, K/bk]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    tiny = torch.finfo(torch.float32).tiny
+    scale = torch.where(amax > 0, (amax / FP8_MAX).clamp(min=tiny), torch.ones_like(amax))
     q = (wf / _expand(scale, w.shape, block)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
