@@ -287,26 +287,48 @@ def _datamodule_factory(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any
     return lambda engine: RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout, **options)
 
 
+def build_policy(cfg: DictConfig, tokenizer: Any, source: PromptSource | None = None, reward: Any = None,
+                 warm: bool = True) -> torch.nn.Module:
+    """The run's policy before LoRA, the one construction path of training (`build`), export and
+    `policy_from_checkpoint`: loaded from model.path or built from model.preset with every model.* option,
+    gradient checkpointing, and with `warm` the supervised warm start (cached) when model.warm_start.steps
+    > 0, on the task's `source` scored by `reward` (both built from the config when not given)."""
+    m = cfg.model
+    policy = load_causal_lm(m.path, tokenizer, preset=m.preset, dtype=m.dtype, seed=m.seed,
+                            trust_remote_code=m.trust_remote_code, index_topk=m.index_topk,
+                            n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok)
+    if m.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    if warm and m.warm_start.steps > 0:
+        source = source if source is not None else build_sources(cfg.task, cfg.seed)[0]
+        reward = reward if reward is not None else RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
+        warm_start(cfg, policy, tokenizer, source, _datamodule_factory(cfg, policy, tokenizer, source, reward))
+    return policy
+
+
+def with_lora(cfg: DictConfig, policy: torch.nn.Module) -> torch.nn.Module:
+    """`policy` with the LoRA adapters of model.lora (unchanged at rank 0)."""
+    lora = cfg.model.lora
+    return apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+
+
 def policy_from_checkpoint(cfg: DictConfig | dict, ckpt_path: str) -> tuple[torch.nn.Module, Any]:
     """(policy, tokenizer) of a run's Lightning checkpoint, built as `build(cfg)` builds them (a LoRA
     checkpoint holds only the adapters: the base is rebuilt from model.path, or the seed and warm start)."""
     cfg = validate(cfg)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
-                            seed=cfg.model.seed, trust_remote_code=cfg.model.trust_remote_code,
-                            index_topk=cfg.model.index_topk)
     lora = cfg.model.lora
-    if lora.rank > 0 and cfg.model.warm_start.steps > 0:  # the base the adapters were trained on
-        source = build_sources(cfg.task, cfg.seed)[0]
-        reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
-        warm_start(cfg, policy, tokenizer, source, _datamodule_factory(cfg, policy, tokenizer, source, reward))
-    policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    # a LoRA checkpoint holds only the adapters: the base they were trained on is rebuilt (warm start included)
+    policy = with_lora(cfg, build_policy(cfg, tokenizer, warm=lora.rank > 0))
     try:
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         state = {k[len("policy."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"cannot read the checkpoint {ckpt_path}: {_root_cause(e)}") from None
-    missing, unexpected = policy.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = policy.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shapes that differ: another model than the run's config builds
+        raise ConfigError(f"checkpoint {ckpt_path} does not fit the run's model: {str(e).splitlines()[1].strip()}") from None
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     lost = [k for k in missing if k in trainable or lora.rank == 0]
     if lost or unexpected:
@@ -326,21 +348,13 @@ def build(cfg: DictConfig | dict) -> Run:
         require_npu()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
-                            seed=cfg.model.seed, trust_remote_code=cfg.model.trust_remote_code,
-                            index_topk=cfg.model.index_topk, n_routed_experts=cfg.model.n_routed_experts,
-                            num_experts_per_tok=cfg.model.num_experts_per_tok)
-    if cfg.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
     source, eval_source = build_sources(cfg.task, cfg.seed)
     eval_sets = build_eval_sets(cfg.eval, cfg.task)
     reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
+    policy = build_policy(cfg, tokenizer, source=source, reward=reward)
     dm_kwargs = _datamodule_options(cfg, policy, tokenizer)
-    if cfg.model.warm_start.steps > 0:
-        warm_start(cfg, policy, tokenizer, source, _datamodule_factory(cfg, policy, tokenizer, source, reward))
     engine = build_engine(cfg, policy, tokenizer)  # the engine's own copy: the plain (or merged) model
-    lora = cfg.model.lora
-    policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    policy = with_lora(cfg, policy)
     datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout,
                                    eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
                                    eval_sets=eval_sets, eval_cfg=cfg.eval, **dm_kwargs)
