@@ -31,7 +31,33 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | None 
 
         raise ConfigError(f"config error: no train.yaml in {root}; pass config_dir= (a copy of glmlight's conf/)")
     with initialize_config_dir(config_dir=root, version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=list(overrides))
+        try:
+            return hydra_compose(config_name="train", overrides=list(overrides))
+        except (AssertionError, TypeError, ValueError) as e:  # OmegaConf's own faults on an impossible override
+            raise _override_error(list(overrides), hydra_compose, e) from None
+
+
+def _override_error(overrides: list[str], hydra_compose: Callable[..., Any], e: BaseException) -> Exception:
+    """One line for an override Hydra cannot apply, naming it: typically a key below an entry that is
+    null in this config (e.g. task.agent.env._target_ on a task without an agent environment)."""
+    from omegaconf import OmegaConf
+
+    from glmlight.errors import ConfigError
+
+    plain = [o for o in overrides if "=" in o and not o.startswith(("+", "~"))]
+    try:
+        base = hydra_compose(config_name="train", overrides=[o for o in overrides if o not in plain])
+    except Exception:  # noqa: BLE001 - only the diagnosis failed
+        base = None
+    for o in plain:
+        key = o.split("=", 1)[0]
+        parts = key.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if base is not None and OmegaConf.select(base, parent, default="missing") is None:
+                return ConfigError(f"config error: {key} cannot be set: {parent} is null in this config; give the "
+                                   f"whole entry instead, e.g. '{parent}={{{'.'.join(parts[i:])}: ...}}'")
+    return ConfigError(f"config error: the overrides {overrides} cannot be applied ({type(e).__name__}: {e})")
 
 
 def setup_logging() -> None:
@@ -40,6 +66,17 @@ def setup_logging() -> None:
     logger = logging.getLogger("glmlight")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+
+
+def one_line(e: BaseException) -> str:
+    """The line a user error is reported with: `config error: ...` for a bad configuration (ConfigError,
+    whose messages carry that prefix), `error: ...` for everything else; never both."""
+    from glmlight.errors import ConfigError
+
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, ConfigError):
+        return msg if msg.startswith("config error:") else f"config error: {msg}"
+    return msg if msg.startswith("error:") else f"error: {msg}"
 
 
 def run_with_one_line_errors(fn: Callable[[], int | None]) -> int:
@@ -53,7 +90,7 @@ def run_with_one_line_errors(fn: Callable[[], int | None]) -> int:
     try:
         return fn() or 0
     except GlmlightError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(one_line(e), file=sys.stderr)
         return 2
     except (HydraException, OmegaConfBaseException) as e:
         print(format_config_error(e), file=sys.stderr)

@@ -361,6 +361,9 @@ def _check_choices(cfg: DictConfig) -> None:
             OmegaConf.select(cfg, "algo.ppo_epochs") > 1 or OmegaConf.select(cfg, "algo.num_minibatches") > 1):
         raise ConfigError("config error: algo.old_logprobs=update needs ppo_epochs=1 and num_minibatches=1 (every "
                           "token trained once, at θ_old); use forward or auto")
+    betas = OmegaConf.select(cfg, "algo.betas")
+    if betas is not None and len(betas) != 2:
+        raise ConfigError(f"config error: algo.betas must be two numbers [beta1, beta2], got {list(betas)}")
     mix, sizes = (OmegaConf.select(cfg, f"model.warm_start.{k}") or [] for k in ("mix", "mix_batch_size"))
     if sizes and len(sizes) != len(mix):
         raise ConfigError(f"config error: model.warm_start.mix_batch_size has {len(sizes)} entries for "

@@ -31,6 +31,20 @@ def test_bad_override_gives_one_line(override, expected):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["model.preset=huge"], "config error: model.preset='huge' is not one of ['small', 'test', 'tiny']"),
+    (["task.agent.env._target_=glmlight.agents.envs.CalculatorEnv"],
+     "config error: task.agent.env._target_ cannot be set: task.agent.env is null in this config"),
+    (["algo.betas=[0.9]"], "config error: algo.betas must be two numbers [beta1, beta2], got [0.9]"),
+])
+def test_bad_values_that_used_to_end_in_tracebacks_are_one_line(args, expected):
+    out = _train(*args, "trainer.max_steps=1", "logger=none", "model.warm_start.steps=0")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines == [lines[-1]] and expected in lines[0], out.stderr[-3000:]
+    assert not lines[0].startswith("error: config error")  # one prefix
+
+
 def test_cfg_job_prints_composed_config():
     out = _train("--cfg", "job", "rollout.max_new_tokens=7")
     assert out.returncode == 0, out.stderr

@@ -119,5 +119,5 @@ def test_a_negative_temperature_stops_the_run_before_any_model_work():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert lines == ["error: config error: rollout.temperature must be >= 0, got -1.0"], out.stderr[-2000:]
+    assert lines == ["config error: rollout.temperature must be >= 0, got -1.0"], out.stderr[-2000:]
     assert "warm start" not in out.stdout.lower() and time.time() - t0 < 120

@@ -207,7 +207,7 @@ class OPD(RLModule):
                 raise ConfigError(f"config error: {where}.engine: cannot build {tc.engine['_target_']} ({e})") from None
             return EngineTeacher(name, engine, self.teacher_temperature)
         if tc.path is not None:
-            model = load_causal_lm(tc.path, None, dtype=tc.dtype)
+            model = load_causal_lm(tc.path, None, dtype=tc.dtype, key=f"{where}.path")
         else:
             model = self._builtin_teacher(name, tc)
         self._check_vocab(name, model)
@@ -227,7 +227,8 @@ class OPD(RLModule):
         if dm is None or not hasattr(dm, "tokenizer"):
             raise ConfigError(f"config error: algo.teachers.{name} has neither path nor engine; the built-in teacher "
                               "is warm-started on the run's task and needs the run's data module")
-        model = load_causal_lm(None, dm.tokenizer, preset=tc.preset, dtype=tc.dtype, seed=tc.seed)
+        model = load_causal_lm(None, dm.tokenizer, preset=tc.preset, dtype=tc.dtype, seed=tc.seed,
+                               key=f"algo.teachers.{name}.path")
         model.to(self._target_device())
         if tc.warm_start.steps > 0:
             supervised_warm_start(model, dm.tokenizer, dm.source, tc.warm_start,

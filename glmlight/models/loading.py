@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GlmMoeDsaForCausal
 from glmlight.dtypes import resolve_dtype
 from glmlight.errors import ConfigError
 from glmlight.models.glm5.indexer import install_fast_indexer
-from glmlight.models.tiny import tiny_glm5_config
+from glmlight.models.tiny import PRESETS, tiny_glm5_config
 from glmlight.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, pres
     """A local checkpoint (safetensors only), or the tiny GLM-5 initialised from `seed`."""
     torch_dtype = resolve_dtype(dtype)
     if path is None:
+        if preset not in PRESETS:
+            where = key.rsplit(".", 1)[0] + ".preset"
+            raise ConfigError(f"config error: {where}={preset!r} is not one of {sorted(PRESETS)}")
         config = tiny_glm5_config(len(tokenizer), preset, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id,
                                   **{k: v for k, v in tiny_overrides.items() if v is not None})
