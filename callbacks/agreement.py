@@ -105,7 +105,8 @@ class ChoiceAgreement(pl.Callback):
             return None
         cap: dict = {}
         dev = next(model.parameters()).device
-        with transformers_replay(model, Replay(capture=cap, shape=tuple(sub.input_ids.shape))):
+        # the engine's model outside the rollout: under the generation lock, as every such use
+        with trainer.datamodule.engine_aside(), transformers_replay(model, Replay(capture=cap, shape=tuple(sub.input_ids.shape))):
             model(input_ids=sub.input_ids.to(dev), attention_mask=sub.attention_mask.to(dev),
                   position_ids=sub.position_ids.to(dev), use_cache=False)
         out = cap.get(self.kind, {})

@@ -81,10 +81,11 @@ class MismatchMonitor(pl.Callback):
     @torch.no_grad()
     def greedy_probe(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Experience) -> float:
         """Fraction of positions where the trainer's argmax equals the engine's greedy token."""
-        engine = trainer.datamodule.engine
         prompts = [s.prompt_ids for s in batch.samples[: self.probe_prompts]]
-        # A seed of its own: the probe must not draw from the engine's seed stream (training's).
-        gens = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.probe_tokens, seed=0))
+        # Under the generation lock (never beside an async rollout's generation), with a seed of its own:
+        # the probe must not draw from the engine's seed stream (training's).
+        with trainer.datamodule.engine_aside() as engine:
+            gens = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.probe_tokens, seed=0))
         matches, total = 0.0, 0.0
         was_training = module.policy.training
         module.policy.eval()

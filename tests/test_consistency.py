@@ -168,6 +168,25 @@ def test_consistency_demo_logs_real_mismatch(tmp_path):
     assert all(0.0 <= a <= 1.0 for a in agreement)
 
 
+def test_the_greedy_probe_generates_under_the_generation_lock(tmp_path):
+    """The probe is a trainer-side use of the engine outside the rollout: like evaluation it holds the data
+    module's generation lock, so it never runs beside an asynchronous rollout's generation."""
+    run = _build(tmp_path, "callbacks=consistency", "trainer.max_steps=1", "~callbacks.held_out_eval",
+                 "~callbacks.sample_table", "callbacks.mismatch.probe_every_n_steps=1", "rollout.mode=async")
+    dm, seen = run.datamodule, []
+    real = dm.engine.generate
+
+    def spy(prompts, params, *a, **kw):
+        one = params if isinstance(params, SamplingParams) else params[0]
+        if one.temperature == 0.0:  # the probe's greedy request
+            seen.append(dm.generation_lock.locked())
+        return real(prompts, params, *a, **kw)
+
+    dm.engine.generate = spy
+    run.fit()
+    assert seen and all(seen), seen
+
+
 def test_max_mismatch_kl_stops_the_run(tmp_path):
     run = _build(tmp_path, "callbacks=consistency", "trainer.max_steps=2", "~callbacks.held_out_eval",
                  "~callbacks.sample_table", "callbacks.mismatch.max_mismatch_kl=1e-12")

@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
 import lightning.pytorch as pl
@@ -375,6 +376,14 @@ class RolloutDataModule(pl.LightningDataModule):
         s = self.eval_sets.get(name)
         return s.prompts() if s is not None else []
 
+    @contextmanager
+    def engine_aside(self) -> Iterator[RolloutEngine]:
+        """The rollout engine for a trainer-side use outside the rollout (a probe, an evaluation): held
+        under the generation lock, so it never runs beside an asynchronous rollout's generation. The
+        caller passes its own seeds (never the engine's training seed stream)."""
+        with self.generation_lock:
+            yield self.engine
+
     def evaluate(self, engine: RolloutEngine | None = None, sets: list[str] | None = None,
                  prefix: str = "eval", select: Callable[[Prompt], bool] | None = None) -> dict[str, float]:
         """Evaluate `engine` (default: the rollout engine) on the named held-out sets (default: all) with
@@ -382,9 +391,8 @@ class RolloutDataModule(pl.LightningDataModule):
         named `<prefix>/<set>/<metric>`; `select` keeps only the prompts it accepts. Draws from no
         training seed or id stream."""
         chosen = {n: s for n, s in self.eval_sets.items() if sets is None or n in sets}
-        with self.generation_lock:
-            return evaluation.evaluate(self, self.engine if engine is None else engine, chosen, self.eval_cfg, prefix,
-                                       select)
+        with self.engine_aside() as own:
+            return evaluation.evaluate(self, own if engine is None else engine, chosen, self.eval_cfg, prefix, select)
 
 
 class _ExperienceStream(IterableDataset):
