@@ -23,6 +23,7 @@ from glmlight.rollout.base import SamplingParams
 from glmlight.rollout.local import LocalEngine
 from glmlight.sample import Status
 from tests.conftest import encode
+from tests.waiting import wait_event
 
 TEXTS = ["1+2=", "13+22=?", "7", "8+8=", "99-1="]
 
@@ -54,8 +55,8 @@ def _staggered(engine: LocalEngine, prompts: list[list[int]], arrivals: dict[int
 
     engine.on_step = on_step
     futures[0] = engine.submit(prompts[0], params(0))
-    assert all_in.wait(120), "the decode loop did not reach the arrival steps"
-    return [futures[i].result(timeout=120) for i in range(len(prompts))]
+    wait_event(all_in, alive=lambda: not all(f.done() for f in futures.values()), what="the arrival steps")
+    return [futures[i].result() for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("runner", ["glm", "hf"])
@@ -91,8 +92,8 @@ def test_late_request_joins_the_running_batch(tokenizer, tiny_model):
 
     engine.on_step = on_step
     first = engine.submit(p, SamplingParams(max_new_tokens=12, seed=0))
-    assert len(first.result(timeout=30).token_ids) == 12
-    assert len(late["f"].result(timeout=30).token_ids) == 4
+    assert len(first.result().token_ids) == 12
+    assert len(late["f"].result().token_ids) == 4
     stats = engine.stats()
     engine.close()
     assert stats["admitted_mid_decode"] == 1 and stats["max_batch"] == 2
@@ -108,14 +109,14 @@ def test_continue_mode_records_the_version_of_every_token(tokenizer, tiny_model)
     def on_step(iteration: int) -> None:
         if iteration == 5:
             reached.set()
-            assert updated.wait(30)
+            updated.wait()  # the test thread updates the weights between two steps
 
     engine.on_step = on_step
     fut = engine.submit(encode(tokenizer, "9+9="), SamplingParams(max_new_tokens=20, seed=3))
-    assert reached.wait(30)
+    wait_event(reached, alive=lambda: not fut.done(), what="decode step 5")
     engine.update_weights(list(other.state_dict().items()), version=1)  # from this thread, between two steps
     updated.set()
-    gen = fut.result(timeout=30)
+    gen = fut.result()
     after = engine.generate([encode(tokenizer, "1+1=")], SamplingParams(max_new_tokens=3))[0]
     engine.close()
     assert gen.finish_reason == "length" and len(gen.token_ids) == 20
@@ -128,7 +129,7 @@ def test_abort_mode_and_abort_all(tokenizer, tiny_model):
     engine = LocalEngine(tiny_model, on_weight_update="abort")
     p = encode(tokenizer, "2+5=")
     engine.on_step = lambda it: it == 4 and engine.update_weights(list(other.state_dict().items()), version=7)
-    gen = engine.submit(p, SamplingParams(max_new_tokens=30, seed=1)).result(timeout=30)
+    gen = engine.submit(p, SamplingParams(max_new_tokens=30, seed=1)).result()
     assert gen.finish_reason == "abort" and gen.status is Status.ABORTED
     assert len(gen.token_ids) == len(gen.logprobs) == 4 and gen.versions == [0] * 4
     engine.on_step = None
@@ -145,7 +146,7 @@ def test_abort_mode_and_abort_all(tokenizer, tiny_model):
 
     engine.on_step = on_step
     futures = [engine.submit(p, SamplingParams(max_new_tokens=50, seed=s)) for s in range(3)]
-    gens = [f.result(timeout=30) for f in futures]
+    gens = [f.result() for f in futures]
     engine.close()
     assert counted["n"] == 3
     assert all(g.finish_reason == "abort" and 0 < len(g.token_ids) < 50 for g in gens)
@@ -163,10 +164,10 @@ def test_close_stops_the_decode_thread(tokenizer, tiny_model):
     blocked = threading.Event()
     engine.on_step = lambda it: blocked.set()
     pending = engine.submit(p, SamplingParams(max_new_tokens=500, seed=2))
-    assert blocked.wait(30)
+    wait_event(blocked, alive=lambda: not pending.done(), what="a decode step")
     engine.close()
     assert not set(decode_threads()) - before
-    assert pending.result(timeout=5).finish_reason == "abort"  # in flight at close
+    assert pending.result().finish_reason == "abort"  # in flight at close
     with pytest.raises(EngineError, match="closed"):
         engine.submit(p, SamplingParams())
 
@@ -190,7 +191,7 @@ def test_a_failing_request_fails_alone(tokenizer, tiny_model):
     engine = LocalEngine(tiny_model)
     bad = engine.submit([10**6], SamplingParams(max_new_tokens=3))  # not a token id of this model
     with pytest.raises(Exception):
-        bad.result(timeout=30)
+        bad.result()
     good = engine.generate([encode(tokenizer, "1+1=")], SamplingParams(max_new_tokens=3))[0]
     engine.close()
     assert len(good.token_ids) == 3  # the engine keeps serving

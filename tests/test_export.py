@@ -5,8 +5,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
@@ -18,7 +16,8 @@ from glmlight import compose
 from glmlight.models.export import export_hf
 from glmlight.ops.quant import FP8_DTYPE, dequantize_fp8_block
 from glmlight.sample import Experience, Sample
-from tests.conftest import REPO, encode, load_script, overrides_for_tests
+from tests.waiting import running, wait_until
+from tests.conftest import encode, load_script, overrides_for_tests
 from tests.hf_models import build_tiny_hf
 
 PROMPTS = ["3+4=", "12+7=", "9+9="]
@@ -148,17 +147,14 @@ def test_real_vllm_serves_an_exported_llama_with_the_trainers_scores(tmp_path, t
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 600
-        while True:
-            assert proc.poll() is None, f"vLLM exited: {log_path.read_text()[-2000:]}"
+        def healthy() -> bool:
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
+                    return r.status == 200
             except OSError:
-                pass
-            assert time.time() < deadline, "vLLM did not become ready"
-            time.sleep(1)
+                return False
+
+        wait_until(healthy, alive=running(proc), poll_s=1.0, what=f"vLLM's /health ({log_path})")
         prompts, _ = _batch(tokenizer)
         for p, c, w in zip(prompts, COMPLETIONS, want):
             ids = p + c
@@ -169,4 +165,4 @@ def test_real_vllm_serves_an_exported_llama_with_the_trainers_scores(tmp_path, t
             assert served == pytest.approx(w, abs=1e-4)
     finally:
         os.killpg(proc.pid, 15)
-        proc.wait(timeout=60)
+        proc.wait()

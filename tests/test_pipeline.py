@@ -199,7 +199,7 @@ def test_pipeline_cli_one_line_error(tmp_path):
     from tests.conftest import REPO
 
     out = subprocess.run([sys.executable, "scripts/pipeline.py", "pipeline.skip=[nope]"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "pipeline.skip names 'nope'" in out.stderr
 

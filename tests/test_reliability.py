@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 
 import pytest
@@ -22,6 +21,7 @@ from glmlight.errors import ConfigError
 from glmlight.rollout.base import Generation
 from glmlight.rollout.local import LocalEngine
 from glmlight.sample import Status
+from tests.waiting import running, wait_until
 from tests.conftest import REPO, overrides_for_tests
 from glmlight import compose
 
@@ -52,15 +52,16 @@ def _kill_after_checkpoints(root, overrides, n):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ckpts = os.path.join(str(root), "checkpoints")
     periodic = lambda: glob.glob(os.path.join(ckpts, "*step=*.ckpt"))  # noqa: E731
-    deadline = time.time() + 300
     last = os.path.join(ckpts, "last.ckpt")
 
     def ready():
         found = periodic()
         return len(found) >= n and os.path.exists(last) and os.path.getmtime(last) >= max(map(os.path.getmtime, found))
 
-    while time.time() < deadline and not ready() and proc.poll() is None:
-        time.sleep(0.02)
+    try:
+        wait_until(ready, alive=running(proc), poll_s=0.02, what=f"{n} periodic checkpoints")
+    except AssertionError:
+        pass  # the run ended first: the assertion below names what it printed
     proc.send_signal(signal.SIGKILL)
     _, err = proc.communicate()
     assert len(periodic()) >= n, err.decode()[-2000:]

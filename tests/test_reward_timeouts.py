@@ -17,6 +17,7 @@ from glmlight.errors import ConfigError, GlmlightError
 from glmlight.rewards import build_reward
 from glmlight.rewards.base import RewardRunner, score_samples
 from glmlight.sample import Sample, Status
+from tests.waiting import wait_until
 from tests.conftest import overrides_for_tests
 
 RELEASE = threading.Event()  # lets the thread-hang rewards below return at the end of a test
@@ -106,9 +107,7 @@ def test_a_reward_that_hangs_for_ever_on_one_sample_in_eight_is_killed_counted_a
         tmp_path, "task.reward._target_=tests.test_reward_timeouts.hang_forever_one_in_eight",
         "task.reward_options.timeout_s=1", "task.reward_options.executor=process",
         "task.reward_options.max_concurrency=4", "~callbacks.held_out_eval", "~callbacks.sample_table")))
-    t0 = time.perf_counter()
-    run.fit()
-    assert time.perf_counter() - t0 < 120
+    run.fit()  # returns at all: a hung reward does not hold the run (a hang would hit pytest-timeout)
     assert run.trainer.global_step == 2
     totals = run.datamodule.totals
     # 2 steps x 16 samples: rollout ids 0, 8, 16 and 24 hang; each of their groups is padded back to 4
@@ -120,10 +119,7 @@ def test_a_reward_that_hangs_for_ever_on_one_sample_in_eight_is_killed_counted_a
     # every worker process that scored (the two killed ones included) is gone after the run
     pids = [int(p) for p in os.listdir(pid_dir)]
     assert len(pids) >= 3 and os.getpid() not in pids
-    deadline = time.time() + 10
-    while time.time() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)]
+    wait_until(lambda: not any(_alive(p) for p in pids), what="the reward workers to exit")
 
 
 def test_a_slow_reward_is_scored_concurrently(tmp_path):

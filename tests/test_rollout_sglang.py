@@ -320,7 +320,7 @@ def test_managed_launch_with_standin_executable(tokenizer, tmp_path):
         guard = eng.launcher.proc.pid
         server = [p for p in server_processes(eng.launcher.server_id) if p != guard][0]
         os.kill(server, signal.SIGKILL)  # the server dies mid-run: the next call says so
-        eng.launcher.proc.wait(10)
+        eng.launcher.proc.wait()
         with pytest.raises(EngineError, match="exited with signal 9"):
             eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
     finally:

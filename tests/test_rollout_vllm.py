@@ -369,7 +369,7 @@ def test_worker_extension_imports_with_torch_and_safetensors_alone(tmp_path):
     code = ("import sys, glmlight.rollout.vllm_worker as w; assert w.WeightLoaderExtension; "
             "print(sorted(m for m in sys.modules if m.startswith('glmlight')))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-1500:]
     assert out.stdout.strip() == str(['glmlight', 'glmlight.dtypes', 'glmlight.rollout', 'glmlight.rollout.transport',
                                       'glmlight.rollout.vllm_worker', 'glmlight.sample'])

@@ -13,7 +13,7 @@ from glmlight import compose
 
 
 def test_two_process_ddp_grpo_keeps_ranks_identical(tmp_path):
-    out = launch("tests.scripts.ddp_grpo", str(tmp_path), cwd=REPO, timeout=300)
+    out = launch("tests.scripts.ddp_grpo", str(tmp_path), cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = []
     for r in (0, 1):

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import lightning.pytorch as pl
@@ -17,6 +16,7 @@ import pytest
 
 import glmlight
 from glmlight.rollout.launch import SERVER_ID_ENV, processes_with_env, server_processes
+from tests.waiting import running, wait_until
 from tests.conftest import REPO, newest_pushed_version, overrides_for_tests
 from tests.protocol_servers import standin_script
 
@@ -26,17 +26,16 @@ def _tagged(tag: str) -> list[int]:
     return processes_with_env("GLMLIGHT_TEST_TAG", tag)
 
 
-def _gone(find, timeout_s: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while (left := find()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
+def _gone(find) -> list[int]:
+    """Wait until `find()` lists no process (a process left behind hangs here until pytest-timeout)."""
+    wait_until(lambda: not find(), what="the processes to exit", poll_s=0.2)
+    return find()
 
 
 def _overrides(tmp_path, *extra: str) -> list[str]:
     cmd = f"[{sys.executable},{standin_script(tmp_path, 'sglang')}]"
     return overrides_for_tests(tmp_path, "rollout=sglang", "rollout.server.urls=[]", "rollout.server.launch=true",
-                               f"rollout.server.launch_command={cmd}", "rollout.server.launch_timeout_s=120",
+                               f"rollout.server.launch_command={cmd}", "rollout.server.launch_timeout_s=900",
                                "rollout.server.api_key_env=null", f"rollout.server.weight_sync_dir={tmp_path}/weights",
                                f"rollout.server.model_path={tmp_path}",
                                "~callbacks.held_out_eval", "~callbacks.sample_table", *extra)
@@ -72,12 +71,11 @@ def test_train_py_killed_by_a_signal_leaves_no_server(tmp_path, sig):
                                  *_overrides(tmp_path, "trainer.max_steps=100000", "logger=none")],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None and newest_pushed_version(tmp_path / "weights") < 1:
-            time.sleep(0.3)  # until it has trained a step against its server and pushed the weights
-        assert proc.poll() is None, log.read_text()[-2000:]
+        # until it has trained a step against its server and pushed the weights
+        wait_until(lambda: newest_pushed_version(tmp_path / "weights") >= 1, alive=running(proc), poll_s=0.3,
+                   what=f"a pushed weight version ({log.read_text()[-2000:]})")
         proc.send_signal(sig)
-        proc.wait(120)
+        proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -101,7 +99,7 @@ eng = build_server_engine(launch_config(tmp, "sglang", [sys.executable, standin_
 print(eng.launcher.server_id, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "GLMLIGHT_TEST_TAG": tag, "PYTHONPATH": REPO})
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     server_id = out.stdout.split()[-1]
@@ -119,7 +117,7 @@ def test_killing_the_guard_still_stops_the_server(tmp_path):
         server_id = eng.launcher.server_id
         assert SERVER_ID_ENV in os.environ or len(server_processes(server_id)) >= 3
         os.kill(eng.launcher.proc.pid, signal.SIGKILL)
-        eng.launcher.proc.wait(10)
+        eng.launcher.proc.wait()
         assert _gone(lambda: server_processes(server_id)) == []
     finally:
         eng.close()

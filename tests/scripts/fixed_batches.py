@@ -95,14 +95,14 @@ RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE",
                   "MASTER_PORT")
 
 
-def launch(module: str, *args: str, cwd: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def launch(module: str, *args: str, cwd: str) -> subprocess.CompletedProcess:
     """`python -m module args` (Lightning starts the second rank itself); once more if the rendezvous
     port Lightning picked was taken in the meantime (other jobs on a shared machine)."""
     # a rank's environment from an earlier in-process run would make Lightning skip launching rank 1
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     for attempt in range(2):
         proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
-                              timeout=timeout, check=False, env=env)
+                              check=False, env=env)
         if "EADDRINUSE" not in proc.stderr or attempt:
             return proc
     return proc
