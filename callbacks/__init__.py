@@ -1,4 +1,8 @@
-"""Composable Lightning callbacks for glmlight. Each knows nothing of the others.
+"""Composable Lightning callbacks for glmlight (`glmlight.callbacks`). Each knows nothing of the others.
+
+This folder is installed as the package `glmlight.callbacks` (pyproject.toml maps it; a source checkout
+used without installing maps it the same way, `glmlight/__init__.py`). Imported by its folder's name,
+`callbacks`, it is that same package, so there is one set of classes.
 
 Extension points (callbacks/base.py):
 
@@ -14,15 +18,27 @@ Any other behaviour is a plain `lightning.Callback` (weight sync, evaluation, ga
 in the config under `callbacks.NAME._target_` or appended to `run.trainer.callbacks`.
 """
 
-from callbacks.base import Correction, ExperienceHook
-from callbacks.corrections import IcePop, MaskedIS, RejectionSampling, TruncatedIS
-from callbacks.evaluation import HeldOutEval
-from callbacks.index_agreement import IndexAgreement
-from callbacks.mismatch import MismatchMonitor
-from callbacks.routing_agreement import RoutingAgreement
-from callbacks.sample_logging import SampleTable
-from callbacks.version_gate import PolicyVersionGate
-from callbacks.weight_sync import WeightSync
+import sys as _sys
 
-__all__ = ["Correction", "ExperienceHook", "HeldOutEval", "IcePop", "IndexAgreement", "MaskedIS", "MismatchMonitor", "PolicyVersionGate",
-           "RejectionSampling", "RoutingAgreement", "SampleTable", "TruncatedIS", "WeightSync"]
+if __name__ != "glmlight.callbacks":  # imported by the folder's name, `callbacks`: be glmlight.callbacks
+    import importlib as _importlib
+
+    _package = _importlib.import_module("glmlight.callbacks")
+    _sys.modules[__name__] = _package
+    for _name, _module in list(_sys.modules.items()):
+        if _name.startswith("glmlight.callbacks."):
+            _sys.modules[__name__ + _name[len("glmlight.callbacks"):]] = _module
+    globals().update({_k: getattr(_package, _k) for _k in _package.__all__})
+else:
+    from .base import Correction, ExperienceHook
+    from .corrections import IcePop, MaskedIS, RejectionSampling, TruncatedIS
+    from .evaluation import HeldOutEval
+    from .index_agreement import IndexAgreement
+    from .mismatch import MismatchMonitor
+    from .routing_agreement import RoutingAgreement
+    from .sample_logging import SampleTable
+    from .version_gate import PolicyVersionGate
+    from .weight_sync import WeightSync
+
+__all__ = ["Correction", "ExperienceHook", "HeldOutEval", "IcePop", "IndexAgreement", "MaskedIS", "MismatchMonitor",
+           "PolicyVersionGate", "RejectionSampling", "RoutingAgreement", "SampleTable", "TruncatedIS", "WeightSync"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing_extensions import override
 
-from callbacks.base import Correction
+from .base import Correction
 from glmlight.ops import corrections as ops
 from glmlight.sample import Experience
 

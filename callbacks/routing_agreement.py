@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from callbacks.agreement import ChoiceAgreement
+from .agreement import ChoiceAgreement
 from glmlight.ops.mismatch import set_agreement
 
 

@@ -10,9 +10,36 @@ imports, the ops) can be used without them. `import glmlight.accelerators` regis
 Ascend NPU accelerator with Lightning (`build` does it for you).
 """
 
+import os as _os
+import sys as _sys
 from typing import Any
 
-from glmlight.sample import Experience, Sample, Status
+
+def _map_checkout_callbacks() -> None:
+    """In a source checkout that is imported without being installed (PYTHONPATH=the checkout), its
+    top-level callbacks/ folder is `glmlight.callbacks`, as the installed package maps it (pyproject.toml)."""
+    import importlib.util
+
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    folder = _os.path.join(_os.path.dirname(here), "callbacks")
+    if _os.path.isdir(_os.path.join(here, "callbacks")) or not _os.path.isfile(_os.path.join(folder, "__init__.py")):
+        return  # installed (the package holds it), or not a checkout
+
+    class CheckoutCallbacks:
+        @staticmethod
+        def find_spec(name: str, path: Any = None, target: Any = None) -> Any:
+            if name != "glmlight.callbacks":
+                return None
+            return importlib.util.spec_from_file_location(name, _os.path.join(folder, "__init__.py"),
+                                                          submodule_search_locations=[folder])
+
+    if not any(type(f).__name__ == "CheckoutCallbacks" for f in _sys.meta_path):
+        _sys.meta_path.insert(0, CheckoutCallbacks())
+
+
+_map_checkout_callbacks()
+
+from glmlight.sample import Experience, Sample, Status  # noqa: E402
 
 __version__ = "0.1.0"
 

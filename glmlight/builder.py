@@ -172,6 +172,7 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
             continue
         if "_target_" not in spec:
             raise ConfigError(f"config error: callbacks.{name} needs a _target_")
+        spec = _current_target(spec, f"callbacks.{name}")
         try:
             out.append(instantiate(spec, _convert_="all"))
         except Exception as e:  # noqa: BLE001
@@ -179,6 +180,25 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     if not any(getattr(cb, "syncs_weights", False) for cb in out) and cfg.rollout.backend == "local":
         log.warning("no weight-sync callback configured: the engine will keep serving the initial weights")
     return out
+
+
+_warned_targets: set[str] = set()
+
+
+def _current_target(spec: DictConfig, where: str) -> DictConfig:
+    """`callbacks.X` (the folder's name, as configs wrote it before glmlight.callbacks) still builds
+    glmlight.callbacks.X, with a deprecation line once per name."""
+    target = str(spec["_target_"])
+    if not target.startswith("callbacks."):
+        return spec
+    new = "glmlight." + target
+    if target not in _warned_targets:
+        _warned_targets.add(target)
+        log.warning("%s._target_=%s is deprecated: write %s (the old name works until the next release)", where,
+                    target, new)
+    spec = OmegaConf.create(OmegaConf.to_container(spec, resolve=True))
+    spec["_target_"] = new
+    return spec
 
 
 def _root_cause(e: BaseException) -> str:

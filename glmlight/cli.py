@@ -8,8 +8,12 @@ import os
 import sys
 from typing import Any, Callable
 
-# conf/ beside the package (a source checkout or an editable install, as the README installs it).
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+# The Hydra configs: inside the installed package (glmlight/conf, package data), or the checkout's conf/
+# beside the package (a source checkout or an editable install, as the README installs it).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGED_CONF = os.path.join(_HERE, "conf")
+CONF_DIR = (_PACKAGED_CONF if os.path.isfile(os.path.join(_PACKAGED_CONF, "train.yaml"))
+            else os.path.join(os.path.dirname(_HERE), "conf"))
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | None = None) -> Any:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train with glmlight from the Hydra configs in conf/.
+"""Train with glmlight from the Hydra configs in conf/ (the same as `python -m glmlight.train`).
 
     python scripts/train.py                         # GRPO, tiny GLM-5, embedded engine, CPU
     python scripts/train.py algo=grpo trainer.max_steps=20 rollout.dtype=bfloat16
@@ -10,48 +10,9 @@ Overrides are Hydra's `key=value`, `group=option`, `+new.key=value`, `~key`.
 A bad key or value stops the run with one line naming it.
 """
 
-from __future__ import annotations
-
-import os
 import sys
 
-
-def main(argv: list[str]) -> int:
-    from glmlight.cli import CONF_DIR, compose, run_with_one_line_errors, setup_logging
-
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        groups = sorted(d for d in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, d)))
-        print("config groups:", ", ".join(groups))
-        return 0
-    show = None
-    overrides = []
-    it = iter(argv)
-    for a in it:
-        if a == "--cfg":
-            show = next(it, "job")
-        elif a.startswith("--cfg="):
-            show = a.split("=", 1)[1]
-        else:
-            overrides.append(a)
-
-    from omegaconf import OmegaConf
-
-    from glmlight.config import validate
-
-    setup_logging()
-
-    def go() -> None:
-        cfg = compose(overrides)
-        if show is not None:
-            print(OmegaConf.to_yaml(validate(cfg), resolve=show == "resolved"))
-            return
-        import glmlight
-
-        glmlight.build(cfg).fit()
-
-    return run_with_one_line_errors(go)
-
+from glmlight.train import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,60 @@
+"""The installed package: one top-level package (glmlight), the callbacks as glmlight.callbacks and the
+configs as package data, so a wheel installed anywhere composes its configs and trains from any directory."""
+
+import glob
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.conftest import REPO
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+
+def test_pyproject_lists_every_package_on_disk():
+    listed = set(tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))["tool"]["setuptools"]["packages"])
+    on_disk = {os.path.relpath(os.path.dirname(p), REPO).replace(os.sep, ".")
+               for p in glob.glob(os.path.join(REPO, "glmlight", "**", "__init__.py"), recursive=True)}
+    assert listed == on_disk | {"glmlight.callbacks", "glmlight.conf"}
+
+
+def test_the_folder_name_callbacks_is_the_same_package_as_glmlight_callbacks():
+    import callbacks
+    import glmlight.callbacks as installed
+    from callbacks.corrections import IcePop
+
+    assert callbacks is installed and IcePop is installed.IcePop
+
+
+def test_a_built_wheel_installs_alone_and_trains_from_another_directory(tmp_path):
+    """Build the wheel, install it (not editable) into a fresh environment, train one step from outside the
+    repository: the configs come from the installed package, and nothing but glmlight is top-level."""
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
+                    REPO], check=True, capture_output=True)
+    wheel = glob.glob(str(dist / "glmlight-*.whl"))[0]
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"glmlight", os.path.basename(wheel).split("-py")[0] + ".dist-info"}
+    assert "glmlight/conf/train.yaml" in names and "glmlight/conf/algo/grpo.yaml" in names
+    assert "glmlight/callbacks/weight_sync.py" in names
+    env_dir = tmp_path / "env"
+    # the fresh environment sees this machine's packages (torch, lightning, ...) but installs glmlight itself
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], check=True)
+    py = str(env_dir / "bin" / "python")
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", wheel], check=True, capture_output=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([py, "-c", "import glmlight, glmlight.callbacks as c, glmlight.cli as l; "
+                                      "print(glmlight.__file__); print(c.__file__); print(l.CONF_DIR)"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert all(p.startswith(str(env_dir)) for p in where), where
+    out = subprocess.run([py, "-m", "glmlight.train", "model.preset=test", "model.warm_start.steps=0",
+                          "trainer.max_steps=1", "logger=none", "rollout.rollout_batch_size=2",
+                          "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=3", "task.num_eval_prompts=4",
+                          "trainer.enable_progress_bar=false"], cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert os.path.isfile(elsewhere / "runs" / "default" / "hf" / "model.safetensors")
