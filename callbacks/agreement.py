@@ -21,13 +21,15 @@ import logging
 import lightning.pytorch as pl
 import torch
 
+from glmlight.hooks import RLCallback
 from glmlight.models.glm5.replay import Replay, indexer_layers, moe_layers, transformers_replay
+from glmlight.rollout.base import CapturesReplay, HoldsModel
 from glmlight.sample import Experience
 
 log = logging.getLogger(__name__)
 
 
-class ChoiceAgreement(pl.Callback):
+class ChoiceAgreement(RLCallback):
     """Logs `<name>/layer_<i>` and `<name>/mean` (see the module docstring). Subclasses set `name`,
     `kind` ("experts" | "index"), `record` (the Experience field) and `score`.
 
@@ -48,10 +50,14 @@ class ChoiceAgreement(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self.every_n_steps <= 0:
             return
-        capture = getattr(getattr(getattr(trainer, "datamodule", None), "engine", None), "capture_replay", None)
-        if callable(capture):
+        dm = getattr(trainer, "datamodule", None)
+        if dm is None:
+            return
+        with dm.engine_aside() as engine:
+            if not isinstance(engine, CapturesReplay):
+                return
             try:
-                capture(**{"routing" if self.kind == "experts" else "index": True})
+                engine.capture_replay(**{"routing" if self.kind == "experts" else "index": True})
             except Exception as e:  # noqa: BLE001 - then the engine's model is measured by a prefill
                 log.info("%s: the engine does not record its choices (%s); measuring a prefill", type(self).__name__, e)
 
@@ -92,7 +98,7 @@ class ChoiceAgreement(pl.Callback):
         """The engine's choices per decoder layer, [B, S, k] in the batch layout (-1: none)."""
         rec = getattr(sub, self.record)
         engine = getattr(getattr(trainer, "datamodule", None), "engine", None)
-        model = getattr(engine, "model", None)
+        model = engine.model if isinstance(engine, HoldsModel) else None
         if rec is not None:
             layers = (moe_layers if self.kind == "experts" else indexer_layers)(trainer.lightning_module.policy)
             if len(layers) == rec.shape[2]:

@@ -1,11 +1,14 @@
 """The extension points of glmlight's callbacks.
 
-`ExperienceHook`: any `lightning.Callback` with an `on_experience(trainer, module, batch)` method
-takes part in every RL step. The RLModule calls these hooks in callback order after the
-train-side old log-probs (`batch.old_logprobs`) and the reference log-probs exist, and before
-the advantages and the loss. A hook may read the batch, log into `batch.stats`, or change
-`batch.token_weights` (multiply) and `batch.loss_mask` (intersect). A hook that does not read
-the old log-probs sets `reads_old_logprobs = False`, so the module may skip computing them.
+`RLCallback` (glmlight.hooks): the base of every glmlight callback. It declares the hooks the RL step
+calls beyond Lightning's own, in the order they fire: `on_rollout_samples(trainer, module, samples,
+counts, policy_version)` on each rollout round's samples before they are accepted, and
+`on_experience(trainer, module, batch)` after the train-side old log-probs (`batch.old_logprobs`)
+and the reference log-probs exist, before the advantages and the loss. An `on_experience` hook may
+read the batch, log into `batch.stats`, or change `batch.token_weights` (multiply) and
+`batch.loss_mask` (intersect); one that does not read the old log-probs sets
+`reads_old_logprobs = False`, so the module may skip computing them. (`ExperienceHook` is the
+former name of this base.)
 
 `Correction`: the base of the train/inference mismatch corrections (IcePop, TIS, MIS,
 rejection sampling). A subclass implements `compute(batch) -> CorrectionResult` from
@@ -14,25 +17,17 @@ rejection sampling). A subclass implements `compute(batch) -> CorrectionResult` 
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from glmlight.hooks import RLCallback
 from glmlight.ops.corrections import CorrectionResult
 from glmlight.sample import Experience
 
-
-@runtime_checkable
-class ExperienceHook(Protocol):
-    """A callback that sees every RL step's batch between the old log-probs and the loss."""
-
-    reads_old_logprobs: bool
-
-    def on_experience(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Experience) -> None: ...
+ExperienceHook = RLCallback
 
 
-class Correction(pl.Callback):
+class Correction(RLCallback):
     """Base of the per-token corrections: weights multiply into `batch.token_weights`; removed tokens
     leave the loss mask (and so the loss denominator) when `removes_from_denominator`, else they stay
     in the denominator with weight 0. Statistics are logged as `<name>/<stat>`.

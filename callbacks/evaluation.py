@@ -2,10 +2,11 @@
 the weight sync, so the engine serves the newest policy): `eval.k` sampled answers per prompt and a
 greedy one, on the task's held-out set and every `eval.sets` entry (`RolloutDataModule.evaluate`).
 
-With an OPD module, every teacher is evaluated the same way once, at the start (RL step 0), on the
-held-out prompts routed to it: `eval/teacher/<set>/*` when there is one teacher,
-`eval/teacher/<name>/<set>/*` for each of several; the student's `eval/<set>/*` at step 0 is its
-start, so the two gaps (teacher − start, teacher − end) read off one run.
+The other models an algorithm names (`module.evaluation_targets()`, glmlight.hooks) are evaluated the
+same way once, at the start (RL step 0), each on the held-out prompts it selects. OPD names its
+teachers: `eval/teacher/<set>/*` when there is one, `eval/teacher/<name>/<set>/*` for each of several;
+the student's `eval/<set>/*` at step 0 is its start, so the two gaps (teacher − start, teacher − end)
+read off one run.
 
 Evaluation never perturbs training (its own seeds, ids and RNG: glmlight/data/evaluation.py). An
 RL step's evaluation is part of the checkpoint written after that step, so a resumed run neither
@@ -20,17 +21,19 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from glmlight.hooks import RLCallback
 from glmlight.metrics import log_metrics
 
 
-class HeldOutEval(pl.Callback):
+class HeldOutEval(RLCallback):
     """Evaluates the policy at RL step 0 and every `every_n_steps` RL steps through the rollout engine
     (after the weight sync) and logs `eval/<set>/*` (pass@1, pass@k, maj@k, greedy pass rate, length,
     cost) with the RL step.
 
     Args:
         every_n_steps: the period in RL steps (0: off); None takes the run's `eval.every_n_steps`.
-        teachers: with an OPD module, also evaluate each teacher once at the start.
+        teachers: also evaluate, once at the start, the models the algorithm names beside its policy
+            (`module.evaluation_targets()`: OPD's teachers).
     """
 
     def __init__(self, every_n_steps: int | None = None, teachers: bool = True):
@@ -65,37 +68,24 @@ class HeldOutEval(pl.Callback):
         rank_zero_info(console_line(rl_step, metrics, prefix))
         return metrics
 
-    def evaluate_teachers(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, float]:
-        """Each OPD teacher through the same rollout and evaluation as the student, on the held-out
-        prompts routed to it (served by an embedded engine around its model, or by its own engine)."""
-        teachers = module.teachers()
+    def evaluate_targets(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, float]:
+        """The other models the algorithm wants evaluated (`module.evaluation_targets()`, glmlight.hooks:
+        OPD's teachers), each on the held-out prompts it selects, through the same evaluation."""
         out: dict[str, float] = {}
-        for name, teacher in teachers.items():
-            prefix = "eval/teacher" if len(teachers) == 1 else f"eval/teacher/{name}"
-            engine, owned = getattr(teacher, "engine", None), False
-            if engine is None or not callable(getattr(engine, "generate", None)):
-                from glmlight.rollout.local import LocalEngine
-
-                student = trainer.datamodule.engine  # the teacher's engine in the student's dtype and device
-                engine = LocalEngine(teacher.model, dtype=getattr(student, "dtype", "float32"),
-                                     device=getattr(student, "device", "cpu"),
-                                     pad_token_id=trainer.datamodule.tokenizer.pad_token_id)
-                owned = True
-            routed = lambda p, name=name: module.routes.get(p.domain, module.default_teacher) == name  # noqa: E731
+        for target in module.evaluation_targets() if callable(getattr(module, "evaluation_targets", None)) else []:
             try:
-                out.update(self.evaluate(trainer, 0, engine=engine, prefix=prefix, select=routed))
+                out.update(self.evaluate(trainer, 0, engine=target.engine, prefix=target.prefix, select=target.select))
             finally:
-                if owned:
-                    engine.close()
+                if target.close is not None:
+                    target.close()
         return out
 
     @override
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self.due(trainer, module.rl_step):
             self.evaluate(trainer, module.rl_step)
-            if (module.rl_step == 0 and self.teachers and callable(getattr(module, "teachers", None))
-                    and hasattr(module, "routes")):
-                self.evaluate_teachers(trainer, module)
+            if module.rl_step == 0 and self.teachers:
+                self.evaluate_targets(trainer, module)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,

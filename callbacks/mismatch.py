@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 import torchmetrics
 
+from glmlight.hooks import RLCallback
 from glmlight.ops.mismatch import mismatch_sums, reduce_mismatch_sums, token_agreement
 from glmlight.rollout.base import SamplingParams
 from glmlight.sample import Experience
@@ -43,7 +44,7 @@ class MismatchMetric(torchmetrics.Metric):
         return reduce_mismatch_sums({k: getattr(self, k).float() for k in _KEYS})
 
 
-class MismatchMonitor(pl.Callback):
+class MismatchMonitor(RLCallback):
     """Logs the train/inference mismatch of every step (`mismatch/*`) and, every
     `probe_every_n_steps`, the greedy token agreement between engine and trainer.
 

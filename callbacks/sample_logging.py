@@ -17,12 +17,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 from typing_extensions import override
 
+from glmlight.hooks import RLCallback
 from glmlight.sample import Experience, Sample
 
 SAMPLES_FILE = "samples.jsonl"
 
 
-class SampleTable(pl.Callback):
+class SampleTable(RLCallback):
     """Every `every_n_steps` RL steps (steps 1, 1 + N, ...), `num_samples` trained samples and up to
     `num_dropped` dropped ones as table rows.
 

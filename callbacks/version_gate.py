@@ -16,14 +16,14 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from glmlight.data.groups import pad_or_drop_group
+from glmlight.hooks import RLCallback
 from glmlight.sample import Sample
 
 
-class PolicyVersionGate(pl.Callback):
-    """Drops trajectories older than `max_staleness` policy versions before a batch is built.
-
-    Registers `filter` with the RolloutDataModule, which calls it with each round's samples and
-    the policy version training is at.
+class PolicyVersionGate(RLCallback):
+    """Drops trajectories older than `max_staleness` policy versions before a batch is built
+    (`on_rollout_samples`: the data module calls it with each round's samples and the policy version
+    training is at).
 
     Args:
         max_staleness: τ; 0 keeps only samples of the current version, 1 (the default) allows the
@@ -31,7 +31,6 @@ class PolicyVersionGate(pl.Callback):
 
     Raises:
         ValueError: if max_staleness < 0.
-        RuntimeError: at setup, without a RolloutDataModule.
     """
 
     def __init__(self, max_staleness: int = 1):
@@ -39,14 +38,6 @@ class PolicyVersionGate(pl.Callback):
             raise ValueError("PolicyVersionGate.max_staleness must be >= 0")
         self.max_staleness = max_staleness
         self.dropped: Counter = Counter()
-
-    @override
-    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
-        dm = trainer.datamodule
-        if dm is None or not hasattr(dm, "filters"):
-            raise RuntimeError("PolicyVersionGate needs a RolloutDataModule")
-        if self.filter not in dm.filters:
-            dm.filters.append(self.filter)
 
     @property
     @override
@@ -56,6 +47,11 @@ class PolicyVersionGate(pl.Callback):
     def is_stale(self, sample: Sample, current: int) -> bool:
         w0 = sample.first_version
         return w0 >= 0 and current - w0 > self.max_staleness
+
+    @override
+    def on_rollout_samples(self, trainer: pl.Trainer, module: pl.LightningModule, samples: list[Sample],
+                           counts: Counter, policy_version: int) -> list[Sample]:
+        return self.filter(samples, counts, policy_version)
 
     def filter(self, samples: list[Sample], counts: Counter, current: int) -> list[Sample]:
         """Keep the samples fresh at policy version `current`, repairing or dropping groups; counts go

@@ -16,12 +16,13 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from glmlight.hooks import RLCallback
 from glmlight.metrics import log_metrics
 from glmlight.models.lora import is_lora, merged_named_tensors
 from glmlight.sharding import full_weights
 
 
-class WeightSync(pl.Callback):
+class WeightSync(RLCallback):
     """Pushes the policy's weights into the rollout engine and advances the policy version once the
     engine acknowledges them (the sync contract).
 

@@ -375,13 +375,14 @@ def build(cfg: DictConfig | dict) -> Run:
     dm_kwargs = _datamodule_options(cfg, policy, tokenizer)
     engine = build_engine(cfg, policy, tokenizer)  # the engine's own copy: the plain (or merged) model
     policy = with_lora(cfg, policy)
-    datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout,
-                                   eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
-                                   eval_sets=eval_sets, eval_cfg=cfg.eval, **dm_kwargs)
     module = algorithm(cfg.algo.name).module(
         cfg.algo, policy, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
         use_glm_forward=use_glm_forward(cfg, policy))
+    datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout,
+                                   eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
+                                   eval_sets=eval_sets, eval_cfg=cfg.eval,
+                                   policy_version=lambda: module.policy_version, **dm_kwargs)
     callbacks = build_callbacks(cfg)
     steps = module.optimizer_steps_per_rl_step
     ckpt_every = cfg.trainer.checkpoint_every_n_steps

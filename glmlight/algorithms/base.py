@@ -1,6 +1,6 @@
 """RLModule: the LightningModule every algorithm builds on.
 
-One training step = one rollout batch:
+One training step = one rollout batch, read top to bottom in glmlight/algorithms/step.py:
 
     Experience ─► train-side old log-probs (θ_old, no grad; or from the update's forward) [+ reference]
                ─► on_experience hooks (corrections, monitors), in callback order
@@ -18,7 +18,7 @@ import copy
 import logging
 import math
 import random
-import time
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
@@ -27,17 +27,18 @@ import torch
 from glmlight.algorithms import replay as replay_
 from glmlight.algorithms.parallel import ParallelSteps
 from glmlight.algorithms.scoring import LOGPROB_FLOOR, PolicyScoring  # noqa: F401 - LOGPROB_FLOOR re-exported
+from glmlight.algorithms.step import rl_step
 from glmlight.checkpoint import restore_rank_state, save_rank_state
 from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients, clip_grad_norm, global_sums, grad_scale, grads_finite
-from glmlight.metrics import log_metrics
+from glmlight.hooks import EvalTarget, with_hook
 from glmlight.models.lora import check_trainable_state, is_lora, keep_trainable_state
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.policy_loss import ppo_clip_loss
 from glmlight.ops.reduce import aggregate_loss, masked_mean
 from glmlight.ops.schedule import lr_lambda
-from glmlight.sample import Experience
+from glmlight.sample import Experience, Sample
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         self._nonfinite_streak = 0
         self.replay_mode = getattr(cfg, "replay", "none")  # algo.replay (glmlight/algorithms/replay.py)
         replay_.check_model(policy, self.replay_mode)
+        self.records_filter: replay_.RecordsFilter | None = None  # set at fit start when replay is on
         # The frozen reference lives outside the module's parameters: never trained, never checkpointed.
         self._reference: list[torch.nn.Module] = []
         # A LoRA policy's reference is its own frozen base (adapters disabled): no copy.
@@ -89,28 +91,8 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         return self.global_step // self.optimizer_steps_per_rl_step
 
     def training_step(self, dataloader_iter: Iterator[Experience]) -> None:
-        t_wait = time.perf_counter()
-        item = next(dataloader_iter)  # Lightning yields (batch, batch_idx, dataloader_idx)
-        t_batch = time.perf_counter()
-        batch = (item[0] if isinstance(item, tuple) else item).to(self.device)
-        self.prepare_experience(batch)
-        self.run_experience_hooks(batch)
-        self.compute_advantages(batch)
-        t0 = time.perf_counter()
-        metrics = self.update(batch)
-        trained_tokens = float(batch.loss_mask.sum()) * self.cfg.ppo_epochs
-        metrics["train/tokens_per_s"] = trained_tokens / max(time.perf_counter() - t0, 1e-9)
-        metrics.update(batch.stats)
-        metrics["rollout/wait_seconds"] = t_batch - t_wait  # the trainer waiting for this batch
-        metrics["train/seconds"] = time.perf_counter() - t_batch  # old log-probs, hooks, advantages, update
-        metrics["policy_version"] = float(self.policy_version)
-        staleness = [self.policy_version - s.first_version for s in batch.samples if s.first_version >= 0]
-        if staleness:
-            metrics["rollout/staleness_max"] = float(max(staleness))
-            metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness)
-        metrics["rl_step"] = float(self.rl_step)
-        if self._trainer is not None:
-            log_metrics(self.trainer, metrics)
+        """One RL step: rollout, scoring, corrections, advantages, update (glmlight/algorithms/step.py)."""
+        rl_step(self, dataloader_iter)
 
     def compute_advantages(self, batch: Experience) -> None:
         raise NotImplementedError
@@ -123,13 +105,27 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
     def on_fit_start(self) -> None:
         replay_.start(self, self.replay_mode)  # the engine records what is replayed
 
+    def evaluation_targets(self) -> list[EvalTarget]:
+        """Other models to evaluate beside the policy at the start of training (glmlight.hooks); none."""
+        return []
+
+    @property
+    def filters_rollout_samples(self) -> bool:
+        """Whether `on_rollout_samples` has anything to do in this run (glmlight.hooks)."""
+        return self.records_filter is not None
+
+    def on_rollout_samples(self, samples: list[Sample], counts: Counter, policy_version: int) -> list[Sample]:
+        """The module's own check of a rollout round (glmlight.hooks): with `algo.replay`, samples without
+        the records replay needs are dropped and counted."""
+        return samples if self.records_filter is None else self.records_filter(samples, counts, policy_version)
+
     def old_logprob_readers(self) -> list[str]:
         """What reads batch.old_logprobs before the update: the algorithm's advantages, and every
         callback with an `on_experience` hook unless it declares `reads_old_logprobs = False`."""
         readers = [type(self).__name__] if self.advantages_read_old_logprobs else []
         callbacks = self.trainer.callbacks if self._trainer is not None else []
-        return readers + [type(cb).__name__ for cb in callbacks
-                          if callable(getattr(cb, "on_experience", None)) and getattr(cb, "reads_old_logprobs", True)]
+        return readers + [type(cb).__name__ for cb in with_hook(callbacks, "on_experience")
+                          if getattr(cb, "reads_old_logprobs", True)]
 
     def old_logprobs_from_update(self) -> bool:
         """Whether θ_old's log-probs are the update's own forward, detached, instead of a separate
@@ -166,15 +162,12 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         batch.token_weights = torch.ones_like(batch.loss_mask)
 
     def run_experience_hooks(self, batch: Experience) -> None:
-        """Call `on_experience(trainer, module, batch)` on every callback that defines it, in order."""
+        """`on_experience(trainer, module, batch)` of every callback that implements it, in order (glmlight.hooks)."""
         if self._trainer is None:
             return
-        for cb in self.trainer.callbacks:
-            hook = getattr(cb, "on_experience", None)
-            if callable(hook):
-                hook(self.trainer, self, batch)
+        for cb in with_hook(self.trainer.callbacks, "on_experience"):
+            cb.on_experience(self.trainer, self, batch)
 
-    # ----------------------------------------------------------------- update
     def _minibatches(self, n: int) -> list[torch.Tensor]:
         """Exactly num_minibatches row sets (some empty when the batch is smaller), shuffled per step."""
         k = self.cfg.num_minibatches

@@ -26,7 +26,6 @@ and are loaded when fitting starts (`setup`).
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import math
@@ -42,6 +41,7 @@ from omegaconf import OmegaConf
 from glmlight.algorithms.base import RLModule
 from glmlight.config import AlgoConfig, typed_entry, WarmStartConfig
 from glmlight.errors import ConfigError, DataError, EngineError
+from glmlight.hooks import EvalTarget
 from glmlight.models.loading import load_causal_lm
 from glmlight.models.warm_start import supervised_warm_start
 from glmlight.ops.advantages import group_advantages
@@ -51,6 +51,7 @@ from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.ops.reduce import masked_mean
 from glmlight.ranges import ranges
 from glmlight.registry import register_algorithm
+from glmlight.rollout.base import can_score_at_temperature
 from glmlight.sample import Experience, Sample
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class EngineTeacher:
         score = getattr(engine, "score", None)
         if not callable(score):
             raise ConfigError(f"config error: algo.teachers.{name}.engine: {type(engine).__name__} has no score() method")
-        self.takes_temperature = "temperature" in inspect.signature(score).parameters
+        self.takes_temperature = can_score_at_temperature(engine)
         if temperature != 1.0 and not self.takes_temperature:
             raise ConfigError(f"config error: algo.teachers.{name}: {type(engine).__name__}.score() scores at "
                               f"temperature 1 only, but the teacher temperature is {temperature:g} (the rollout "
@@ -191,6 +192,27 @@ class OPD(RLModule):
         for t in (self._teachers or {}).values():
             t.close()
         self._teachers = None
+
+    def evaluation_targets(self) -> list[EvalTarget]:
+        """Each teacher, evaluated as the student is on the held-out prompts routed to it: through its own
+        engine, or an embedded engine around its model in the student engine's dtype and device. Logged as
+        `eval/teacher/<set>/*` (one teacher) or `eval/teacher/<name>/<set>/*`."""
+        teachers = self.teachers()
+        student = self.trainer.datamodule.engine if self._trainer is not None else None
+        out = []
+        for name, teacher in teachers.items():
+            prefix = "eval/teacher" if len(teachers) == 1 else f"eval/teacher/{name}"
+            routed = lambda p, name=name: self.routes.get(p.domain, self.default_teacher) == name  # noqa: E731
+            engine = getattr(teacher, "engine", None)
+            if engine is not None and callable(getattr(engine, "generate", None)):
+                out.append(EvalTarget(prefix, engine, routed))
+                continue
+            from glmlight.rollout.local import LocalEngine
+
+            engine = LocalEngine(teacher.model, dtype=getattr(student, "dtype", "float32"),
+                                 device=getattr(student, "device", "cpu"), pad_token_id=self.pad_token_id)
+            out.append(EvalTarget(prefix, engine, routed, close=engine.close))
+        return out
 
     def teachers(self) -> dict[str, Any]:
         """Load every teacher once (checkpoint, engine or built-in warm start)."""

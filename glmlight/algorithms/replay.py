@@ -5,9 +5,9 @@
   (`engine.capture_replay(routing=, index=)`; the embedded engine and the SGLang / vLLM clients can,
   the servers when started with the flags of docs/servers.md). Otherwise one-line
   ConfigError; nothing silently falls back to recomputing;
-- per sample (`RecordsFilter`, a datamodule filter): a sample whose records do not cover every
-  position a trained token depends on is dropped and counted as `rollout/dropped/no_replay_records`
-  (its group padded or dropped as for failures), with a warning;
+- per sample (`RecordsFilter`, applied by the module's `on_rollout_samples` hook): a sample whose
+  records do not cover every position a trained token depends on is dropped and counted as
+  `rollout/dropped/no_replay_records` (its group padded or dropped as for failures), with a warning;
 - per forward (`replay_for`): the `Replay` of the batch's records for the policy's own forwards
   (old log-probs, the update; never the reference or a teacher: `glmlight.algorithms.scoring`),
   handed to glmlight's GLM-5 forward or installed as hooks around the model's own.
@@ -24,6 +24,7 @@ import torch
 from glmlight.data.groups import pad_or_drop_group
 from glmlight.errors import ConfigError
 from glmlight.models.glm5.replay import Replay, index_shape, routing_shape
+from glmlight.rollout.base import CapturesReplay
 from glmlight.sample import Experience, Sample
 
 log = logging.getLogger(__name__)
@@ -59,17 +60,14 @@ def start(module: Any, mode: str) -> None:
     if dm is None:  # no rollout in this fit (e.g. a module trained on prepared batches)
         return
     engine = getattr(dm, "engine", None)
-    capture = getattr(engine, "capture_replay", None)
-    if not callable(capture):
+    if not isinstance(engine, CapturesReplay):
         raise ConfigError(f"config error: algo.replay={mode}: the {type(engine).__name__} engine cannot return "
                           "replay records (the embedded engine, rollout=local, and the SGLang and vLLM clients can)")
     try:
-        capture(routing=routing, index=index)
+        engine.capture_replay(routing=routing, index=index)
     except Exception as e:  # noqa: BLE001 - an engine that cannot: one line at start-up
         raise ConfigError(f"config error: algo.replay={mode}: {type(e).__name__}: {e}") from None
-    flt = RecordsFilter(routing, index)
-    if not any(isinstance(f, RecordsFilter) for f in dm.filters):
-        dm.filters.append(flt)
+    module.records_filter = RecordsFilter(routing, index)  # the module's on_rollout_samples applies it
 
 
 def covered(sample: Sample, routing: bool, index: bool) -> bool:
@@ -83,8 +81,8 @@ def covered(sample: Sample, routing: bool, index: bool) -> bool:
 
 
 class RecordsFilter:
-    """A RolloutDataModule filter: samples without the replay records they need are dropped, counted
-    as `dropped/no_replay_records` (a group with more than half of its samples left is padded)."""
+    """Samples without the replay records they need are dropped, counted as `dropped/no_replay_records`
+    (a group with more than half of its samples left is padded)."""
 
     reason = "no_replay_records"
 

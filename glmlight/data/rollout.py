@@ -2,8 +2,9 @@
 
 Each training step it draws prompts (`PromptStream`), asks the engine for `n_samples_per_prompt`
 answers per prompt (token ids and log-probs; whole multi-turn episodes for agent tasks), scores
-them, applies the sample filters (failed samples, DAPO dynamic sampling, callback filters such
-as the policy-version gate) and yields one `Experience`. Every sample that is produced is
+them, passes each round's samples through the `on_rollout_samples` hooks (`glmlight.hooks`: the
+policy-version gate, replay's records check), applies its own filters (failed samples, DAPO dynamic
+sampling) and yields one `Experience`. Every sample that is produced is
 either trained on or counted under a drop reason.
 
 mode="sync" generates each batch when the training step asks for it, with the newest weights.
@@ -35,18 +36,14 @@ from glmlight.data.groups import pad_or_drop_group, tag_dropped
 from glmlight.data.producer import AsyncProducer
 from glmlight.data.sources import Prompt, PromptSource
 from glmlight.data.stream import PromptStream
+from glmlight.hooks import has_rollout_sample_hooks, run_rollout_sample_hooks
 from glmlight.models.tokenizer import PromptEncodingError, encode_prompt, stop_token_ids
 from glmlight.rewards.base import RewardFn, RewardRunner, score_samples
-from glmlight.rollout.base import RolloutEngine, SamplingParams
+from glmlight.rollout.base import HasState, RolloutEngine, SamplingParams
 from glmlight.rollout.retry import RetryingEngine, generate_with_retries
 from glmlight.sample import Experience, Sample, Status
 
 log = logging.getLogger(__name__)
-
-# A filter sees the samples of one round and the policy version training is at, and returns those to
-# keep; it counts what it drops.
-SampleFilter = Callable[[list[Sample], Counter, int], list[Sample]]
-
 
 class RolloutDataModule(pl.LightningDataModule):
     def __init__(self, engine: RolloutEngine, tokenizer: Any, source: PromptSource, reward_fn: RewardFn,
@@ -55,7 +52,7 @@ class RolloutDataModule(pl.LightningDataModule):
                  max_turns: int = 4, compaction: dict[str, Any] | None = None, vocab_size: int | None = None,
                  eval_sets: dict[str, PromptSource | evaluation.EvalSet] | None = None,
                  eval_cfg: EvalConfig | None = None, turn_max_new_tokens: int | None = None,
-                 agent_domains: Iterable[str] = ()):
+                 agent_domains: Iterable[str] = (), policy_version: Callable[[], int] = lambda: 0):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
         self.env_factory, self.max_turns = env_factory, max_turns
@@ -72,7 +69,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.eval_cfg = eval_cfg or EvalConfig()
         self.stream = PromptStream(source, cfg.seed, rank, world_size)
         self.stop_ids = stop_token_ids(tokenizer)
-        self.filters: list[SampleFilter] = []
+        self.policy_version = policy_version  # the version of the weights training is at (the module's)
         self.totals: Counter = Counter()  # lifetime accounting: produced, trained, dropped/<reason>
         self._producer: AsyncProducer | None = None
         self._pending: list[list[Sample]] = []  # async: queued groups restored from a checkpoint
@@ -89,7 +86,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.trainer is not None:
             rank = self.trainer.global_rank
             self.stream.shard(rank, self.trainer.world_size)
-            state = self.engine.state_dict() if callable(getattr(self.engine, "state_dict", None)) else {}
+            state = self.engine.state_dict() if isinstance(self.engine, HasState) else {}
             if rank and "generator" in state:
                 state["generator"] = torch.Generator().manual_seed(self.cfg.seed + 7919 * rank).get_state()
                 self.engine.load_state_dict(state)
@@ -111,9 +108,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 pending = Counter(self._pending_counts)
                 pending.update(producer.pending_counts() if producer is not None else {})  # (+ would drop zeros)
                 state["queued_counts"] = dict(pending)
-        engine_state = getattr(self.engine, "state_dict", None)
-        if callable(engine_state):
-            state["engine"] = engine_state()
+        if isinstance(self.engine, HasState):
+            state["engine"] = self.engine.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -121,13 +117,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self.totals = Counter(state["totals"])
         self._pending = [[Sample.from_dict(d) for d in g] for g in state.get("queued", [])]
         self._pending_counts = Counter(state.get("queued_counts", {}))
-        if "engine" in state and callable(getattr(self.engine, "load_state_dict", None)):
+        if "engine" in state and isinstance(self.engine, HasState):
             self.engine.load_state_dict(state["engine"])
-
-    def policy_version(self) -> int:
-        """The policy version training is at (the version of the weights the last sync pushed)."""
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        return int(getattr(module, "policy_version", 0))
 
     # ----------------------------------------------------------------- prompts
     def draw_prompts(self, n: int) -> list[Prompt]:
@@ -292,10 +283,8 @@ class RolloutDataModule(pl.LightningDataModule):
             self.totals.update({k: v for k, v in counts.items() if k.startswith(("produced", "trained", "dropped/"))})
 
     def _accept(self, samples: list[Sample], counts: Counter) -> list[list[Sample]]:
-        version = self.policy_version()
         produced = samples
-        for f in self.filters:
-            samples = f(samples, counts, version)
+        samples = run_rollout_sample_hooks(self.trainer, samples, counts, int(self.policy_version()))
         groups = self._filter_groups(samples, counts)
         kept = {id(s) for g in groups for s in g}
         self._note_dropped([s for s in produced if id(s) not in kept])
@@ -316,7 +305,7 @@ class RolloutDataModule(pl.LightningDataModule):
                                    self.cfg.n_samples_per_prompt, counts)
             groups.extend(self._accept(samples, counts))
             rounds += 1
-            if not self.cfg.dynamic_sampling and not self.filters:
+            if not self.cfg.dynamic_sampling and not has_rollout_sample_hooks(self.trainer):
                 break
         counts["refill_rounds"] = rounds - 1
         return groups

@@ -3,12 +3,23 @@
 Every engine (embedded, SGLang, vLLM) owns its own copy of the weights; only
 `update_weights` moves weights into it, and `version` changes only when the
 engine has acknowledged the new weights.
+
+Beyond the protocol an engine may have optional abilities, each declared here as a protocol of its
+own; callers ask `isinstance(engine, Ability)` (or `can_score_at_temperature`) instead of guessing:
+
+- `CapturesReplay`: returns replay records (`algo.replay`, the agreement monitors);
+- `HasState`: its sampling state is saved with checkpoints, so a resumed run samples as the
+  uninterrupted one would;
+- `HoldsModel`: its torch model lives in this process (the agreement monitors' prefill);
+- `SendsFp8Weights`: `update_weights` takes the block-FP8 checkpoint layout (`rollout.weight_format=fp8`);
+- `score(..., temperature=)`: prefill log-probs at a temperature (OPD teachers; `can_score_at_temperature`).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -102,3 +113,36 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's resources."""
+
+
+# ------------------------------------------------------------------------------------- optional abilities
+@runtime_checkable
+class CapturesReplay(Protocol):
+    def capture_replay(self, routing: bool = False, index: bool = False) -> None:
+        """From now on return the replay records asked for with every generation (`Generation.routed_experts`
+        / `.indexer_topk`); raises when the engine or its servers cannot."""
+
+
+@runtime_checkable
+class HasState(Protocol):
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's sampling state (its seed stream, counters): saved with the run's checkpoints."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict` (a resumed run samples as the uninterrupted one would)."""
+
+
+@runtime_checkable
+class HoldsModel(Protocol):
+    model: Any  # the engine's torch.nn.Module, in this process
+
+
+@runtime_checkable
+class SendsFp8Weights(Protocol):
+    sends_fp8_weights: bool  # True: update_weights takes the block-FP8 checkpoint layout
+
+
+def can_score_at_temperature(engine: Any) -> bool:
+    """Whether `engine.score` takes a `temperature` (servers score at temperature 1 only)."""
+    score = getattr(engine, "score", None)
+    return callable(score) and "temperature" in inspect.signature(score).parameters
