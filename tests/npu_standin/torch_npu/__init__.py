@@ -41,7 +41,7 @@ from torch_npu._record import calls, names, record
 __version__ = "0.0.0+standin"
 IS_STANDIN = True
 
-__all__ = ["calls", "cpu_device_type", "install", "names", "npu", "record", "uninstall"]
+__all__ = ["calls", "cpu_device_type", "install", "names", "npu", "npu_fusion_attention", "record", "uninstall"]
 
 _added: dict[str, bool] = {"torch.npu": False, "hccl": False, "HCCL_attr": False}
 
@@ -50,6 +50,15 @@ def cpu_device_type() -> str:
     """Replacement for ``glmlight.accelerators.npu.device_type``: NPU devices become CPU devices."""
     record("device_type", "npu->cpu")
     return "cpu"
+
+
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
+                         scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
+                         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                         gen_mask_parallel=True, sync=False, softmax_layout=""):
+    """torch_npu's fused attention operator (exported from ``torch.ops.npu``). transformers imports it
+    whenever torch_npu is importable; glmlight's models never call it, and the stand-in has no kernel."""
+    raise NotImplementedError("the torch_npu stand-in has no fused attention kernel")
 
 
 def _hccl_process_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
