@@ -1,6 +1,8 @@
-"""glmlight's Ascend path against the released torch-npu 2.14.0 wheel, read from its own sources.
+"""glmlight's Ascend path against the released packages it runs with, read from their own sources:
+torch-npu 2.14.0 (the wheel), vllm-ascend 0.23.0.post1 (its source distribution: the release has no
+wheel) and vLLM 0.23.0, the vLLM that vllm-ascend release is built for.
 
-Nothing of the package is imported or run: tests/wheel_names.py downloads the wheel once (pinned by
+Nothing of those packages is imported or run: tests/wheel_names.py downloads each file once (pinned by
 SHA-256, cached under ~/.cache/glmlight/wheels or $GLMLIGHT_WHEEL_CACHE), unpacks the Python sources
 and looks names up with `ast`. The names checked are found the same way in glmlight's own sources, so
 a new use is checked without editing this file:
@@ -11,9 +13,14 @@ a new use is checked without editing this file:
   compiled into the wheel's native libraries;
 - every name the stand-in in tests/npu_standin defines exists at the same module path in torch_npu,
   a function with the same parameters, and the stand-in registers ``hccl`` as torch_npu does;
-- the torch names torch_npu replaces on import that glmlight calls take glmlight's arguments.
+- the torch names torch_npu replaces on import that glmlight calls take glmlight's arguments;
+- every ``vllm_ascend`` and ``vllm`` name glmlight's worker extension and in-process engine use
+  exists in vllm-ascend 0.23.0.post1 / vLLM 0.23.0, calls bind, and the extension fits vLLM-Ascend's
+  worker classes (vLLM mixes it into them: no name clash; the attributes it reads exist; the models'
+  ``load_weights`` take its keyword);
+- ASCEND_OPTIONS names only settings those releases read.
 
-Without the package index and with nothing cached, the tests that need the wheel skip and say so.
+Without the package index and with nothing cached, the tests that need the releases skip and say so.
 """
 
 from __future__ import annotations
@@ -23,12 +30,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.wheel_names import (TORCH_NPU, Found, Missing, Report, Sources, Unavailable, Unknown, Use, binding_problem,
-                               cache_dir, calls_named, collect_uses, literal, native_strings, public_definitions,
-                               signature_difference, source_root, torch_npu_operators)
+from glmlight.rollout.vllm_wire import ASCEND_OPTIONS
+from tests.wheel_names import (RELEASES, TORCH_NPU, VLLM, VLLM_ASCEND, Found, Missing, Report, Sources, Unavailable,
+                               Unknown, Use, binding_problem, cache_dir, call_shape, calls_named, collect_uses,
+                               dict_keys, literal, native_strings, public_definitions, self_uses, signature_difference,
+                               source_root, string_assignments, torch_npu_operators)
 
 REPO = Path(__file__).resolve().parent.parent
 STANDIN = REPO / "tests" / "npu_standin" / "torch_npu"
+EXTENSION_FILE = REPO / "glmlight" / "rollout" / "vllm_worker.py"
 _MENTIONS = ("npu", "vllm", "ShardedGradScaler", "_new_process_group_helper")
 
 # torch names glmlight calls on the NPU path that torch_npu replaces when it is imported (read in
@@ -43,7 +53,14 @@ TORCH_REPLACED = {
 }
 
 # Uses the sources cannot decide, each with what was checked instead.
-UNDECIDABLE: dict[str, str] = {}
+UNDECIDABLE = {
+    "vllm.model_executor.model_loader.reload.layerwise.LAYERWISE_INFO.get":
+        "a WeakKeyDictionary (annotated so in vllm/model_executor/model_loader/reload/layerwise.py)",
+    "vllm.model_executor.model_loader.reload.layerwise.LAYERWISE_INFO.get().reset":
+        "its values are LayerReloadingInfo (the annotation), which defines reset "
+        "(test_vllm_names_the_worker_extension_uses_exist)",
+    "vllm.model_executor.model_loader.reload.layerwise.LOADING_LAYERS.clear": "a WeakSet (the annotation)",
+}
 
 
 def _glmlight_files() -> list[Path]:
@@ -54,7 +71,7 @@ def _glmlight_files() -> list[Path]:
 @pytest.fixture(scope="module")
 def sources() -> Sources:
     try:
-        found = Sources({TORCH_NPU.package: source_root(TORCH_NPU)})
+        found = Sources({r.package: source_root(r) for r in RELEASES})
     except Unavailable as err:
         pytest.skip(f"{err}; with the package index reachable once, the files are kept in {cache_dir()} "
                     "(GLMLIGHT_WHEEL_CACHE)")
@@ -209,6 +226,134 @@ def test_torch_names_torch_npu_replaces_take_glmlight_arguments(sources, uses):
                 report.add(f"{use.where}: {torch_name}{use.shape}: after import torch_npu it is {replacement}: "
                            f"{problem}")
     assert checked >= 2 and not report, str(report)
+
+
+# ------------------------------------------------------------------------------------------------ vLLM-Ascend
+
+
+def _in_vllm_qual(use) -> bool:
+    return use.qual.split(".")[0] in ("vllm_ascend", "vllm")
+
+
+def test_vllm_names_the_worker_extension_uses_exist(sources, uses):
+    picked = [(u, u.qual) for u in uses if _in_vllm_qual(u)]
+    assert {"vllm.model_executor.model_loader.reload.initialize_layerwise_reload",
+            "vllm.model_executor.model_loader.reload.finalize_layerwise_reload",
+            "vllm_ascend.ascend_config.get_ascend_config().weight_nz_mode"} <= {u.qual for u, _ in picked}
+    report, undecided = Report(), {}
+    labels = {"vllm_ascend": VLLM_ASCEND.label, "vllm": VLLM.label}
+    for use, real in picked:
+        _check_uses(sources, [(use, real)], labels[real.split(".")[0]], report, undecided)
+    info = sources.resolve("vllm.model_executor.model_loader.reload.types.LayerReloadingInfo.reset")
+    if not isinstance(info, Found) or info.kind != "function":
+        report.add(f"LayerReloadingInfo.reset (what glmlight_revert calls on LAYERWISE_INFO's values): "
+                   f"{getattr(info, 'reason', info.kind)}")
+    _assert_clean(report, undecided, "the worker extension uses names vLLM-Ascend 0.23.0.post1 / vLLM 0.23.0 lack")
+    stale = set(UNDECIDABLE) - {u.qual for u in uses}
+    assert not stale, f"UNDECIDABLE lists names glmlight no longer uses: {sorted(stale)}"
+
+
+def _worker_classes(sources: Sources) -> list[Found]:
+    """The worker classes vLLM-Ascend's platform chooses (``parallel_config.worker_cls = "…"``)."""
+    platform = sources.module("vllm_ascend.platform")
+    names = string_assignments(platform, "worker_cls")
+    assert "vllm_ascend.worker.worker.NPUWorker" in names, names
+    out = []
+    for name in names:
+        got = sources.resolve(name)
+        assert isinstance(got, Found) and got.kind == "class", f"{name}: {getattr(got, 'reason', got)}"
+        out.append(got)
+    return out
+
+
+def test_worker_extension_fits_vllm_ascend_workers(sources):
+    """vLLM (vllm/v1/worker/worker_base.py) adds ``--worker-extension-cls`` to the worker class's
+    bases after asserting that the worker has none of the extension's attributes; the extension then
+    reads the worker's own attributes (``self.model_runner.get_model()``, ``self.vllm_config``, ...)."""
+    tree = ast.parse(EXTENSION_FILE.read_text(encoding="utf-8"))
+    ext = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "WeightLoaderExtension")
+    own = {n.name for n in ext.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    own |= {t.id for n in ext.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    chains = [c for c in self_uses(ext) if c[0] and c[0][0].removesuffix("()") not in own
+              and not c[0][0].startswith("__")]
+    assert {c[0][:2] for c in chains} >= {("model_runner", "get_model"), ("vllm_config", "model_config")}
+    report = Report()
+    for worker in _worker_classes(sources):
+        for name in sorted(own):
+            clash = sources.class_member(worker, name, instance=False)
+            if not isinstance(clash, Missing):
+                report.add(f"{worker.qual} already has {name} ({getattr(clash, 'qual', clash)}): vLLM refuses the "
+                           "extension")
+        for chain, shape, optional, line in chains:
+            current = Found("value", f"{worker.qual}()", worker.module, worker.node, types=(worker.qual,))
+            for i, part in enumerate(chain):
+                called = part.endswith("()")
+                got = sources.member(current, part[:-2] if called else part)
+                if isinstance(got, Found) and called:
+                    got = sources.result_of(got)
+                if not isinstance(got, Found):
+                    if not (optional and i == len(chain) - 1 and isinstance(got, Missing)):  # getattr(.., default)
+                        undecidable = " cannot be decided from the sources" if isinstance(got, Unknown) else ""
+                        report.add(f"{EXTENSION_FILE.relative_to(REPO)}:{line}: self.{'.'.join(chain)}{undecidable}: "
+                                   f"{got.reason} ({worker.qual}, {VLLM_ASCEND.label} / {VLLM.label})")
+                    break
+                current = got
+            else:
+                if shape is not None:
+                    problem = binding_problem(current, shape, sources)
+                    if problem:
+                        report.add(f"{EXTENSION_FILE.relative_to(REPO)}:{line}: self.{'.'.join(chain)}{shape}: "
+                                   f"{problem} ({worker.qual})")
+    assert not report, f"the worker extension does not fit {VLLM_ASCEND.label}'s workers:\n{report}"
+
+
+def test_vllm_ascend_models_load_weights_take_the_extension_keywords(sources):
+    shapes = {call_shape(c) for c in calls_named(ast.parse(EXTENSION_FILE.read_text(encoding="utf-8")), "load_weights")}
+    assert shapes, "the worker extension no longer calls load_weights"
+    report, checked = Report(), 0
+    root = source_root(VLLM_ASCEND)
+    for path in sorted((root / "vllm_ascend").rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        if "model_loader" in rel.parts or "def load_weights" not in path.read_text(encoding="utf-8-sig"):
+            continue  # model loaders' load_weights(model, model_config) is another API
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for cls in (n for n in ast.walk(sources.module(module)) if isinstance(n, ast.ClassDef)):
+            for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "load_weights"):
+                checked += 1
+                found = Found("function", f"{module}.{cls.name}.load_weights", module, fn)
+                for shape in shapes:
+                    problem = binding_problem(found, shape, sources)
+                    if problem:
+                        report.add(f"{found.qual}: the extension calls load_weights{shape}: {problem}")
+    assert checked >= 2 and not report, str(report)
+
+
+def test_ascend_options_are_settings_vllm_ascend_reads(sources):
+    report = Report()
+    platform = sources.resolve("vllm_ascend.platform.NPUPlatform.device_type")
+    device = literal(platform.node.value) if isinstance(platform, Found) else None  # type: ignore[attr-defined]
+    if device != ASCEND_OPTIONS["device"]:
+        report.add(f"ASCEND_OPTIONS['device'] is {ASCEND_OPTIONS['device']!r}; vLLM-Ascend's NPUPlatform.device_type "
+                   f"is {device!r}")
+    known_env = dict_keys(sources.module("vllm.envs"), "environment_variables")
+    known_env |= dict_keys(sources.module("vllm_ascend.envs"), "env_variables")
+    assert len(known_env) > 100
+    for name in ASCEND_OPTIONS["env"]:
+        if name not in known_env:
+            report.add(f"ASCEND_OPTIONS['env'] sets {name}, which neither {VLLM.label} nor {VLLM_ASCEND.label} "
+                       "reads (vLLM warns about unknown VLLM_ variables)")
+    config = sources.module("vllm_ascend.ascend_config")
+    keys = {literal(c.args[1]) for c in calls_named(config, "_get_config_value") if len(c.args) > 1}
+    keys |= {literal(c.args[0]) for c in calls_named(config, "additional_config.get") if c.args}
+    for key in ASCEND_OPTIONS.get("additional_config", {}):
+        if key not in keys:
+            report.add(f"ASCEND_OPTIONS['additional_config'] sets {key!r}, which {VLLM_ASCEND.label}'s AscendConfig "
+                       "does not read")
+    engine_args = sources.resolve("vllm.engine.arg_utils.EngineArgs")
+    for key in [*ASCEND_OPTIONS.get("llm_kwargs", {}), "additional_config"]:  # the in-process engine's vllm.LLM kwargs
+        if not isinstance(engine_args, Found) or not isinstance(sources.class_member(engine_args, key), Found):
+            report.add(f"ASCEND_OPTIONS['llm_kwargs'] passes {key!r}, which is not an EngineArgs field in {VLLM.label}")
+    assert not report, str(report)
 
 
 # ------------------------------------------------------------------------------------------------ the scan
