@@ -1,7 +1,7 @@
 """Stand-in for ``torch_npu.npu.utils``: selecting the current NPU (on CPU, recorded).
 
 The device state the other modules share lives here, in private names, as torch_npu keeps its
-device-index helper (``_get_device_index``) in this module.
+device-index function (``_get_device_index``) in this module.
 """
 
 from __future__ import annotations
