@@ -4,6 +4,7 @@ a real vLLM server: tests/test_real_servers.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -347,6 +348,9 @@ def test_managed_launch_vllm_ascend_with_standin_executable(tokenizer, tmp_path)
         assert spec.command[spec.command.index("--logprobs-mode") + 1] == "processed_logprobs"
         assert spec.env["PYTHONPATH"].split(os.pathsep)[0] == PACKAGE_ROOT
         assert spec.env.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn") == "spawn"
+        # weights stay in ND (vllm-ascend's weight_nz_mode); no setting vLLM 0.23 does not know
+        assert json.loads(spec.command[spec.command.index("--additional-config") + 1]) == {"weight_nz_mode": 0}
+        assert "VLLM_USE_V1" not in spec.env
         got = eng.generate(prompts(tokenizer, 2), greedy(tokenizer))
         assert len(got) == 2 and all(g.token_ids for g in got)
         from glmlight.models.loading import load_causal_lm
@@ -462,3 +466,118 @@ def test_disk_push_keeps_the_last_versions(tmp_path):
         path = write_hf_checkpoint([("w", torch.full((2,), float(v)))], root, v, keep=2)
     assert checkpoint_versions(root) == [2, 10] and path == str(tmp_path / "weights" / "v10")
     assert dict(read_checkpoint(path))["w"].tolist() == [10.0, 10.0]
+
+
+def _fake_vllm(monkeypatch, device_type: str, weight_nz_mode: int) -> list:
+    """vLLM and vllm-ascend as the worker extension sees them inside a vLLM-Ascend worker (the names it
+    imports; tests/test_npu_wheels.py checks them against vllm-ascend 0.23.0.post1 and vLLM 0.23.0).
+    Returns the log of (step, default device) of the layerwise reload."""
+    import contextlib
+    import types
+
+    seen: list = []
+    mods = {name: types.ModuleType(name) for name in (
+        "vllm", "vllm.platforms", "vllm.config", "vllm.model_executor", "vllm.model_executor.model_loader",
+        "vllm.model_executor.model_loader.reload", "vllm_ascend", "vllm_ascend.ascend_config")}
+    mods["vllm.platforms"].current_platform = types.SimpleNamespace(
+        device_type=device_type, is_cpu=lambda: device_type == "cpu")
+    mods["vllm.config"].set_current_vllm_config = lambda cfg: contextlib.nullcontext()
+    reload = mods["vllm.model_executor.model_loader.reload"]
+    reload.initialize_layerwise_reload = lambda model: seen.append(("initialize", str(torch.get_default_device())))
+    reload.finalize_layerwise_reload = lambda model, cfg: seen.append(("finalize", str(torch.get_default_device())))
+    mods["vllm_ascend.ascend_config"].get_ascend_config = lambda: types.SimpleNamespace(weight_nz_mode=weight_nz_mode)
+    for name, module in mods.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return seen
+
+
+def _ascend_worker(seen: list, device: str):
+    import types
+
+    from glmlight.rollout.vllm_worker import WeightLoaderExtension
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2, bias=False)
+
+        def load_weights(self, weights):
+            seen.append(("load_weights", str(torch.get_default_device())))
+            names = set()
+            for name, t in weights:
+                self.get_parameter(name).copy_(t)
+                names.add(name)
+            return names
+
+    class Worker(WeightLoaderExtension):
+        def __init__(self, model):
+            self.model_runner = types.SimpleNamespace(get_model=lambda: model)
+            self.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(model="/no/such/checkpoint"))
+            self.device = torch.device(device)
+            self.rank = 0
+
+    model = Model()
+    return Worker(model), model
+
+
+def test_worker_extension_on_vllm_ascend_reloads_on_the_npu_and_refuses_nz_weights(monkeypatch):
+    """What vllm-ascend's own weight update does (NPUWorker.start_weight_update / finish_weight_update):
+    the layerwise reload under the worker's device, and no update of weights vllm-ascend cast to
+    FRACTAL_NZ. The stand-in's "meta" device shows which default device the reload ran under."""
+    new = [("proj.weight", torch.full((2, 2), 3.0))]
+    seen = _fake_vllm(monkeypatch, "npu", weight_nz_mode=0)
+    worker, model = _ascend_worker(seen, "meta")
+    assert "problem" not in worker.glmlight_weight_version()
+    worker.load_named_tensors(new, version=1)
+    assert seen == [("initialize", "meta"), ("load_weights", "meta"), ("finalize", "meta")]
+    assert torch.equal(model.proj.weight, new[0][1]) and worker.glmlight_weight_version()["weight_version"] == "1"
+
+    seen = _fake_vllm(monkeypatch, "npu", weight_nz_mode=1)
+    worker, model = _ascend_worker(seen, "meta")
+    before = model.proj.weight.detach().clone()
+    problem = worker.glmlight_weight_version()["problem"]
+    assert "weight_nz_mode=1" in problem and '''--additional-config '{"weight_nz_mode": 0}\'''' in problem
+    with pytest.raises(RuntimeError, match="FRACTAL_NZ"):
+        worker.load_named_tensors(new, version=1)
+    assert seen == [] and torch.equal(model.proj.weight, before)
+
+    seen = _fake_vllm(monkeypatch, "cpu", weight_nz_mode=1)  # not vLLM-Ascend: its settings are not consulted
+    worker, model = _ascend_worker(seen, "meta")
+    assert "problem" not in worker.glmlight_weight_version()
+    worker.load_named_tensors(new, version=1)
+    assert seen == [("initialize", "cpu"), ("load_weights", "cpu"), ("finalize", "cpu")]
+
+
+def test_a_vllm_ascend_server_with_nz_weights_is_named_at_the_first_update(model, tokenizer, tmp_path, monkeypatch):
+    """The stand-in server's workers (the real extension) on vLLM-Ascend with weight_nz_mode=1: the client
+    refuses the update with the workers' line before sending any weights."""
+    _fake_vllm(monkeypatch, "npu", weight_nz_mode=1)
+    line = "vLLM-Ascend casts this model's weights to the FRACTAL_NZ format (weight_nz_mode=1)"
+    srv = VLLMServer(LocalEngine(model)).start()
+    try:
+        with make(srv.url, tmp_path, weight_sync="tensor") as eng:
+            assert len(eng.generate(prompts(tokenizer, 1), greedy(tokenizer))) == 1
+            with pytest.raises(EngineError) as err:
+                eng.update_weights(list(model.state_dict().items()), version=1)
+    finally:
+        srv.close()
+    assert "\n" not in str(err.value) and srv.url in str(err.value) and line in str(err.value)
+
+
+def test_in_process_vllm_ascend_engine_keeps_weights_in_nd(monkeypatch):
+    import types
+
+    from glmlight.rollout.vllm_inprocess import VLLMInProcessEngine
+
+    built: dict = {}
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda **kwargs: built.update(kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "")  # restored (or removed) after the test
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
+    VLLMInProcessEngine("/ckpt", ascend=True)
+    assert built["additional_config"] == {"weight_nz_mode": 0} and built["distributed_executor_backend"] == "mp"
+    assert built["worker_extension_cls"] == EXTENSION and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    built.clear()
+    VLLMInProcessEngine("/ckpt", ascend=True, llm_kwargs={"additional_config": {"weight_nz_mode": 0, "x": 1}})
+    assert built["additional_config"] == {"weight_nz_mode": 0, "x": 1}  # the caller's own wins

@@ -21,6 +21,7 @@ leftover could be found (tests scan /proc for it).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -307,5 +308,7 @@ def vllm_launch(cfg: Any, kw: dict[str, Any]) -> LaunchSpec:
     if ascend:
         env.update({k: v for k, v in ASCEND_OPTIONS["env"].items() if k not in os.environ})
         env.update({k: os.environ[k] for k in ASCEND_OPTIONS["passthrough_env"] if k in os.environ})
+        if "--additional-config" not in s.launch_args:
+            cmd += ["--additional-config", json.dumps(ASCEND_OPTIONS["additional_config"])]
     return LaunchSpec("vLLM", cmd + list(s.launch_args) + extra, host, port,
                       log_path_for(cfg, cfg.rollout.backend, port), env=env, secrets=(key,) if key else ())

@@ -128,6 +128,9 @@ class VLLMEngine(ServerEngineBase):
             self._sync_problem[url] = ("it has no /collective_rpc; start it with VLLM_SERVER_DEV_MODE=1 and "
                                        f"--worker-extension-cls {EXTENSION}, or use the in-process engine")
             return
+        problems = sorted({str(r["problem"]) for r in results if r.get("problem")})
+        if problems:  # a worker that cannot load updates (vLLM-Ascend weights in FRACTAL_NZ)
+            self._sync_problem[url] = "; ".join(problems)
         self._workers[url] = len(results)
 
     # ------------------------------------------------------------------ generation

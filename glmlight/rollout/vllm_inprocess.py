@@ -24,9 +24,10 @@ class VLLMInProcessEngine:
         import vllm
 
         self._vllm = vllm
+        ascend_kwargs = {**ASCEND_OPTIONS["llm_kwargs"], "additional_config": dict(ASCEND_OPTIONS["additional_config"])}
         kwargs = {"model": model_path, "worker_extension_cls": EXTENSION, "enable_prefix_caching": True,
                   "logprobs_mode": "processed_logprobs",  # the log-probs of the distribution sampled from
-                  **(ASCEND_OPTIONS["llm_kwargs"] if ascend else {}), **(llm_kwargs or {})}
+                  **(ascend_kwargs if ascend else {}), **(llm_kwargs or {})}
         self.llm = vllm.LLM(**kwargs)
         self._version = version
 

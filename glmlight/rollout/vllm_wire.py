@@ -12,13 +12,19 @@ EXTENSION = "glmlight.rollout.vllm_worker.WeightLoaderExtension"
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "length", "error": "error"}
 
 # rollout=vllm_ascend: the same HTTP protocol; installing vllm-ascend registers the NPU platform
-# with vLLM, so no device flag is needed. What changes for us (mirrored in conf/rollout/vllm_ascend.yaml):
+# with vLLM, so no device flag is needed. What changes for us (mirrored in conf/rollout/vllm_ascend.yaml;
+# tests/test_npu_wheels.py checks each setting against vllm-ascend 0.23.0.post1 and vLLM 0.23.0):
 ASCEND_OPTIONS: dict[str, Any] = {
-    "device": "npu",  # chosen by the vllm-ascend platform plugin; logged, never passed as a flag
+    "device": "npu",  # vllm-ascend's NPUPlatform.device_type; logged, never passed as a flag
     "sync_backend": "hccl",  # the weight-update process group on NPUs
     # set for a managed or in-process engine unless already set; torch_npu cannot be
     # re-initialised in forked children, hence spawn
-    "env": {"VLLM_USE_V1": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
+    "env": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
+    # vllm-ascend's --additional-config for a managed or in-process engine (unless given): weights stay
+    # in the ND format. With weight_nz_mode > 0 vllm-ascend casts weights to FRACTAL_NZ after loading,
+    # and its own weight-update path (NPUWorker.start_weight_update) refuses to update such a model
+    # ("may cause model parameter precision issues in the RL scenarios"); so does the worker extension.
+    "additional_config": {"weight_nz_mode": 0},
     # inherited unchanged by a managed server: device visibility and HCCL networking
     "passthrough_env": ("ASCEND_RT_VISIBLE_DEVICES", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_CONNECT_TIMEOUT"),
     "llm_kwargs": {"distributed_executor_backend": "mp"},

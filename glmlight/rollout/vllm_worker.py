@@ -23,12 +23,22 @@ serving:
             back (another server failed: the fleet returns to the previous version together).
     abort   glmlight_abort_update drops a staged update.
 
+On vLLM-Ascend (vllm-ascend 0.23.0.post1, read from its source: vllm_ascend/worker/worker.py) the
+extension does what that release's own weight-update path does: the layerwise reload runs with the
+worker's NPU as the default device, and a model whose weights vllm-ascend casts to the FRACTAL_NZ
+format after loading (`weight_nz_mode` > 0 in its --additional-config, or VLLM_ASCEND_ENABLE_NZ) takes
+no update: vllm-ascend refuses that for RL ("may cause model parameter precision issues"), and
+`glmlight_weight_version` reports why (`problem`), so the trainer stops at the first update with that
+line. The reload re-runs vllm-ascend's `process_weights_after_loading` (AscendUnquantizedLinearMethod,
+the fused-MoE methods, MLA's absorbed weights) on the new values.
+
 Over HTTP every argument is a string, so every method takes one JSON string and returns
 `{"weight_version", "rank", ...}`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -52,7 +62,8 @@ class WeightLoaderExtension:
 
     # ------------------------------------------------------------------ RPC methods
     def glmlight_weight_version(self, spec: str | None = None) -> dict:
-        return self._gl_state()
+        problem = self._gl_update_problem()
+        return self._gl_state(**({"problem": problem} if problem else {}))
 
     def glmlight_load_payload(self, spec: str) -> dict:
         """{"data": base64 safetensors bytes, "update_id", "bucket": i}: stage these tensors."""
@@ -116,6 +127,9 @@ class WeightLoaderExtension:
             raise RuntimeError(f"update {s['update_id']!r}: {stage['buckets']} buckets staged, "
                                f"{s['buckets']} sent")
         named = stage["tensors"]
+        problem = self._gl_update_problem()  # the client asked at start (glmlight_weight_version); again here
+        if problem:
+            raise RuntimeError(problem)
         self._gl_validate(named)
         self.__dict__.pop("_gl_backup", None)  # an older copy never released
         backup = {"update_id": s["update_id"], "version": self._gl_version(), "state": self._gl_snapshot()}
@@ -203,6 +217,19 @@ class WeightLoaderExtension:
                              f"e.g. {missing[:3]}")
 
     # ------------------------------------------------------------------ vLLM specifics (test seams)
+    def _gl_update_problem(self) -> str | None:
+        """Why this worker cannot take weight updates, or None: on vLLM-Ascend, weights in FRACTAL_NZ."""
+        if not _on_ascend():
+            return None
+        from vllm_ascend.ascend_config import get_ascend_config
+
+        mode = get_ascend_config().weight_nz_mode
+        if not mode:
+            return None
+        return (f"vLLM-Ascend casts this model's weights to the FRACTAL_NZ format (weight_nz_mode={mode}), and "
+                "weight updates need them in ND (vllm-ascend's own weight-update path refuses NZ for RL); start "
+                """the server with --additional-config '{"weight_nz_mode": 0}' (a managed launch adds it)""")
+
     def _gl_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()  # type: ignore[attr-defined]
 
@@ -218,7 +245,10 @@ class WeightLoaderExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         model = self._gl_model()
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+        # vLLM-Ascend's own update path reloads under its NPU as the default device (tensors a layer's
+        # loader or process_weights_after_loading creates land there, not on the CPU)
+        device = torch.device(self.device) if _on_ascend() else contextlib.nullcontext()  # type: ignore[attr-defined]
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), device:  # type: ignore[attr-defined]
             kernels = _drop_cpu_moe_kernels(model)
             initialize_layerwise_reload(model)
             loaded = model.load_weights(weights=iter(named))
@@ -294,6 +324,15 @@ class WeightLoaderExtension:
             return int(get_world_group().rank)
         except Exception:  # noqa: BLE001 - outside vLLM (or before its groups exist)
             return int(getattr(self, "rank", 0))
+
+
+def _on_ascend() -> bool:
+    """Whether this worker runs on vLLM-Ascend (its platform's device type is "npu")."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # outside vLLM
+        return False
+    return current_platform.device_type == "npu"
 
 
 def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:

@@ -10,10 +10,15 @@ What is real and what is stood in:
 - Real: PyTorch (CPU), Lightning, the plugin's own code, gloo collectives, and the
   ``torch.distributed`` backend registry through which the name ``"hccl"`` is
   registered (as torch_npu registers it, with ``Backend.register_backend``).
-- Stood in: ``torch.npu`` (device count, set_device, memory_stats, ... in
-  `torch_npu.npu.utils`, all on CPU and recorded); the HCCL process group is a
-  gloo process group created under the backend name ``"hccl"`` for CPU tensors
-  (each creation recorded as ``("hccl_process_group", rank, size)``).
+- Stood in: ``torch.npu`` (device count, set_device, memory_stats, ... each in
+  the `torch_npu.npu` module torch_npu defines it in, with its parameters; all on
+  CPU and recorded); the HCCL process group is a gloo process group created under
+  the backend name ``"hccl"`` for CPU tensors, registered with the calling
+  convention torch_npu uses (``extended_api=True``: the creator gets torch's
+  backend options), each creation recorded as ``("hccl_process_group", rank, size)``.
+- Stand-in only: the names in ``__standin_only__`` (the call log, `install`,
+  `uninstall`, the device-type redirect); everything else the stand-in defines
+  exists in torch_npu (tests/test_npu_wheels.py checks it against the wheel).
 - Not possible on CPU PyTorch: tensors on a device of type ``"npu"``. torch_npu
   gets it by renaming PyTorch's PrivateUse1 backend to "npu" and implementing
   every ATen kernel in C++. A Python-only rename works
@@ -29,7 +34,6 @@ What is real and what is stood in:
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -41,7 +45,8 @@ from torch_npu._record import calls, names, record
 __version__ = "0.0.0+standin"
 IS_STANDIN = True
 
-__all__ = ["calls", "cpu_device_type", "install", "names", "npu", "record", "uninstall"]
+__all__ = ["calls", "cpu_device_type", "install", "names", "npu", "npu_fusion_attention", "record", "uninstall"]
+__standin_only__ = ("IS_STANDIN", "calls", "cpu_device_type", "install", "names", "record", "uninstall")
 
 _added: dict[str, bool] = {"torch.npu": False, "hccl": False, "HCCL_attr": False}
 
@@ -52,17 +57,29 @@ def cpu_device_type() -> str:
     return "cpu"
 
 
-def _hccl_process_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
-    """What ``init_process_group("hccl")`` creates here: a gloo process group for CPU tensors."""
-    record("hccl_process_group", rank, size)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
+                         scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
+                         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                         gen_mask_parallel=True, sync=False, softmax_layout=""):
+    """torch_npu's fused attention operator (exported from ``torch.ops.npu``). transformers imports it
+    whenever torch_npu is importable; glmlight's models never call it, and the stand-in has no kernel."""
+    raise NotImplementedError("the torch_npu stand-in has no fused attention kernel")
+
+
+def _hccl_process_group(dist_backend_opts: Any, pg_options: Any) -> Any:
+    """What ``init_process_group("hccl")`` creates here: a gloo process group for CPU tensors. Called as
+    torch calls torch_npu's creator (``extended_api=True``): torch's ``_DistributedBackendOptions``
+    (store, group_rank, group_size, timeout, ...) and the backend's options."""
+    opts = dist_backend_opts
+    record("hccl_process_group", opts.group_rank, opts.group_size)
+    return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
 
 
 def _register_hccl() -> None:
     if not dist.is_available() or "hccl" in dist.Backend.backend_list:
         return
     _added["HCCL_attr"] = not hasattr(dist.Backend, "HCCL")
-    dist.Backend.register_backend("hccl", _hccl_process_group, devices=["cpu"])
+    dist.Backend.register_backend("hccl", _hccl_process_group, extended_api=True, devices=["cpu"])
     _added["hccl"] = True
 
 
