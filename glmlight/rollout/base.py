@@ -102,3 +102,9 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's resources."""
+
+
+def filter_order_of(engine: object) -> str:
+    """How the engine combines top-k and top-p when both are on ("sequential" or "joint",
+    glmlight/ops/logprobs.py); an engine that does not say samples as glmlight's own: sequential."""
+    return str(getattr(engine, "filter_order", "sequential"))

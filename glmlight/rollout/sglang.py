@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 class SGLangEngine(ServerEngineBase):
     name = "SGLang"
     health_path = "/health_generate"
+    # top-k and top-p over the same un-renormalised distribution (glmlight/ops/logprobs.py `joint_kept`)
+    filter_order = "joint"
     replay_fields = {  # replay records (server_replay.py; formats in replay_codec.py)
         "routing": ReplayField({"return_routed_experts": True, "routed_experts_start_len": 0}, "routed_experts",
                                "meta_info.routed_experts", decode_sglang_routed_experts, "--enable-return-routed-experts"),
@@ -101,6 +103,7 @@ class SGLangEngine(ServerEngineBase):
         self._initial_labels: dict[str, str | None] = {}
         self._sessions: dict[str, bool] = {}  # url -> has /begin_weight_update
         self.filtered_logprobs = True  # the servers report top-k/top-p log-probs (return_sampling_mask)
+        self.seeded_sampling = True  # the servers honour sampling_seed (`_check_seeding`)
         super().__init__(urls, **kwargs)
 
     @classmethod
@@ -115,6 +118,7 @@ class SGLangEngine(ServerEngineBase):
         # Health checks pass without a key; an authenticated call finds a refused key now.
         for url in self._sync_urls() if (not self.router or len(self.urls) > 1) else self.urls[:1]:
             self._initial_labels[url] = self.http.run(self._served_label(url))
+        self._check_seeding()
         if self.check_logprobs:
             check_logprob_definition(self, "do not set SGLANG_RETURN_ORIGINAL_LOGPROB on the server",
                                      filtered=self._sampling_mask_ok)
@@ -140,6 +144,30 @@ class SGLangEngine(ServerEngineBase):
         url, reply = await self.http.request("/generate", None, pool=self.pool, with_url=True, rid_for=attempt_rid(rid),
                                              payload_for=body, on_retry=self._aborter)
         return self._parse_generation(single(reply), url, rid, filtered, len(prompt))
+
+    def _check_seeding(self) -> None:
+        """SGLang samples with a request's sampling_seed only when started with
+        --enable-deterministic-inference (sglang 0.5.23 srt/sampling/sampling_batch_info.py: the seeds
+        are passed to the sampler only in deterministic mode, which refuses torch-native attention, so
+        never on CPU). /server_info carries the flag; a server without it (or that does not say) makes
+        the engine report `seeded_sampling = False`, and the run is told once."""
+        unseeded = []
+        for url in self.pool.urls:
+            info = self._server_info(url)
+            if not (isinstance(info, dict) and info.get("enable_deterministic_inference") is True):
+                unseeded.append(url)
+        self.seeded_sampling = not unseeded
+        if unseeded:
+            log.warning("SGLang server(s) %s run without --enable-deterministic-inference: they ignore per-request "
+                        "seeds, so sampling is not reproducible (the same seed gives other tokens, and a resumed run "
+                        "samples differently from the interrupted one)", ", ".join(unseeded))
+
+    def _server_info(self, url: str) -> Any:
+        for path in ("/server_info", "/get_server_info"):
+            info = self.http.run(self.http.request(path, url=url, method="GET", allow_404=True))
+            if info is not None:
+                return info
+        return None
 
     def _sampling_mask_ok(self, error: EngineError) -> bool:
         """The start-up check's top_k=1 request failed: a server without return_sampling_mask (before
@@ -202,6 +230,12 @@ class SGLangEngine(ServerEngineBase):
 
     async def _resume(self, url: str) -> None:
         await self.http.request("/continue_generation", {}, url=url, expect_json=False, allow_404=True)
+
+    async def _probe_alive(self, url: str) -> None:
+        """/health and /health_generate run a one-token generation, which a paused server holds: they
+        answer 503 after 20 s (sglang 0.5.23 srt/entrypoints/http_server.py `health_generate`,
+        HEALTH_CHECK_TIMEOUT). /model_info is answered by the HTTP process itself, paused or not."""
+        await self.http.request("/model_info", url=url, method="GET", attempts=1, timeout_s=10, allow_404=True)
 
     async def _served_label(self, url: str) -> str | None:
         for path in ("/model_info", "/get_model_info"):  # 0.5.23 has no /get_weight_version
@@ -314,12 +348,7 @@ class SGLangEngine(ServerEngineBase):
 
     def _tp_size(self, url: str) -> int:
         if url not in self._tp_sizes:
-            info = None
-            for path in ("/server_info", "/get_server_info"):
-                info = self.http.run(self.http.request(path, url=url, method="GET", allow_404=True))
-                if info is not None:
-                    break
-            self._tp_sizes[url] = int((info or {}).get("tp_size", 1))
+            self._tp_sizes[url] = int((self._server_info(url) or {}).get("tp_size", 1))
         return self._tp_sizes[url]
 
     def _resync_urls(self, url: str) -> list[str]:
