@@ -26,7 +26,8 @@ PY="$DIR/bin/python"
 # This script and the shim are part of the environment: a change to either rebuilds it.
 STAMP="$VERSION $(cat "$0" "$HERE"/sglang_cpu/*.py "$HERE"/sglang_cpu/*/*.py | sha256sum | cut -c1-16)"
 check() { SGLANG_USE_CPU_ENGINE=1 "$PY" -c "import sglang, sglang.launch_server; assert sglang.__version__ == '$VERSION', sglang.__version__" >/dev/null 2>&1; }
-if [ -f "$DIR/.glmlight-ready" ] && [ "$(cat "$DIR/.glmlight-ready")" = "$STAMP" ] && check; then
+installed() { "$PY" -c "import importlib.metadata as m; assert m.version('sglang') == '$VERSION'" >/dev/null 2>&1; }
+if [ -f "$DIR/.glmlight-ready" ] && [ "$(cat "$DIR/.glmlight-ready")" = "$STAMP" ] && installed; then
   echo "sglang $VERSION CPU environment: reusing $DIR" >&2
   echo "$PY"
   exit 0

@@ -63,6 +63,13 @@ from glmlight.rollout.transport import decode_safetensors
 from tests.standin_base import FAULT, ProtocolServer, _params, join_gloo_group, receive
 
 SESSION_MESSAGE = "{} must run between begin_weight_update() and end_weight_update()"
+# sampling_params keys /generate accepts (0.5.23 answers any other key 400 {"error": "unknown field `<key>`,
+# expected one of ..."}, observed on the real server; the list is the one it names)
+SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+                 "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                 "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+                 "custom_params", "beam_width", "watermark", "choice")
 SLOT_BASE = 4096  # where the stand-in's KV-cache slots start (the fused DSA top-k reports slots)
 
 # SGLang 0.5.23 SafeUnpickler.ALLOWED_GLOBALS (srt/utils/common.py:3148-3359), the part a tensor
@@ -104,8 +111,14 @@ class SGLangServer(ProtocolServer):
     open_paths = ("/health", "/health_generate")  # SGLang's key middleware lets health checks through
 
     def __init__(self, engine: LocalEngine, *, sampling_mask: bool = True, original_logprob: bool = False,
-                 routed_experts: bool = False, indexer_topk: bool = False, fuse_topk: bool = True, **kw: Any):
+                 routed_experts: bool = False, indexer_topk: bool = False, fuse_topk: bool = True,
+                 deterministic: bool = True, **kw: Any):
         super().__init__(engine, **kw)
+        # SGLang samples with top-k and top-p over the same un-renormalised distribution ("joint")
+        engine.filter_order = engine._batch.filter_order = "joint"
+        # --enable-deterministic-inference: only then are per-request sampling seeds used (CUDA only;
+        # off, as on every CPU server, the seed is ignored)
+        self.deterministic = deterministic
         self.routed_experts, self.indexer_topk, self.fuse_topk = routed_experts, indexer_topk, fuse_topk
         self.layout = RecordLayout.from_model(engine.model)
         if routed_experts or indexer_topk:
@@ -113,6 +126,7 @@ class SGLangServer(ProtocolServer):
         self.original_logprob = original_logprob  # SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature
         self.sampling_mask = sampling_mask  # False: a release before 0.5.18 (the field is ignored)
         self.weight_version = "default"
+        self.health_timeout_s = 20.0
         self.version_lag_s = 0.0  # report a new weight_version only this long after an update
         self.running = threading.Event()
         self.running.set()
@@ -139,11 +153,12 @@ class SGLangServer(ProtocolServer):
     def routes(self, app: web.Application) -> None:
         r = app.router
         for path in ("/health", "/health_generate"):
-            r.add_get(path, lambda req: web.Response(status=200))
+            r.add_get(path, self.health)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, self.model_info)
         for path in ("/server_info", "/get_server_info"):
-            r.add_get(path, lambda req: web.json_response({"tp_size": 1, "dp_size": 1, "version": "0.5.23"}))
+            r.add_get(path, lambda req: web.json_response({"tp_size": 1, "dp_size": 1, "version": "0.5.23",
+                                                           "enable_deterministic_inference": self.deterministic}))
         r.add_route("*", "/generate", self.generate)
         r.add_route("*", "/flush_cache", self.flush)
         r.add_post("/pause_generation", self.pause)
@@ -157,6 +172,15 @@ class SGLangServer(ProtocolServer):
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_distributed", self.from_distributed)
         r.add_post("/update_weight_version", self.set_version)
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Both paths run a one-token generation, which a paused server holds: 503 after
+        HEALTH_CHECK_TIMEOUT (20 s; srt/entrypoints/http_server.py `health_generate`)."""
+        for _ in range(int(self.health_timeout_s / 0.05)):
+            if self.running.is_set():
+                return web.Response(status=200)
+            await asyncio.sleep(0.05)
+        return web.Response(status=503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({
@@ -183,7 +207,13 @@ class SGLangServer(ProtocolServer):
             self.held.discard(rid)
 
     async def _generate(self, body: dict, rid: str) -> web.Response:
-        ids, sp = body["input_ids"], body.get("sampling_params") or {}
+        ids, sp = body["input_ids"], dict(body.get("sampling_params") or {})
+        unknown = [k for k in sp if k not in SAMPLING_KEYS]
+        if unknown:
+            return web.json_response({"error": f"unknown field `{unknown[0]}`, expected one of "
+                                               + ", ".join(f"`{k}`" for k in SAMPLING_KEYS)}, status=400)
+        if not self.deterministic:
+            sp.pop("sampling_seed", None)
         max_new = int(sp.get("max_new_tokens", 128))
         temperature, top_k = float(sp.get("temperature", 1.0)), int(sp.get("top_k", -1))
         mask = self.sampling_mask and body.get("return_sampling_mask")

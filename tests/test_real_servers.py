@@ -24,7 +24,7 @@ from glmlight.rollout.launch import server_processes
 from glmlight.rollout.tiny_checkpoint import build_tiny_checkpoint
 from glmlight.rollout.transport import read_checkpoint
 from tests.conftest import newest_pushed_version
-from tests.real_servers import interpreter, max_diff, server_config, trainer_greedy, trainer_logprobs, TOL
+from tests.real_servers import DEVICE, TOL, interpreter, max_diff, server_config, trainer_greedy, trainer_logprobs
 
 
 @pytest.fixture(scope="module", params=["vllm", "sglang"])
@@ -73,7 +73,7 @@ def test_generation_equals_trainer_forward(real, temperature, top_k, top_p):
     gens = real.engine.generate(ps, [SamplingParams(**{**sp.__dict__, "seed": 11 + i}) for i in range(len(ps))])
     worst = 0.0
     for p, g in zip(ps, gens):
-        want = trainer_logprobs(real.models[0], p, g.token_ids, temperature, top_k, top_p)
+        want = trainer_logprobs(real.models[0], p, g.token_ids, temperature, top_k, top_p, real.engine.filter_order)
         assert all(w > -1e30 for w in want), "a token outside the top-k/top-p set was sampled"
         worst = max(worst, max_diff(g.logprobs, want))
         assert g.versions == [real.engine.version] * len(g.token_ids)
@@ -101,6 +101,16 @@ def test_greedy_ids_stop_tokens_and_max_tokens(real):
 def test_seeds(real):
     _serving(real, 0)
     p = _prompts(real.tok, 1) * 2
+    if real.backend == "sglang" and DEVICE == "cpu":
+        # SGLang uses sampling_seed only with --enable-deterministic-inference, which refuses torch-native
+        # attention: the engine says so (and warned at start), and the same seed indeed samples differently
+        info = real.engine._server_info(real.url)
+        assert info["enable_deterministic_inference"] is False and real.engine.seeded_sampling is False
+        runs = [real.engine.generate(p[:1], SamplingParams(temperature=1.0, max_new_tokens=24, seed=5))[0].token_ids
+                for _ in range(3)]
+        assert len({tuple(r) for r in runs}) > 1
+        return
+    assert getattr(real.engine, "seeded_sampling", True)
     a = real.engine.generate(p, SamplingParams(temperature=1.0, max_new_tokens=24, seed=5))
     b = real.engine.generate(p[:1], SamplingParams(temperature=1.0, max_new_tokens=24, seed=5))
     c = real.engine.generate(p[:1], SamplingParams(temperature=1.0, max_new_tokens=24, seed=6))
@@ -118,12 +128,25 @@ def test_scoring_equals_trainer_forward(real):
     assert worst <= TOL
 
 
+def test_a_paused_server_is_neither_dead_nor_restarted_to_the_suspect_probe(real):
+    """SGLang's /health and /health_generate answer 503 after 20 s while the server is paused; the
+    suspect probe must still find it up, on the weights it should serve, without a re-sync."""
+    _serving(real, 0)
+    eng, url = real.engine, real.url
+    resyncs = eng.num_resyncs
+    eng.http.run(eng._pause(url))
+    try:
+        eng._suspects.add(url)
+        eng._sync_suspects()
+        assert url not in eng._suspects and eng.num_resyncs == resyncs
+    finally:
+        eng.http.run(eng._resume(url))
+
+
 def test_abort_on_pause_returns_partial_answer_with_right_logprobs(real):
     """A long generation in flight when a weight update pauses the server comes back early,
     aborted, and its partial tokens carry the right log-probs. (Streamed, so that the update starts
     once the generation is known to be under way.)"""
-    if real.backend != "vllm":
-        pytest.skip("drives vLLM's OpenAI API directly (ignore_eos)")
     _serving(real, 0)
     p = _prompts(real.tok, 1)[0]
     weights = read_checkpoint(real.ckpts[0])  # the same weights: only the pause matters here
@@ -164,12 +187,114 @@ def _long_generation_paused(real, p: list[int], weights) -> dict:
                     started.set()
         started.set()
 
-    t = threading.Thread(target=long_request)
+    t = threading.Thread(target=long_request if real.backend == "vllm" else lambda: _sglang_stream(real, p, box, started))
     t.start()
     assert started.wait(120)
     real.engine.update_weights(weights, version=real.engine.version + 1)
     t.join(120)
     return box
+
+
+def _sglang_stream(real, p: list[int], box: dict, started: threading.Event, rid: str | None = None,
+                   max_new_tokens: int = 900) -> None:
+    """Stream one SGLang /generate (each chunk carries everything so far); set `started` once 20 tokens
+    are out."""
+    body = {"input_ids": p, "stream": True, "return_logprob": True, "rid": rid,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 1.0,
+                                "no_stop_trim": True}}
+    req = urllib.request.Request(real.url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                meta = json.loads(line[5:])["meta_info"]
+                entries = meta.get("output_token_logprobs") or []
+                box["ids"], box["lps"] = [e[1] for e in entries], [e[0] for e in entries]
+                box["finish"] = (meta.get("finish_reason") or {}).get("type") or box["finish"]
+                if len(box["ids"]) >= 20:
+                    started.set()
+    finally:
+        started.set()
+
+
+def test_abort_request_ends_the_request_with_its_partial_answer(real):
+    """glmlight drops an attempt it gave up on with /abort_request {rid} (SGLang): the request ends at once
+    with finish_reason abort and the tokens so far, whose log-probs are right."""
+    if real.backend != "sglang":
+        pytest.skip("SGLang's /abort_request")
+    _serving(real, 0)
+    p = _prompts(real.tok, 1)[0]
+    box, started, rid = {"ids": [], "lps": [], "finish": None}, threading.Event(), "glm-abort-test-00"
+    t = threading.Thread(target=_sglang_stream, args=(real, p, box, started, rid))
+    t.start()
+    assert started.wait(120)
+    real.engine.http.run(real.engine._aborter(real.url, "no answer within 1s", rid))
+    t.join(120)
+    ids, lps = box["ids"], box["lps"]
+    assert box["finish"] == "abort" and 20 <= len(ids) < 900, (box["finish"], len(ids))
+    assert max_diff(lps, trainer_logprobs(real.models[0], p, ids, 1.0)) <= TOL
+
+
+def test_request_errors_are_one_line_with_the_servers_message(real):
+    """Every key glmlight puts in sampling_params is accepted; each shape of error body the server
+    answers with becomes one line carrying its message."""
+    if real.backend != "sglang":
+        pytest.skip("SGLang's /generate")
+    from glmlight.rollout.http import Rejected
+
+    _serving(real, 0)
+    eng, p = real.engine, _prompts(real.tok, 1)[0]
+    g = eng.generate([p], SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=3, seed=1,
+                                         stop_token_ids=[real.tok.eos_token_id]))[0]
+    assert 1 <= len(g.token_ids) <= 3
+    bodies = {  # {"error": str}; {"object": "error", "message"} (request validation)
+        "unknown field `bogus`": {"input_ids": p, "sampling_params": {"max_new_tokens": 1, "bogus": 1}},
+        "validation error": {"input_ids": "not a list"},
+    }
+    for want, body in bodies.items():
+        with pytest.raises(Rejected) as err:
+            eng.http.run(eng.http.request("/generate", body, url=real.url, attempts=1))
+        msg = str(err.value)
+        assert "\n" not in msg and f"rejected /generate with HTTP 400: " in msg and "{" not in msg.split("HTTP 400: ")[1][:2]
+        assert want in msg, msg
+    # {"error": {"message"}}: a top-k SGLang cannot report the sampling mask for
+    with pytest.raises(Rejected, match="return_sampling_mask") as err:
+        eng.http.run(eng.http.request("/generate", {"input_ids": p, "return_sampling_mask": True, "return_logprob": True,
+                                                    "sampling_params": {"max_new_tokens": 1, "top_k": -1, "top_p": 0.5}},
+                                      url=real.url, attempts=1))
+    assert "\n" not in str(err.value)
+
+
+def test_a_disk_update_whose_cache_flush_is_refused_is_not_rolled_back(real):
+    """With requests queued at the update (a pause that retracts them), SGLang loads the checkpoint, moves
+    its weight version, and then answers success: false because it could not flush the cache. The
+    weights did load: glmlight neither puts the previous ones back nor loads the new ones twice."""
+    if real.backend != "sglang":
+        pytest.skip("SGLang's /update_weights_from_disk")
+    eng, url = real.engine, real.url
+    eng.weight_sync = "disk"
+    _serving(real, 0)
+    ps, comps = _prompts(real.tok, 1), [[9, 8, 7, 6, 5, 4]]
+    want = trainer_logprobs(real.models[1], ps[0], comps[0])
+    p = _prompts(real.tok, 1)[0]
+    box, started = {"ids": [], "lps": [], "finish": None}, threading.Event()
+    t = threading.Thread(target=_sglang_stream, args=(real, p, box, started, "glm-retract-test-00", 200))
+    t.start()
+    assert started.wait(120)
+    version = eng.version + 1
+    eng.http.run(eng.http.request("/pause_generation", {"mode": "retract"}, url=url, expect_json=False))
+    try:
+        source = eng._push([url], read_checkpoint(real.ckpts[1]), None, version)
+    finally:
+        eng.http.run(eng._resume(url))
+    t.join(120)
+    assert source.version == version and eng.http.run(eng._served_label(url)) == str(version)
+    eng._current, eng._version, eng._expect[url] = source, version, str(version)
+    real.current = 1
+    assert max_diff(_scores(real, ps, comps)[0], want) <= TOL
 
 
 @pytest.mark.parametrize("mode,bucket_bytes", [("disk", None), ("tensor", 1), ("tensor", 1 << 28),
@@ -251,20 +376,19 @@ def test_worker_extension_imports_in_the_server_environment(real):
 
 
 def test_grpo_run_against_the_real_server_trains_on_policy(real, tmp_path):
-    """`rollout=vllm` with a managed server: weight sync after every step, the trainer's log-probs of
-    the sampled tokens equal the server's at every policy version (mismatch KL ~ 0), and the server
-    is gone once fit() returns."""
-    if real.backend != "vllm":
-        pytest.skip("the GRPO run uses rollout=vllm")
+    """`rollout=vllm` / `rollout=sglang` with a managed server: weight sync after every step, the
+    trainer's log-probs of the sampled tokens equal the server's at every policy version (mismatch KL
+    ~ 0, logged from the real server), afterwards the server's log-probs equal the trainer's final
+    policy, and the server is gone once the run is closed."""
     import lightning.pytorch as pl
     from omegaconf import OmegaConf
 
     import glmlight
     from tests.conftest import overrides_for_tests
 
-    ref = server_config("vllm", real.python, real.ckpts[0], str(tmp_path)).rollout.server
+    ref = server_config(real.backend, real.python, real.ckpts[0], str(tmp_path)).rollout.server
     cfg = glmlight.compose(overrides_for_tests(
-        tmp_path, "rollout=vllm", "model=hf", f"model.path={real.ckpts[0]}", "model.dtype=float32",
+        tmp_path, f"rollout={real.backend}", "model=hf", f"model.path={real.ckpts[0]}", "model.dtype=float32",
         "trainer.max_steps=3", "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.server.urls=[]",
         "rollout.server.launch=true", "rollout.server.weight_sync=tensor", "~callbacks.held_out_eval",
         "~callbacks.sample_table", "+callbacks.mismatch._target_=callbacks.MismatchMonitor",
@@ -285,10 +409,20 @@ def test_grpo_run_against_the_real_server_trains_on_policy(real, tmp_path):
     run = glmlight.build(cfg)
     seen = Versions()
     run.trainer.callbacks.append(seen)
-    server_id = run.datamodule.engine.launcher.server_id
+    engine = run.datamodule.engine
+    server_id = engine.launcher.server_id
     assert server_processes(server_id)
-    run.fit()
-    assert server_processes(server_id) == []  # fit() closed the engine and the server with it
+    try:
+        run.fit(close=False)
+        ps = _prompts(real.tok, 2)
+        comps = [[(5 * i + 11 * j) % 90 + 5 for j in range(8)] for i in range(2)]
+        policy = run.module.policy.eval()
+        worst = max(max_diff(s, trainer_logprobs(policy, p, c)) for p, c, s in zip(ps, comps, engine.score(ps, comps)))
+        print(f"\n{real.backend}: after the run, max |server - trainer's final policy| = {worst:.2e}")
+        assert engine.version == 3 and worst <= TOL
+    finally:
+        run.close()
+    assert server_processes(server_id) == []  # closing the run stopped the server
     assert run.module.policy_version == 3 and [r[0] for r in seen.rows] == [0, 1, 2]
     for version, stamped, kl in seen.rows:
         print(f"\npolicy version {version}: samples from versions {stamped}, mismatch KL {kl:.3g}")

@@ -95,6 +95,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
             self._probe: tuple[list[int], list[int]] | None = None
             self._probe_scores: dict[str, list[float]] = {}
             self._fingerprint: torch.Tensor | None = None
+            self._shapes: dict[str, tuple[int, ...]] | None = None  # name -> shape the servers serve
             for url in self.urls:
                 self._wait_ready(url, ready_timeout_s)
             self._after_ready()
@@ -163,6 +164,8 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         if (named_tensors is None) == (path is None):
             raise ValueError("update_weights needs exactly one of named_tensors or path")
         named = list(named_tensors) if named_tensors is not None else None
+        if named is not None:
+            self._check_shapes(named, version)
         fingerprint = weights_fingerprint(named) if named is not None else None
         if named is not None and self.weight_format != "auto":
             from glmlight.models.fp8_checkpoint import to_server_weights
@@ -236,6 +239,21 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         self._verify(urls, version, fingerprint)
         self._suspects.difference_update(urls)
         return source
+
+    def _check_shapes(self, named: list, version: int) -> None:
+        """Refuse, before any server is touched, a tensor whose shape differs from the served model's
+        (the checkpoint the servers started from, `model_path`, and every update since). A server may
+        not refuse it itself: SGLang 0.5.23 on CPU answered a q_proj one row short with success and
+        served it (tests/test_real_servers.py)."""
+        if self._shapes is None:
+            self._shapes = checkpoint_shapes(getattr(self, "model_path", None))
+        for name, t in named:
+            want = self._shapes.get(name)
+            if want is not None and tuple(t.shape) != want:
+                raise EngineError(f"{self.name}: weight update to version {version} refused: tensor {name} has the "
+                                  f"wrong shape {list(t.shape)}, the served model's is {list(want)}; every server "
+                                  f"still serves version {self._version}")
+        self._shapes.update({name: tuple(t.shape) for name, t in named})
 
     def _resume_all(self, urls: Sequence[str]) -> None:
         try:
@@ -369,3 +387,23 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
 
     async def _served_label(self, url: str) -> str | None:
         raise NotImplementedError
+
+
+def checkpoint_shapes(path: str | None) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from the safetensors headers of a local checkpoint directory ({} when
+    there is none here, e.g. a server's own path on another host)."""
+    import glob
+    import json
+    import os
+    import struct
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))) if path and os.path.isdir(path) else []:
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            continue
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__" and "shape" in v})
+    return shapes

@@ -259,6 +259,7 @@ class SGLangEngine(ServerEngineBase):
             source.path = os.path.abspath(path)  # type: ignore[arg-type]
             errors = self._post_each(urls, "/update_weights_from_disk",
                                      lambda u: {"model_path": source.path, "weight_version": str(version)})
+            errors = self._loaded_anyway(errors, version)
             if errors:  # SGLang put its own weights back where the load failed; the others go back too
                 self._revert([u for u in urls if u not in errors], prev, errors)
             return source
@@ -272,6 +273,25 @@ class SGLangEngine(ServerEngineBase):
         except (EngineError, RuntimeError) as e:  # RuntimeError: a failed broadcast
             self._revert(urls, prev, {u: e for u in urls})
         return source
+
+    def _loaded_anyway(self, errors: dict[str, Exception], version: int) -> dict[str, Exception]:
+        """The failures of a disk update where the new weights did not go in. SGLang 0.5.23 answers
+        `success: false` also when the weights loaded and its weight version moved, but the cache flush
+        that follows was refused because requests were still running or queued
+        (srt/managers/scheduler_components/weight_updater.py `flush_cache_after_weight_update`): such a
+        server is not put back (nor loaded twice); the version it reports decides, and `_flush` flushes
+        its cache once the requests are gone."""
+        left = {}
+        for url, e in errors.items():
+            try:
+                served = self.http.run(self._served_label(url))
+            except EngineError:
+                served = None
+            if served == str(version):
+                log.warning("SGLang server at %s loaded weight version %d but answered: %s", url, version, e)
+            else:
+                left[url] = e
+        return left
 
     def _push_tensors(self, urls: Sequence[str], named: list, version: int, tp: dict[str, int]) -> None:
         parts = list(wt.buckets(named, self.bucket_bytes)) or [[]]
