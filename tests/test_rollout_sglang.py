@@ -1,7 +1,6 @@
 """SGLangEngine against the SGLang 0.5.23 stand-in (tests/standin_sglang.py), backed by the embedded
 engine: answers must equal what the embedded engine computes for the same requests, exactly once
-and in order, also under injected faults. (SGLang itself needs CUDA: scripts/gpu_check.sh runs
-tests/test_real_servers.py against it.)"""
+and in order, also under injected faults. (The real SGLang 0.5.23 on CPU: tests/test_real_servers.py.)"""
 
 from __future__ import annotations
 
@@ -61,15 +60,22 @@ def test_generate_equals_embedded_engine_in_order(server, ref, tokenizer, tmp_pa
 
 
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (5, 0.9), (1, 1.0)])
-def test_topk_topp_logprobs_are_the_renormalised_ones(server, ref, tokenizer, tmp_path, top_k, top_p):
+def test_topk_topp_logprobs_are_the_renormalised_ones(server, model, tokenizer, tmp_path, top_k, top_p):
     """SGLang's output_token_logprobs are before top-k/top-p; the client asks for the sampling
-    mask's renormalised log-probs, which equal the embedded engine's."""
+    mask's renormalised log-probs, which equal the embedded engine's sampling with SGLang's joint
+    top-k/top-p order (glmlight/ops/logprobs.py), the order the engine declares."""
     ps = prompts(tokenizer, 3)
     sp = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, max_new_tokens=6, seed=4)
     with make(server.url, tmp_path) as eng:
         got = eng.generate(ps, sp)
+        assert eng.filter_order == "joint"
     assert all(c.body["return_sampling_mask"] for c in _generate_calls(server)[-3:])
-    assert_same(got, expected(ref, ps, sp))
+    joint = LocalEngine(model)
+    joint.filter_order = joint._batch.filter_order = "joint"
+    try:
+        assert_same(got, expected(joint, ps, sp))
+    finally:
+        joint.close()
 
 
 def test_top_p_without_top_k_is_refused_at_start(tmp_path):
@@ -414,3 +420,51 @@ def test_a_server_reporting_log_probs_before_temperature_is_refused(model, token
         srv.close()
     msg = str(err.value)
     assert "\n" not in msg and "before temperature" in msg and "SGLANG_RETURN_ORIGINAL_LOGPROB" in msg
+
+
+def test_seeds_are_honoured_only_in_deterministic_mode_and_the_run_is_told(model, tokenizer, tmp_path, caplog):
+    """SGLang uses sampling_seed only with --enable-deterministic-inference (never on CPU); /server_info
+    says whether it is on. Without it the engine reports `seeded_sampling = False` and warns once."""
+    ps = prompts(tokenizer, 1)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    for deterministic in (True, False):
+        srv = SGLangServer(LocalEngine(model), deterministic=deterministic).start()
+        try:
+            caplog.clear()
+            with make(srv.url, tmp_path) as eng:
+                runs = {tuple(eng.generate(ps, sp)[0].token_ids) for _ in range(3)}
+            assert eng.seeded_sampling is deterministic
+            warned = [r.getMessage() for r in caplog.records if "--enable-deterministic-inference" in r.getMessage()]
+            if deterministic:
+                assert len(runs) == 1 and not warned
+            else:
+                assert len(runs) > 1 and len(warned) == 1 and "not reproducible" in warned[0]
+        finally:
+            srv.close()
+
+
+def test_a_paused_server_is_up_to_the_suspect_probe(server, tmp_path):
+    """SGLang's health paths generate a token, which a pause holds (503 after 20 s): the suspect probe
+    reads /model_info instead and finds the paused server up, on its weights, at once."""
+    with make(server.url, tmp_path) as eng:
+        eng.http.run(eng._pause(server.url))
+        try:
+            health = len(server.calls("/health_generate")) + len(server.calls("/health"))
+            eng._suspects.add(server.url)
+            eng._sync_suspects()
+            assert server.url not in eng._suspects and eng.num_resyncs == 0
+            assert len(server.calls("/health_generate")) + len(server.calls("/health")) == health
+        finally:
+            eng.http.run(eng._resume(server.url))
+
+
+def test_an_unknown_sampling_key_is_one_line_with_the_servers_message(server, tokenizer, tmp_path):
+    from glmlight.rollout.http import Rejected
+
+    with make(server.url, tmp_path) as eng:
+        with pytest.raises(Rejected) as err:
+            eng.http.run(eng.http.request("/generate", {"input_ids": prompts(tokenizer, 1)[0],
+                                                        "sampling_params": {"max_new_tokens": 1, "bogus": 1}},
+                                          url=server.url, attempts=1))
+    msg = str(err.value)
+    assert "\n" not in msg and "HTTP 400: unknown field `bogus`" in msg
