@@ -447,28 +447,36 @@ def test_a_server_that_reports_raw_logprobs_is_refused_at_start(tmp_path):
     assert "\n" not in msg and "--logprobs-mode processed_logprobs" in msg and "top_k=1" in msg
 
 
+def _train_py_args(backend: str, python: str, ckpt: str, tmp_path, *more: str) -> list[str]:
+    """scripts/train.py overrides for a GRPO run on `ckpt` with a managed real server."""
+    from tests.conftest import overrides_for_tests
+    from tests.real_servers import ENV_VARS, FLAGS
+
+    args = overrides_for_tests(
+        tmp_path, f"rollout={backend}", "model=hf", f"model.path={ckpt}", "model.dtype=float32", "logger=none",
+        "rollout.server.urls=[]", "rollout.server.launch=true", f"rollout.server.launch_python={python}",
+        f"rollout.server.launch_args=[{','.join(FLAGS[(backend, DEVICE)])}]", "rollout.server.api_key_env=null",
+        f"rollout.server.weight_sync_dir={tmp_path}/weights", "rollout.server.launch_timeout_s=600",
+        "~callbacks.held_out_eval", "~callbacks.sample_table", *more)
+    return args + [f"+rollout.server.launch_env.{k}={v}" for k, v in ENV_VARS.get((backend, DEVICE), {}).items()]
+
+
 @pytest.mark.slow
-def test_train_py_with_a_real_server_stopped_by_sigterm_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_train_py_with_a_real_server_stopped_by_sigterm_leaves_nothing(tmp_path, backend):
     import os
     import signal
     import subprocess
     import sys
     import uuid
 
-    from tests.conftest import REPO, overrides_for_tests
-    from tests.real_servers import DEVICE, ENV_VARS, FLAGS
+    from tests.conftest import REPO
     from tests.test_server_hygiene import _gone, _tagged
 
-    python = interpreter("vllm")
+    python = interpreter(backend)
     ckpt = build_tiny_checkpoint(str(tmp_path / "tiny-llama"), "llama", seed=0)
     tag = uuid.uuid4().hex
-    args = overrides_for_tests(
-        tmp_path, "rollout=vllm", "model=hf", f"model.path={ckpt}", "model.dtype=float32", "logger=none",
-        "trainer.max_steps=100000", "rollout.server.urls=[]", "rollout.server.launch=true",
-        f"rollout.server.launch_python={python}", f"rollout.server.launch_args=[{','.join(FLAGS[('vllm', DEVICE)])}]",
-        f"rollout.server.weight_sync_dir={tmp_path}/weights", "rollout.server.launch_timeout_s=600",
-        "~callbacks.held_out_eval", "~callbacks.sample_table")
-    args += [f"+rollout.server.launch_env.{k}={v}" for k, v in ENV_VARS.get(("vllm", DEVICE), {}).items()]
+    args = _train_py_args(backend, python, ckpt, tmp_path, "trainer.max_steps=100000")
     log = tmp_path / "train.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "train.py"), *args], stdout=out,
@@ -479,7 +487,7 @@ def test_train_py_with_a_real_server_stopped_by_sigterm_leaves_nothing(tmp_path)
         while time.monotonic() < deadline and proc.poll() is None and newest_pushed_version(tmp_path / "weights") < 2:
             time.sleep(0.5)
         assert proc.poll() is None, log.read_text()[-3000:]
-        assert len(_tagged(tag)) >= 4  # train.py, the guard, vLLM's API server, engine core, worker
+        assert len(_tagged(tag)) >= 4  # train.py, the guard, the server's processes (vLLM: 3, SGLang: 3)
         proc.send_signal(signal.SIGTERM)
         proc.wait(180)
     finally:

@@ -319,7 +319,7 @@ def test_two_servers_share_the_load_and_router_needs_workers(model, ref, tokeniz
 
 def test_managed_launch_with_standin_executable(tokenizer, tmp_path):
     cmd = [sys.executable, standin_script(tmp_path, "sglang")]
-    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd))
+    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd, launch_restarts=0))
     try:
         got = eng.generate(prompts(tokenizer, 2), greedy(tokenizer))
         assert len(got) == 2 and all(g.token_ids for g in got)
@@ -334,6 +334,39 @@ def test_managed_launch_with_standin_executable(tokenizer, tmp_path):
     assert server_processes(eng.launcher.server_id) == []  # the server's own child went too
     with open(eng.launcher.spec.log_path) as f:
         assert "stand-in sglang server ready" in f.read()
+
+
+def test_a_managed_server_that_dies_is_started_again_and_resynced_before_it_answers(model, tokenizer, tmp_path):
+    """kill -9 of a managed server: the next call starts it again on the same address, waits for it,
+    gives it the current weights and only then sends the request; past rollout.server.launch_restarts
+    the exit stops the run with one line."""
+    cmd = [sys.executable, standin_script(tmp_path, "sglang")]
+    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd, launch_restarts=1, weight_sync="tensor"))
+    ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+    new = perturbed(model)
+    want = answers_of(model, new, ps, sp)
+    try:
+        eng.update_weights(new, version=1)
+        assert_same(eng.generate(ps, sp), want)
+        first = eng.launcher
+        guard = first.proc.pid
+        os.kill([p for p in server_processes(first.server_id) if p != guard][0], signal.SIGKILL)
+        first.proc.wait(10)
+        got = eng.generate(ps, sp)
+        assert eng.launcher is not first and eng.num_server_restarts == 1 and eng.num_resyncs == 1
+        assert_same(got, want)  # the restarted server answered with version 1's weights
+        assert all(g.versions == [1] * len(g.token_ids) for g in got)
+        assert server_processes(first.server_id) == []
+        second = eng.launcher
+        os.kill([p for p in server_processes(second.server_id) if p != second.proc.pid][0], signal.SIGKILL)
+        second.proc.wait(10)
+        with pytest.raises(EngineError) as err:
+            eng.generate(ps, sp)
+        assert "\n" not in str(err.value) and "exited with signal 9" in str(err.value)
+        assert "restarted 1 times already" in str(err.value)
+    finally:
+        eng.close()
+    assert server_processes(eng.launcher.server_id) == []
 
 
 def test_managed_launch_exit_is_reported_with_log_tail(tokenizer, tmp_path):

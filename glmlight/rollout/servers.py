@@ -60,12 +60,14 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
     def __init__(self, urls: Sequence[str], *, router: bool = False, http: Any = None, launch: LaunchSpec | None = None,
                  ready_timeout_s: float = 900.0, version: int = 0, confirm_timeout_s: float | None = None,
                  poll_interval_s: float = 0.05, update_retries: int = 2, resync: bool = True,
-                 verify_updates: bool = True, weight_format: str = "auto"):
+                 verify_updates: bool = True, weight_format: str = "auto", launch_restarts: int = 0):
         from glmlight.rollout.http import HttpClient, HttpSettings, UrlPool
 
         self.weight_format = weight_format  # auto | fp8 (glmlight.models.fp8_checkpoint.to_server_weights)
 
         self.launcher: ManagedServer | None = None
+        self.launch_restarts, self.num_server_restarts = launch_restarts, 0
+        self.ready_timeout_s = ready_timeout_s
         self._closed = False
         self.http = HttpClient(self.name, http or HttpSettings(), on_connection_error=self._check_launcher,
                                on_server_error=self._on_server_error)
@@ -116,6 +118,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
             return []
         params = normalize_requests(prompts, params)
         self._remember_probe(prompts[0])
+        self._restart_exited_server()
         self._check_unlabelled()
         self._sync_suspects()
         from glmlight.rollout.http import new_rid
@@ -150,6 +153,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
+        self._restart_exited_server()
         self._sync_suspects()
         from glmlight.rollout.http import new_rid
 
@@ -176,6 +180,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         with self._fleet_lock:
             for attempt in range(self.update_retries + 1):
                 try:
+                    self._restart_exited_server()
                     source = self._update_fleet(urls, named, path, version, fingerprint)
                     break
                 except UpdateFailed as e:
@@ -296,6 +301,32 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
     def _check_launcher(self) -> None:
         if self.launcher is not None:
             self.launcher.check()
+
+    def _restart_exited_server(self) -> None:
+        """A managed server that exited (killed, crashed) is started again on the same address, up to
+        `launch_restarts` times, and waited for; it then serves its start-up weights, so it is a
+        suspect: `_sync_suspects` gives it the current ones before any request. Past the limit, the
+        exit is raised as one line (`ManagedServer.check`). Called from the caller's thread, before
+        generating, scoring or updating (never from the HTTP loop: the wait blocks)."""
+        if self.launcher is None or self.launcher.proc.poll() is None or self._closed:
+            return
+        with self._fleet_lock:
+            if self.launcher.proc.poll() is None:
+                return
+            try:
+                self.launcher.check()
+            except EngineError as e:
+                if self.num_server_restarts >= self.launch_restarts:
+                    self._failed = f"{e} (restarted {self.num_server_restarts} times already)"
+                    raise FleetFailed(self._failed) from None
+                log.warning("%s; starting it again (restart %d of %d)", e, self.num_server_restarts + 1,
+                            self.launch_restarts)
+            spec, url = self.launcher.spec, self.launcher.spec.url
+            self.launcher.stop()  # whatever is left of its process group
+            self.launcher = spec.start()
+            self.num_server_restarts += 1
+            self._wait_ready(url, self.ready_timeout_s)
+            self._suspects.add(url)
 
     def _wait_ready(self, url: str, timeout_s: float) -> None:
         from glmlight.rollout.http import ServerUnavailable
