@@ -269,7 +269,7 @@ def test_request_errors_are_one_line_with_the_servers_message(real):
 
 
 def test_a_disk_update_whose_cache_flush_is_refused_is_not_rolled_back(real):
-    """With requests queued at the update (a pause that retracts them), SGLang loads the checkpoint, moves
+    """With a request running at the update (a pause that keeps it in place), SGLang loads the checkpoint, moves
     its weight version, and then answers success: false because it could not flush the cache. The
     weights did load: glmlight neither puts the previous ones back nor loads the new ones twice."""
     if real.backend != "sglang":
@@ -281,16 +281,23 @@ def test_a_disk_update_whose_cache_flush_is_refused_is_not_rolled_back(real):
     want = trainer_logprobs(real.models[1], ps[0], comps[0])
     p = _prompts(real.tok, 1)[0]
     box, started = {"ids": [], "lps": [], "finish": None}, threading.Event()
-    t = threading.Thread(target=_sglang_stream, args=(real, p, box, started, "glm-retract-test-00", 200))
+    t = threading.Thread(target=_sglang_stream, args=(real, p, box, started, "glm-retract-test-00"))
     t.start()
     assert started.wait(120)
     version = eng.version + 1
-    eng.http.run(eng.http.request("/pause_generation", {"mode": "retract"}, url=url, expect_json=False))
+    refused = {}
+    loaded_anyway = eng._loaded_anyway
+    eng._loaded_anyway = lambda errors, v: (refused.update(errors), loaded_anyway(errors, v))[1]
+    eng.http.run(eng.http.request("/pause_generation", {"mode": "in_place"}, url=url, expect_json=False))
     try:
         source = eng._push([url], read_checkpoint(real.ckpts[1]), None, version)
     finally:
+        del eng._loaded_anyway
         eng.http.run(eng._resume(url))
     t.join(120)
+    assert box["finish"] == "length"  # the paused request went on after the pause
+    assert "cache was not flushed" in str(refused.get(url)), refused  # the server did answer success: false
+    eng.http.run(eng._flush(url))  # what the update does next (the request is done now)
     assert source.version == version and eng.http.run(eng._served_label(url)) == str(version)
     eng._current, eng._version, eng._expect[url] = source, version, str(version)
     real.current = 1
@@ -505,3 +512,124 @@ def test_bench_server_row(tmp_path):
     sizes = bench.Sizes(server_prompts=4, server_tokens=8, server_reps=1)
     (r,) = bench.bench_server(sizes, "cpu")
     assert r["glmlight"] > 0 and r["baseline"] > 0 and r["target"] == 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sglang"])
+def test_a_real_server_killed_mid_run_is_restarted_and_resynced(tmp_path, backend):
+    """GRPO with a managed real server; after the step of policy version 1, kill -9 the server. glmlight
+    starts it again (it comes back on its start-up weights), gives it the current weights before it
+    answers, and the run goes on: every later step's samples carry its own version with mismatch KL ~ 0,
+    every prompt is trained once or counted as dropped, none twice, and nothing of either server is
+    left once the run is closed."""
+    import os
+    import signal
+
+    import lightning.pytorch as pl
+    from omegaconf import OmegaConf
+
+    import glmlight
+    from tests.conftest import overrides_for_tests
+
+    python = interpreter(backend)
+    ckpt = build_tiny_checkpoint(str(tmp_path / "tiny-llama"), "llama", seed=0)
+    ref = server_config(backend, python, ckpt, str(tmp_path)).rollout.server
+    cfg = glmlight.compose(overrides_for_tests(
+        tmp_path, f"rollout={backend}", "model=hf", f"model.path={ckpt}", "model.dtype=float32",
+        "trainer.max_steps=4", "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.server.urls=[]",
+        "rollout.server.launch=true", "rollout.server.weight_sync=tensor", "rollout.server.launch_restarts=1",
+        "~callbacks.held_out_eval", "~callbacks.sample_table", "+callbacks.mismatch._target_=callbacks.MismatchMonitor",
+        "+callbacks.mismatch.probe_every_n_steps=1", "algo.lr=0.001"))
+    OmegaConf.set_struct(cfg, False)
+    for key in ("launch_python", "launch_args", "launch_env", "sync_backend", "request_timeout_s"):
+        cfg.rollout.server[key] = OmegaConf.to_container(ref, resolve=True)[key]
+
+    class KillOnce(pl.Callback):
+        def __init__(self):
+            self.rows, self.killed = [], None
+
+        def on_experience(self, trainer, module, batch):
+            self.rows.append((module.policy_version, sorted({v for s in batch.samples for v in s.versions}),
+                              float(batch.stats.get("mismatch/mismatch_kl", float("nan")))))
+            eng = run.datamodule.engine
+            if module.policy_version == 1 and self.killed is None:
+                self.killed = eng.launcher
+                guard = self.killed.proc.pid
+                os.kill([p for p in server_processes(self.killed.server_id) if p != guard][0], signal.SIGKILL)
+                self.killed.proc.wait(60)
+
+    run = glmlight.build(cfg)
+    seen = KillOnce()
+    run.trainer.callbacks.append(seen)
+    engine = run.datamodule.engine
+    try:
+        run.fit(close=False)
+        assert seen.killed is not None and engine.launcher is not seen.killed and engine.num_server_restarts == 1
+        assert server_processes(seen.killed.server_id) == []
+        assert run.module.policy_version == 4 and [r[0] for r in seen.rows] == [0, 1, 2, 3]
+        for version, stamped, kl in seen.rows:
+            print(f"\npolicy version {version}: samples from versions {stamped}, mismatch KL {kl:.3g}")
+            assert stamped == [version] and abs(kl) <= 1e-6
+        t = run.datamodule.totals
+        print(f"\ntotals {dict(t)}, duplicates {engine.num_duplicates}, re-syncs {engine.num_resyncs}")
+        assert t["produced"] == t["trained"] + sum(v for k, v in t.items() if k.startswith("dropped/"))
+        assert engine.num_duplicates == 0
+    finally:
+        run.close()
+    assert server_processes(engine.launcher.server_id) == []
+
+
+@pytest.mark.slow
+def test_grpo_on_a_pretrained_model_against_real_sglang(tmp_path):
+    """The real pretrained model (SmolLM2-135M-Instruct, a Llama, in the HF layout glmlight converts it
+    to; its directory in GLMLIGHT_SMOLLM2_PATH) with `rollout=sglang` and a managed real SGLang server:
+    tensor weight sync every step, the mismatch KL logged from the real server stays ~0, and afterwards
+    the server's log-probs equal the trainer's final policy."""
+    import os
+
+    import lightning.pytorch as pl
+    from omegaconf import OmegaConf
+
+    import glmlight
+    from tests.conftest import overrides_for_tests
+
+    path = os.environ.get("GLMLIGHT_SMOLLM2_PATH")
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        pytest.skip("set GLMLIGHT_SMOLLM2_PATH to the converted SmolLM2-135M-Instruct checkpoint directory "
+                    "(config.json, model.safetensors, tokenizer) to run the real-model GRPO check")
+    python = interpreter("sglang")
+    tol = float(os.environ.get("GLMLIGHT_REAL_MODEL_TOL", "1e-3"))  # 30 layers of float32 rounding, two kernels
+    ref = server_config("sglang", python, path, str(tmp_path)).rollout.server
+    cfg = glmlight.compose(overrides_for_tests(
+        tmp_path, "rollout=sglang", "model=hf", f"model.path={path}", "model.dtype=float32",
+        "trainer.max_steps=2", "rollout.max_new_tokens=16", "rollout.temperature=1.0", "rollout.server.urls=[]",
+        "rollout.server.launch=true", "rollout.server.weight_sync=tensor", "~callbacks.held_out_eval",
+        "~callbacks.sample_table", "+callbacks.mismatch._target_=callbacks.MismatchMonitor",
+        "+callbacks.mismatch.probe_every_n_steps=1", "algo.lr=1e-5"))
+    OmegaConf.set_struct(cfg, False)
+    for key in ("launch_python", "launch_args", "launch_env", "sync_backend", "request_timeout_s"):
+        cfg.rollout.server[key] = OmegaConf.to_container(ref, resolve=True)[key]
+
+    class Mismatch(pl.Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_experience(self, trainer, module, batch):
+            self.rows.append((module.policy_version, float(batch.stats.get("mismatch/mismatch_kl", float("nan")))))
+
+    run = glmlight.build(cfg)
+    seen = Mismatch()
+    run.trainer.callbacks.append(seen)
+    engine = run.datamodule.engine
+    try:
+        run.fit(close=False)
+        tok = run.datamodule.tokenizer
+        ps = [tok.encode("The capital of France is"), tok.encode("2 + 2 =")]
+        comps = [tok.encode(" Paris, a city on the Seine."), tok.encode(" 4, and 3 + 3 = 6.")]
+        policy = run.module.policy.eval()
+        worst = max(max_diff(s, trainer_logprobs(policy, p, c)) for p, c, s in zip(ps, comps, engine.score(ps, comps)))
+        print(f"\nSmolLM2 mismatch KL per step {seen.rows}; after the run max |server - trainer| = {worst:.2e}")
+        assert engine.version == 2 and worst <= tol
+        assert all(abs(kl) <= tol for _, kl in seen.rows)
+    finally:
+        run.close()

@@ -71,6 +71,8 @@ from glmlight.rollout.sglang_wire import (FINISH_REASONS, FilteredLogprobsMissin
                                          pairs, parse_generate_answer, serialize_named_tensors, single)
 
 log = logging.getLogger(__name__)
+# sglang 0.5.23's reply to a disk update whose weights loaded but whose cache flush was refused
+FLUSH_REFUSED_AFTER_LOAD = "Weights were updated, but the cache was not flushed"
 
 
 class SGLangEngine(ServerEngineBase):
@@ -276,19 +278,31 @@ class SGLangEngine(ServerEngineBase):
 
     def _loaded_anyway(self, errors: dict[str, Exception], version: int) -> dict[str, Exception]:
         """The failures of a disk update where the new weights did not go in. SGLang 0.5.23 answers
-        `success: false` also when the weights loaded and its weight version moved, but the cache flush
-        that follows was refused because requests were still running or queued
-        (srt/managers/scheduler_components/weight_updater.py `flush_cache_after_weight_update`): such a
-        server is not put back (nor loaded twice); the version it reports decides, and `_flush` flushes
-        its cache once the requests are gone."""
+        HTTP 400 `success: false` also when the weights loaded and its scheduler's weight version
+        (the one stamped on answers) moved, but the cache flush that follows was refused because
+        requests were still running (srt/managers/scheduler_components/weight_updater.py
+        `flush_cache_after_weight_update`; /model_info keeps the old version, which the HTTP process
+        moves only on success). Such a server is neither put back nor loaded twice: its reply says the
+        weights are in, /update_weight_version (abort_all_requests false) makes /model_info report the
+        same version, and `_flush` flushes its cache once the requests are gone. Any other failure
+        counts unless /model_info already reports the new version."""
         left = {}
         for url, e in errors.items():
+            if FLUSH_REFUSED_AFTER_LOAD in str(e):
+                log.warning("SGLang server at %s loaded weight version %d but could not flush its cache yet: %s",
+                            url, version, e)
+                try:
+                    self.http.run(self.http.request("/update_weight_version", {"new_version": str(version),
+                                                                               "abort_all_requests": False}, url=url))
+                    continue
+                except EngineError as e2:
+                    e = e2
             try:
                 served = self.http.run(self._served_label(url))
             except EngineError:
                 served = None
             if served == str(version):
-                log.warning("SGLang server at %s loaded weight version %d but answered: %s", url, version, e)
+                log.warning("SGLang server at %s reports weight version %d after answering: %s", url, version, e)
             else:
                 left[url] = e
         return left
