@@ -1,4 +1,16 @@
-"""A stand-in for an SGLang 0.5.23 server (native API), backed by the embedded engine.
+"""A stand-in for an SGLang 0.5.23 server (native API), backed by the embedded engine. The real server
+runs here on CPU (tests/test_real_servers.py); the stand-in stays for what only SGLang on CUDA does
+(routed experts, indexer top-k, FP8 serving, seeded sampling) and for injected faults.
+
+Checked against the real 0.5.23 on CPU as well as read from its source:
+- top-k with top-p: both filters on the same un-renormalised distribution ("joint", srt/layers/sampler.py
+  `top_k_top_p_min_p_sampling_from_probs_torch`): the backing engine samples in that order;
+- sampling_seed is used only with --enable-deterministic-inference (`deterministic`, reported in
+  /server_info as enable_deterministic_inference); off, the seed is ignored;
+- /health and /health_generate generate a token, which a pause holds: 503 after 20 s
+  (srt/entrypoints/http_server.py `health_generate`, HEALTH_CHECK_TIMEOUT);
+- /generate answers an unknown sampling_params key 400 {"error": "unknown field `<key>`, expected one of
+  ..."} (a plain string; `SAMPLING_KEYS`).
 
 What it does is read from sglang-0.5.23's source (paths inside the wheel's `sglang/` package):
 - /generate (srt/entrypoints/http_server.py:928-990): a rid still held by an earlier request answers
