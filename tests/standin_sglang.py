@@ -137,7 +137,8 @@ class SGLangServer(ProtocolServer):
             engine.capture_replay(routing=routed_experts, index=indexer_topk)
         self.original_logprob = original_logprob  # SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature
         self.sampling_mask = sampling_mask  # False: a release before 0.5.18 (the field is ignored)
-        self.weight_version = "default"
+        self.weight_version = "default"  # the scheduler's: stamped on answers
+        self.info_version: str | None = None  # /model_info's when it lags the scheduler's (a refused flush)
         self.health_timeout_s = 20.0
         self.version_lag_s = 0.0  # report a new weight_version only this long after an update
         self.running = threading.Event()
@@ -151,7 +152,7 @@ class SGLangServer(ProtocolServer):
 
     def reset_state(self) -> None:
         super().reset_state()
-        self.weight_version, self.session_open = "default", False
+        self.weight_version, self.info_version, self.session_open = "default", None, False
         self.groups.clear()
         self.held.clear()
         self.running.set()
@@ -197,7 +198,8 @@ class SGLangServer(ProtocolServer):
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({
             "model_path": "stand-in", "served_model_name": "stand-in", "tokenizer_path": "stand-in",
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": self.info_version if self.info_version is not None else self.weight_version,
             "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": "glm_moe_dsa",
             "architectures": ["GlmMoeDsaForCausalLM"]})
@@ -326,6 +328,14 @@ class SGLangServer(ProtocolServer):
                 await self.run_engine(lambda: self.engine.update_weights(**kw, version=self.engine.version), control=True)
             except Exception as e:  # noqa: BLE001 - reported like SGLang reports a failed load
                 return _fail(f"Failed to update weights: {e}")
+        if path is not None and body.get("flush_cache", True) and self.in_flight > 0:
+            # the weights and the scheduler's version moved, the flush is refused, /model_info keeps the old
+            # version (srt/managers/scheduler_components/weight_updater.py `flush_cache_after_weight_update`)
+            self.info_version = self.weight_version
+            self.weight_version = body.get("weight_version") or self.weight_version
+            return _fail("Weights were updated, but the cache was not flushed because requests are still running "
+                         "or queued. Retract or finish them, then call /flush_cache.")
+        self.info_version = None
         if body.get("weight_version") is not None:
             new = body["weight_version"]
             if self.version_lag_s > 0:
@@ -384,7 +394,7 @@ class SGLangServer(ProtocolServer):
         return await self._update(request, b, named=named)
 
     async def set_version(self, request: web.Request) -> web.Response:
-        self.weight_version = (await request.json())["new_version"]
+        self.weight_version, self.info_version = (await request.json())["new_version"], None
         return web.json_response({"success": True, "message": "Weight version updated"})
 
 

@@ -501,3 +501,27 @@ def test_an_unknown_sampling_key_is_one_line_with_the_servers_message(server, to
                                           url=server.url, attempts=1))
     msg = str(err.value)
     assert "\n" not in msg and "HTTP 400: unknown field `bogus`" in msg
+
+
+def test_a_disk_update_whose_flush_is_refused_keeps_the_new_weights(model, tokenizer, tmp_path):
+    """As the real SGLang (tests/test_real_servers.py): with a request still running at a disk update,
+    the weights load, the flush is refused and the answer is 400 success: false; the client keeps the
+    new weights (no roll-back, no second load) and /model_info is brought to the new version."""
+    srv = SGLangServer(LocalEngine(model)).start()
+    new = perturbed(model)
+    ps, sp = prompts(tokenizer, 1), greedy(tokenizer)
+    want = answers_of(model, new, ps, sp)
+    try:
+        with make(srv.url, tmp_path) as eng:
+            eng.http.run(eng._pause(srv.url))
+            srv.in_flight += 1  # a request the pause did not end (e.g. paused in place)
+            loads = len(srv.calls("/update_weights_from_disk"))
+            source = eng._push([srv.url], new, None, 1)
+            srv.in_flight -= 1
+            assert len(srv.calls("/update_weights_from_disk")) == loads + 1 and srv.weight_version == "1"
+            assert eng.http.run(eng._served_label(srv.url)) == "1" and source.version == 1
+            eng.http.run(eng._resume(srv.url))
+            eng._current, eng._version, eng._expect[srv.url] = source, 1, "1"
+            assert_same(eng.generate(ps, sp), want)
+    finally:
+        srv.close()
