@@ -259,7 +259,7 @@ def test_request_errors_are_one_line_with_the_servers_message(real):
         with pytest.raises(Rejected) as err:
             eng.http.run(eng.http.request("/generate", body, url=real.url, attempts=1))
         msg = str(err.value)
-        assert "\n" not in msg and f"rejected /generate with HTTP 400: " in msg and "{" not in msg.split("HTTP 400: ")[1][:2]
+        assert "\n" not in msg and "rejected /generate with HTTP 400: " in msg and "{" not in msg.split("HTTP 400: ")[1][:2]
         assert want in msg, msg
     # {"error": {"message"}}: a top-k SGLang cannot report the sampling mask for
     with pytest.raises(Rejected, match="return_sampling_mask") as err:

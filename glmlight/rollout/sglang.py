@@ -1,5 +1,6 @@
 """SGLangEngine: the RolloutEngine protocol over SGLang's native HTTP API (written against SGLang
-0.5.23's source; see docs/servers.md for what each older release supports).
+0.5.23's source and run against the real 0.5.23 on CPU; see docs/servers.md for what each older
+release supports).
 
 Generation: POST /generate {rid, input_ids, sampling_params, return_logprob: true}; ids from
 meta_info.output_token_logprobs ([[logprob, token_id, text], ...]), the finish reason from
@@ -13,9 +14,13 @@ Log-probs must be those of the distribution the token was sampled from. SGLang's
 output_token_logprobs are after temperature but before top-k/top-p (srt/layers/sampler.py), so
 when top_k > 0 or top_p < 1 the request also asks `return_sampling_mask: true` and the log-probs
 come from meta_info.output_token_sampling_logprobs (log of the sampled token's weight over the
-renormalised top-k/top-p support). SGLang serves that only for top_k == 1 or a finite
+renormalised top-k/top-p support; SGLang's support with both on is the "joint" one,
+glmlight/ops/logprobs.py, which `filter_order` declares). SGLang serves that only for top_k == 1 or a finite
 1 < top_k <= --sampling-mask-max-tokens (default 4096), so top_p < 1 without top_k is refused at
 start (`check_sampling`).
+
+Seeds: sampling_seed is sent, but SGLang uses it only with --enable-deterministic-inference
+(`_check_seeding`; `seeded_sampling`).
 
 Prefill scoring (teacher log-probs): /generate with max_new_tokens 0, return_logprob and
 logprob_start_len = len(prompt) - 1. input_token_logprobs are aligned with
