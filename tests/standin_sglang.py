@@ -10,7 +10,15 @@ Checked against the real 0.5.23 on CPU as well as read from its source:
 - /health and /health_generate generate a token, which a pause holds: 503 after 20 s
   (srt/entrypoints/http_server.py `health_generate`, HEALTH_CHECK_TIMEOUT);
 - /generate answers an unknown sampling_params key 400 {"error": "unknown field `<key>`, expected one of
-  ..."} (a plain string; `SAMPLING_KEYS`).
+  ..."} (a plain string; `SAMPLING_KEYS`);
+- a disk update while requests run loads the weights and moves the scheduler's version (stamped on
+  answers), then answers 400 success: false because the flush was refused; /model_info keeps the old
+  version until /update_weight_version.
+Where it still differs from the real server (each covered against the real one in
+tests/test_real_servers.py): /abort_request answers 200 but ends nothing (the real one ends the request
+with that rid, finish_reason abort, its partial tokens); an update sent without a pause does not wait for
+the running requests (the real one takes its model-update writer lock); a tensor payload the restricted
+unpickler refuses is answered 400 (the real scheduler dies of it, and the server with it).
 
 What it does is read from sglang-0.5.23's source (paths inside the wheel's `sglang/` package):
 - /generate (srt/entrypoints/http_server.py:928-990): a rid still held by an earlier request answers
