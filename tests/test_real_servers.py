@@ -639,3 +639,39 @@ def test_grpo_on_a_pretrained_model_against_real_sglang(tmp_path):
         assert all(abs(kl) <= tol for _, kl in seen.rows)
     finally:
         run.close()
+
+
+@pytest.mark.slow
+def test_a_tensor_payload_sglang_cannot_unpickle_kills_it_and_is_named_in_one_line(tmp_path):
+    """SGLang's scheduler dies of a tensor payload its restricted unpickler refuses (the exception is not
+    caught there, and SGLang kills its process tree). glmlight never sends one (the weight-sync tests);
+    a server that dies is named in one line with how it exited and its log's last lines."""
+    import base64
+    import pickle
+
+    python = interpreter("sglang")
+    ckpt = build_tiny_checkpoint(str(tmp_path / "tiny-llama"), "llama", seed=0)
+    eng = build_server_engine(server_config("sglang", python, ckpt, str(tmp_path), launch_restarts=0))
+    try:
+        bad = base64.b64encode(pickle.dumps([("model.norm.weight", pickle.PicklingError)])).decode()
+        eng.http.run(eng.http.request("/begin_weight_update", {}, url=eng.urls[0], allow_404=True))
+        try:
+            eng.http.run(eng.http.request("/update_weights_from_tensor", {"serialized_named_tensors": [bad]},
+                                          url=eng.urls[0], attempts=1, timeout_s=60))
+        except EngineError as e:
+            print(f"\nthe refused payload: {e}")
+        eng.launcher.proc.wait(120)  # the server went down
+        with pytest.raises(EngineError) as err:
+            eng.generate(_prompts(load_tokenizer_of(ckpt), 1), SamplingParams(temperature=0.0, max_new_tokens=2))
+        msg = str(err.value)
+        print(f"\n{msg}")
+        assert "\n" not in msg and "managed SGLang server exited" in msg
+    finally:
+        eng.close()
+    assert server_processes(eng.launcher.server_id) == []
+
+
+def load_tokenizer_of(path: str):
+    from glmlight.models.loading import load_tokenizer
+
+    return load_tokenizer(path)
