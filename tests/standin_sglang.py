@@ -1,4 +1,24 @@
-"""A stand-in for an SGLang 0.5.23 server (native API), backed by the embedded engine.
+"""A stand-in for an SGLang 0.5.23 server (native API), backed by the embedded engine. The real server
+runs here on CPU (tests/test_real_servers.py); the stand-in stays for what only SGLang on CUDA does
+(routed experts, indexer top-k, FP8 serving, seeded sampling) and for injected faults.
+
+Checked against the real 0.5.23 on CPU as well as read from its source:
+- top-k with top-p: both filters on the same un-renormalised distribution ("joint", srt/layers/sampler.py
+  `top_k_top_p_min_p_sampling_from_probs_torch`): the backing engine samples in that order;
+- sampling_seed is used only with --enable-deterministic-inference (`deterministic`, reported in
+  /server_info as enable_deterministic_inference); off, the seed is ignored;
+- /health and /health_generate generate a token, which a pause holds: 503 after 20 s
+  (srt/entrypoints/http_server.py `health_generate`, HEALTH_CHECK_TIMEOUT);
+- /generate answers an unknown sampling_params key 400 {"error": "unknown field `<key>`, expected one of
+  ..."} (a plain string; `SAMPLING_KEYS`);
+- a disk update while requests run loads the weights and moves the scheduler's version (stamped on
+  answers), then answers 400 success: false because the flush was refused; /model_info keeps the old
+  version until /update_weight_version.
+Where it still differs from the real server (each covered against the real one in
+tests/test_real_servers.py): /abort_request answers 200 but ends nothing (the real one ends the request
+with that rid, finish_reason abort, its partial tokens); an update sent without a pause does not wait for
+the running requests (the real one takes its model-update writer lock); a tensor payload the restricted
+unpickler refuses is answered 400 (the real scheduler dies of it, and the server with it).
 
 What it does is read from sglang-0.5.23's source (paths inside the wheel's `sglang/` package):
 - /generate (srt/entrypoints/http_server.py:928-990): a rid still held by an earlier request answers
@@ -63,6 +83,13 @@ from glmlight.rollout.transport import decode_safetensors
 from tests.standin_base import FAULT, ProtocolServer, _params, join_gloo_group, receive
 
 SESSION_MESSAGE = "{} must run between begin_weight_update() and end_weight_update()"
+# sampling_params keys /generate accepts (0.5.23 answers any other key 400 {"error": "unknown field `<key>`,
+# expected one of ..."}, observed on the real server; the list is the one it names)
+SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+                 "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                 "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+                 "custom_params", "beam_width", "watermark", "choice")
 SLOT_BASE = 4096  # where the stand-in's KV-cache slots start (the fused DSA top-k reports slots)
 
 # SGLang 0.5.23 SafeUnpickler.ALLOWED_GLOBALS (srt/utils/common.py:3148-3359), the part a tensor
@@ -104,15 +131,23 @@ class SGLangServer(ProtocolServer):
     open_paths = ("/health", "/health_generate")  # SGLang's key middleware lets health checks through
 
     def __init__(self, engine: LocalEngine, *, sampling_mask: bool = True, original_logprob: bool = False,
-                 routed_experts: bool = False, indexer_topk: bool = False, fuse_topk: bool = True, **kw: Any):
+                 routed_experts: bool = False, indexer_topk: bool = False, fuse_topk: bool = True,
+                 deterministic: bool = True, **kw: Any):
         super().__init__(engine, **kw)
+        # SGLang samples with top-k and top-p over the same un-renormalised distribution ("joint")
+        engine.filter_order = engine._batch.filter_order = "joint"
+        # --enable-deterministic-inference: only then are per-request sampling seeds used (CUDA only;
+        # off, as on every CPU server, the seed is ignored)
+        self.deterministic = deterministic
         self.routed_experts, self.indexer_topk, self.fuse_topk = routed_experts, indexer_topk, fuse_topk
         self.layout = RecordLayout.from_model(engine.model)
         if routed_experts or indexer_topk:
             engine.capture_replay(routing=routed_experts, index=indexer_topk)
         self.original_logprob = original_logprob  # SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature
         self.sampling_mask = sampling_mask  # False: a release before 0.5.18 (the field is ignored)
-        self.weight_version = "default"
+        self.weight_version = "default"  # the scheduler's: stamped on answers
+        self.info_version: str | None = None  # /model_info's when it lags the scheduler's (a refused flush)
+        self.health_timeout_s = 20.0
         self.version_lag_s = 0.0  # report a new weight_version only this long after an update
         self.running = threading.Event()
         self.running.set()
@@ -125,7 +160,7 @@ class SGLangServer(ProtocolServer):
 
     def reset_state(self) -> None:
         super().reset_state()
-        self.weight_version, self.session_open = "default", False
+        self.weight_version, self.info_version, self.session_open = "default", None, False
         self.groups.clear()
         self.held.clear()
         self.running.set()
@@ -139,11 +174,12 @@ class SGLangServer(ProtocolServer):
     def routes(self, app: web.Application) -> None:
         r = app.router
         for path in ("/health", "/health_generate"):
-            r.add_get(path, lambda req: web.Response(status=200))
+            r.add_get(path, self.health)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, self.model_info)
         for path in ("/server_info", "/get_server_info"):
-            r.add_get(path, lambda req: web.json_response({"tp_size": 1, "dp_size": 1, "version": "0.5.23"}))
+            r.add_get(path, lambda req: web.json_response({"tp_size": 1, "dp_size": 1, "version": "0.5.23",
+                                                           "enable_deterministic_inference": self.deterministic}))
         r.add_route("*", "/generate", self.generate)
         r.add_route("*", "/flush_cache", self.flush)
         r.add_post("/pause_generation", self.pause)
@@ -158,10 +194,20 @@ class SGLangServer(ProtocolServer):
         r.add_post("/update_weights_from_distributed", self.from_distributed)
         r.add_post("/update_weight_version", self.set_version)
 
+    async def health(self, request: web.Request) -> web.Response:
+        """Both paths run a one-token generation, which a paused server holds: 503 after
+        HEALTH_CHECK_TIMEOUT (20 s; srt/entrypoints/http_server.py `health_generate`)."""
+        for _ in range(int(self.health_timeout_s / 0.05)):
+            if self.running.is_set():
+                return web.Response(status=200)
+            await asyncio.sleep(0.05)
+        return web.Response(status=503)
+
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({
             "model_path": "stand-in", "served_model_name": "stand-in", "tokenizer_path": "stand-in",
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": self.info_version if self.info_version is not None else self.weight_version,
             "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": "glm_moe_dsa",
             "architectures": ["GlmMoeDsaForCausalLM"]})
@@ -183,7 +229,13 @@ class SGLangServer(ProtocolServer):
             self.held.discard(rid)
 
     async def _generate(self, body: dict, rid: str) -> web.Response:
-        ids, sp = body["input_ids"], body.get("sampling_params") or {}
+        ids, sp = body["input_ids"], dict(body.get("sampling_params") or {})
+        unknown = [k for k in sp if k not in SAMPLING_KEYS]
+        if unknown:
+            return web.json_response({"error": f"unknown field `{unknown[0]}`, expected one of "
+                                               + ", ".join(f"`{k}`" for k in SAMPLING_KEYS)}, status=400)
+        if not self.deterministic:
+            sp.pop("sampling_seed", None)
         max_new = int(sp.get("max_new_tokens", 128))
         temperature, top_k = float(sp.get("temperature", 1.0)), int(sp.get("top_k", -1))
         mask = self.sampling_mask and body.get("return_sampling_mask")
@@ -284,6 +336,14 @@ class SGLangServer(ProtocolServer):
                 await self.run_engine(lambda: self.engine.update_weights(**kw, version=self.engine.version), control=True)
             except Exception as e:  # noqa: BLE001 - reported like SGLang reports a failed load
                 return _fail(f"Failed to update weights: {e}")
+        if path is not None and body.get("flush_cache", True) and self.in_flight > 0:
+            # the weights and the scheduler's version moved, the flush is refused, /model_info keeps the old
+            # version (srt/managers/scheduler_components/weight_updater.py `flush_cache_after_weight_update`)
+            self.info_version = self.weight_version
+            self.weight_version = body.get("weight_version") or self.weight_version
+            return _fail("Weights were updated, but the cache was not flushed because requests are still running "
+                         "or queued. Retract or finish them, then call /flush_cache.")
+        self.info_version = None
         if body.get("weight_version") is not None:
             new = body["weight_version"]
             if self.version_lag_s > 0:
@@ -342,7 +402,7 @@ class SGLangServer(ProtocolServer):
         return await self._update(request, b, named=named)
 
     async def set_version(self, request: web.Request) -> web.Response:
-        self.weight_version = (await request.json())["new_version"]
+        self.weight_version, self.info_version = (await request.json())["new_version"], None
         return web.json_response({"success": True, "message": "Weight version updated"})
 
 

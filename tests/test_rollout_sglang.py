@@ -1,7 +1,6 @@
 """SGLangEngine against the SGLang 0.5.23 stand-in (tests/standin_sglang.py), backed by the embedded
 engine: answers must equal what the embedded engine computes for the same requests, exactly once
-and in order, also under injected faults. (SGLang itself needs CUDA: scripts/gpu_check.sh runs
-tests/test_real_servers.py against it.)"""
+and in order, also under injected faults. (The real SGLang 0.5.23 on CPU: tests/test_real_servers.py.)"""
 
 from __future__ import annotations
 
@@ -61,15 +60,22 @@ def test_generate_equals_embedded_engine_in_order(server, ref, tokenizer, tmp_pa
 
 
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (5, 0.9), (1, 1.0)])
-def test_topk_topp_logprobs_are_the_renormalised_ones(server, ref, tokenizer, tmp_path, top_k, top_p):
+def test_topk_topp_logprobs_are_the_renormalised_ones(server, model, tokenizer, tmp_path, top_k, top_p):
     """SGLang's output_token_logprobs are before top-k/top-p; the client asks for the sampling
-    mask's renormalised log-probs, which equal the embedded engine's."""
+    mask's renormalised log-probs, which equal the embedded engine's sampling with SGLang's joint
+    top-k/top-p order (glmlight/ops/logprobs.py), the order the engine declares."""
     ps = prompts(tokenizer, 3)
     sp = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, max_new_tokens=6, seed=4)
     with make(server.url, tmp_path) as eng:
         got = eng.generate(ps, sp)
+        assert eng.filter_order == "joint"
     assert all(c.body["return_sampling_mask"] for c in _generate_calls(server)[-3:])
-    assert_same(got, expected(ref, ps, sp))
+    joint = LocalEngine(model)
+    joint.filter_order = joint._batch.filter_order = "joint"
+    try:
+        assert_same(got, expected(joint, ps, sp))
+    finally:
+        joint.close()
 
 
 def test_top_p_without_top_k_is_refused_at_start(tmp_path):
@@ -313,7 +319,7 @@ def test_two_servers_share_the_load_and_router_needs_workers(model, ref, tokeniz
 
 def test_managed_launch_with_standin_executable(tokenizer, tmp_path):
     cmd = [sys.executable, standin_script(tmp_path, "sglang")]
-    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd))
+    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd, launch_restarts=0))
     try:
         got = eng.generate(prompts(tokenizer, 2), greedy(tokenizer))
         assert len(got) == 2 and all(g.token_ids for g in got)
@@ -328,6 +334,39 @@ def test_managed_launch_with_standin_executable(tokenizer, tmp_path):
     assert server_processes(eng.launcher.server_id) == []  # the server's own child went too
     with open(eng.launcher.spec.log_path) as f:
         assert "stand-in sglang server ready" in f.read()
+
+
+def test_a_managed_server_that_dies_is_started_again_and_resynced_before_it_answers(model, tokenizer, tmp_path):
+    """kill -9 of a managed server: the next call starts it again on the same address, waits for it,
+    gives it the current weights and only then sends the request; past rollout.server.launch_restarts
+    the exit stops the run with one line."""
+    cmd = [sys.executable, standin_script(tmp_path, "sglang")]
+    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd, launch_restarts=1, weight_sync="tensor"))
+    ps, sp = prompts(tokenizer, 2), greedy(tokenizer)
+    new = perturbed(model)
+    want = answers_of(model, new, ps, sp)
+    try:
+        eng.update_weights(new, version=1)
+        assert_same(eng.generate(ps, sp), want)
+        first = eng.launcher
+        guard = first.proc.pid
+        os.kill([p for p in server_processes(first.server_id) if p != guard][0], signal.SIGKILL)
+        first.proc.wait(10)
+        got = eng.generate(ps, sp)
+        assert eng.launcher is not first and eng.num_server_restarts == 1 and eng.num_resyncs == 1
+        assert_same(got, want)  # the restarted server answered with version 1's weights
+        assert all(g.versions == [1] * len(g.token_ids) for g in got)
+        assert server_processes(first.server_id) == []
+        second = eng.launcher
+        os.kill([p for p in server_processes(second.server_id) if p != second.proc.pid][0], signal.SIGKILL)
+        second.proc.wait(10)
+        with pytest.raises(EngineError) as err:
+            eng.generate(ps, sp)
+        assert "\n" not in str(err.value) and "exited with signal 9" in str(err.value)
+        assert "restarted 1 times already" in str(err.value)
+    finally:
+        eng.close()
+    assert server_processes(eng.launcher.server_id) == []
 
 
 def test_managed_launch_exit_is_reported_with_log_tail(tokenizer, tmp_path):
@@ -414,3 +453,75 @@ def test_a_server_reporting_log_probs_before_temperature_is_refused(model, token
         srv.close()
     msg = str(err.value)
     assert "\n" not in msg and "before temperature" in msg and "SGLANG_RETURN_ORIGINAL_LOGPROB" in msg
+
+
+def test_seeds_are_honoured_only_in_deterministic_mode_and_the_run_is_told(model, tokenizer, tmp_path, caplog):
+    """SGLang uses sampling_seed only with --enable-deterministic-inference (never on CPU); /server_info
+    says whether it is on. Without it the engine reports `seeded_sampling = False` and warns once."""
+    ps = prompts(tokenizer, 1)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    for deterministic in (True, False):
+        srv = SGLangServer(LocalEngine(model), deterministic=deterministic).start()
+        try:
+            caplog.clear()
+            with make(srv.url, tmp_path) as eng:
+                runs = {tuple(eng.generate(ps, sp)[0].token_ids) for _ in range(3)}
+            assert eng.seeded_sampling is deterministic
+            warned = [r.getMessage() for r in caplog.records if "--enable-deterministic-inference" in r.getMessage()]
+            if deterministic:
+                assert len(runs) == 1 and not warned
+            else:
+                assert len(runs) > 1 and len(warned) == 1 and "not reproducible" in warned[0]
+        finally:
+            srv.close()
+
+
+def test_a_paused_server_is_up_to_the_suspect_probe(server, tmp_path):
+    """SGLang's health paths generate a token, which a pause holds (503 after 20 s): the suspect probe
+    reads /model_info instead and finds the paused server up, on its weights, at once."""
+    with make(server.url, tmp_path) as eng:
+        eng.http.run(eng._pause(server.url))
+        try:
+            health = len(server.calls("/health_generate")) + len(server.calls("/health"))
+            eng._suspects.add(server.url)
+            eng._sync_suspects()
+            assert server.url not in eng._suspects and eng.num_resyncs == 0
+            assert len(server.calls("/health_generate")) + len(server.calls("/health")) == health
+        finally:
+            eng.http.run(eng._resume(server.url))
+
+
+def test_an_unknown_sampling_key_is_one_line_with_the_servers_message(server, tokenizer, tmp_path):
+    from glmlight.rollout.http import Rejected
+
+    with make(server.url, tmp_path) as eng:
+        with pytest.raises(Rejected) as err:
+            eng.http.run(eng.http.request("/generate", {"input_ids": prompts(tokenizer, 1)[0],
+                                                        "sampling_params": {"max_new_tokens": 1, "bogus": 1}},
+                                          url=server.url, attempts=1))
+    msg = str(err.value)
+    assert "\n" not in msg and "HTTP 400: unknown field `bogus`" in msg
+
+
+def test_a_disk_update_whose_flush_is_refused_keeps_the_new_weights(model, tokenizer, tmp_path):
+    """As the real SGLang (tests/test_real_servers.py): with a request still running at a disk update,
+    the weights load, the flush is refused and the answer is 400 success: false; the client keeps the
+    new weights (no roll-back, no second load) and /model_info is brought to the new version."""
+    srv = SGLangServer(LocalEngine(model)).start()
+    new = perturbed(model)
+    ps, sp = prompts(tokenizer, 1), greedy(tokenizer)
+    want = answers_of(model, new, ps, sp)
+    try:
+        with make(srv.url, tmp_path) as eng:
+            eng.http.run(eng._pause(srv.url))
+            srv.in_flight += 1  # a request the pause did not end (e.g. paused in place)
+            loads = len(srv.calls("/update_weights_from_disk"))
+            source = eng._push([srv.url], new, None, 1)
+            srv.in_flight -= 1
+            assert len(srv.calls("/update_weights_from_disk")) == loads + 1 and srv.weight_version == "1"
+            assert eng.http.run(eng._served_label(srv.url)) == "1" and source.version == 1
+            eng.http.run(eng._resume(srv.url))
+            eng._current, eng._version, eng._expect[srv.url] = source, 1, "1"
+            assert_same(eng.generate(ps, sp), want)
+    finally:
+        srv.close()

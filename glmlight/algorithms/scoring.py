@@ -24,7 +24,11 @@ LOGPROB_FLOOR = -1e4  # the trainer's log-prob of a token outside its top-k / to
 
 class PolicyScoring:
     """Mixin of `RLModule` (glmlight/algorithms/base.py), which sets temperature, top_k, top_p,
-    replay_mode, use_glm_forward, policy, the reference and `per_row`."""
+    replay_mode, use_glm_forward, policy, the reference and `per_row`. `filter_order`: how the engine
+    whose rollouts are scored combines top-k and top-p (glmlight/ops/logprobs.py; the builder sets it
+    from the engine)."""
+
+    filter_order = "sequential"
 
     def forward_logits(self, model: torch.nn.Module, exp: Experience, capture: dict | None = None,
                        replay: bool | None = None) -> torch.Tensor:
@@ -53,7 +57,7 @@ class PolicyScoring:
         top-p a token outside the trainer's kept set (its logits differ from the engine's) has
         probability 0: it gets LOGPROB_FLOOR instead of −inf, so ratios stay finite (IcePop pops
         it, DIS masks it) and no gradient flows through it."""
-        lp = logprobs_from_logits(logits, labels, self.temperature, self.top_k, self.top_p)
+        lp = logprobs_from_logits(logits, labels, self.temperature, self.top_k, self.top_p, self.filter_order)
         return lp.clamp(min=LOGPROB_FLOOR) if self.top_k > 0 or self.top_p < 1 else lp
 
     def entropy(self, logits: torch.Tensor, mask: torch.Tensor, with_grad: bool) -> torch.Tensor:
@@ -62,7 +66,7 @@ class PolicyScoring:
         out = logits.new_zeros(mask.shape, dtype=torch.float32)
         keep = mask.bool()
         with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
-            values = entropy_from_logits(logits[keep], self.temperature, self.top_k, self.top_p)
+            values = entropy_from_logits(logits[keep], self.temperature, self.top_k, self.top_p, self.filter_order)
         return out.masked_scatter(keep, values) if with_grad else out.masked_scatter(keep, values.detach())
 
     def reference_logprobs(self, batch: Experience) -> torch.Tensor | None:

@@ -12,7 +12,9 @@ own; callers ask `isinstance(engine, Ability)` (or `can_score_at_temperature`) i
   uninterrupted one would;
 - `HoldsModel`: its torch model lives in this process (the agreement monitors' prefill);
 - `SendsFp8Weights`: `update_weights` takes the block-FP8 checkpoint layout (`rollout.weight_format=fp8`);
-- `score(..., temperature=)`: prefill log-probs at a temperature (OPD teachers; `can_score_at_temperature`).
+- `score(..., temperature=)`: prefill log-probs at a temperature (OPD teachers; `can_score_at_temperature`);
+- `filter_order`: how it combines top-k and top-p ("sequential", glmlight's definition, or "joint", as
+  SGLang samples; `filter_order_of`), so the trainer scores its rollouts over the same kept set.
 """
 
 from __future__ import annotations
@@ -146,3 +148,9 @@ def can_score_at_temperature(engine: Any) -> bool:
     """Whether `engine.score` takes a `temperature` (servers score at temperature 1 only)."""
     score = getattr(engine, "score", None)
     return callable(score) and "temperature" in inspect.signature(score).parameters
+
+
+def filter_order_of(engine: object) -> str:
+    """How the engine combines top-k and top-p when both are on (its `filter_order`: "sequential" or
+    "joint", glmlight/ops/logprobs.py); an engine that does not say samples as glmlight's own: sequential."""
+    return str(getattr(engine, "filter_order", "sequential"))

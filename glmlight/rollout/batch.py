@@ -34,8 +34,9 @@ class Request:
 
 
 class RunningBatch:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, filter_order: str = "sequential"):
         self.device = device
+        self.filter_order = filter_order  # how top-k and top-p combine (glmlight/ops/logprobs.py)
         self.requests: list[Request] = []
         self.floats = torch.zeros(0, 2, device=device)
         self.ints = torch.zeros(0, 4, dtype=torch.long, device=device)
@@ -109,7 +110,7 @@ class RunningBatch:
         ints, floats = self.ints[lo:hi], self.floats[lo:hi]
         return partial(sample_with_uniforms, temperature=floats[:, 0], top_k=ints[:, TOP_K], top_p=floats[:, 1],
                        uniforms=self.uniforms[ints[:, SLOT], ints[:, STEP]], use_top_k=self._use_top_k,
-                       use_top_p=self._use_top_p, greedy=self._greedy)
+                       use_top_p=self._use_top_p, greedy=self._greedy, order=self.filter_order)
 
     def record(self, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
         """Record every row's sampled token and its log-prob and advance the rows; returns the bool

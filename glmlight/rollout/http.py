@@ -329,7 +329,8 @@ class HttpClient:
         if status >= 500:
             raise _Retryable(f"HTTP {status} ({_excerpt(text)})")
         if status >= 400:
-            raise Rejected(f"{self.name} server at {url} rejected {path} with HTTP {status}: {_excerpt(text)}", status)
+            raise Rejected(f"{self.name} server at {url} rejected {path} with HTTP {status}: "
+                           f"{_excerpt(error_message(text))}", status)
         if not expect_json:
             return text
         if not text.strip():
@@ -344,8 +345,9 @@ class HttpClient:
 
 
 def error_message(text: str) -> str:
-    """The message of an error body: {"error": {"message"}} (vLLM, SGLang), {"error": str},
-    {"message": str}, or the text itself."""
+    """The message of an error body: {"error": {"message"}} (vLLM, SGLang), {"error": str} (SGLang
+    0.5.23's /generate on an unknown sampling_params key), {"object": "error", "message": str, ...}
+    (SGLang's request validation errors, FastAPI's), or the text itself."""
     try:
         body = json.loads(text)
     except ValueError:

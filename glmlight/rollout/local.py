@@ -72,7 +72,12 @@ class LocalEngine:
     compile (10-30 s on CPU, which needs a C++ compiler), every later step is faster.
     `weight_format`: "auto" (every weight in `dtype`) or "fp8" (linear weights block-quantised to
     FP8 at every update, computed in `dtype`; see the module docstring).
+    `filter_order`: how top-k and top-p combine when both are on (glmlight/ops/logprobs.py); this
+    engine samples "sequential", the order the trainer uses for it (a server stand-in may set "joint"
+    before generating).
     """
+
+    filter_order = "sequential"
 
     def __init__(self, model: PreTrainedModel, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", pad_token_id: int = 0, seed: int = 0, version: int = 0,
@@ -123,7 +128,7 @@ class LocalEngine:
         self._cv = threading.Condition()  # the queue and the decode thread's life
         self._pending: deque[Request] = deque()
         self._admitting: list[Request] = []  # taken from the queue, not yet in the batch
-        self._batch = RunningBatch(self.device)
+        self._batch = RunningBatch(self.device, self.filter_order)
         self._batch.mark_version(0, version)
         self._iteration = 0
         self._thread: threading.Thread | None = None
@@ -303,7 +308,7 @@ class LocalEngine:
                 with self._lock:
                     done = [(r, e) for r in self._batch.requests + self._admitting]
                     self._admitting = []
-                    self._batch = RunningBatch(self.device)
+                    self._batch = RunningBatch(self.device, self.filter_order)
                     self._batch.mark_version(self._iteration, self._version)
                     if self._runner is not None:
                         self._runner.reset()

@@ -21,12 +21,13 @@ from glmlight.ops.logprobs import processed_logits
 
 def processed_logprobs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-    *, use_top_k: bool | None = None, use_top_p: bool | None = None,
+    *, use_top_k: bool | None = None, use_top_p: bool | None = None, order: str = "sequential",
 ) -> torch.Tensor:
     """Log-probs of the sampling distribution per row (`glmlight.ops.logprobs.processed_logits`,
     the function the trainer uses too). logits [B, V]; the other args [B]. Greedy rows
-    (temperature 0) use temperature 1 here; filtered-out tokens get -inf."""
-    z = processed_logits(logits, temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
+    (temperature 0) use temperature 1 here; filtered-out tokens get -inf. `order`: how top-k and
+    top-p combine (the embedded engine samples "sequential"; "joint" is SGLang's)."""
+    z = processed_logits(logits, temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p, order=order)
     return torch.log_softmax(z, dim=-1)
 
 
@@ -40,6 +41,7 @@ def sample_with_uniforms(
     use_top_k: bool | None = None,
     use_top_p: bool | None = None,
     greedy: str = "some",
+    order: str = "sequential",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by inverting the row's CDF at `uniforms` [B] (in [0, 1));
     returns (tokens [B], logprobs [B]).
@@ -48,7 +50,8 @@ def sample_with_uniforms(
     so a token of zero probability (filtered out) is never chosen. `greedy` is "none"
     (no row has temperature 0), "all" or "some"; it only skips work.
     """
-    logp = processed_logprobs(logits, temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
+    logp = processed_logprobs(logits, temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p,
+                              order=order)
     if greedy == "all":
         tokens = logp.argmax(-1)
     else:

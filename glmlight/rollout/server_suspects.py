@@ -62,8 +62,7 @@ class SuspectTracking:
     def _sync_suspects_locked(self) -> None:
         for url in sorted(self._suspects):
             try:
-                self.http.run(self.http.request(self.health_path, url=url, method="GET", expect_json=False,
-                                                attempts=1, timeout_s=10))
+                self.http.run(self._probe_alive(url))
                 served = self.http.run(self._served_label(url))
             except EngineError:
                 continue  # still down: requests go elsewhere (or fail and are counted)
@@ -74,6 +73,13 @@ class SuspectTracking:
             log.warning("%s server at %s serves weight version %r, expected %r (it restarted?): re-syncing it",
                         self.name, url, served, want)
             self._resync(url)
+
+    async def _probe_alive(self, url: str) -> None:
+        """Raise EngineError unless the server at `url` is up. Default: its health path, 10 s. A
+        server whose health check generates (SGLang's /health_generate, and /health with
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on, its default) answers it 503 after 20 s while
+        it is paused: such an engine probes with a call that the pause does not hold instead."""
+        await self.http.request(self.health_path, url=url, method="GET", expect_json=False, attempts=1, timeout_s=10)
 
     def _resync(self, url: str) -> None:
         src = self._current

@@ -60,12 +60,14 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
     def __init__(self, urls: Sequence[str], *, router: bool = False, http: Any = None, launch: LaunchSpec | None = None,
                  ready_timeout_s: float = 900.0, version: int = 0, confirm_timeout_s: float | None = None,
                  poll_interval_s: float = 0.05, update_retries: int = 2, resync: bool = True,
-                 verify_updates: bool = True, weight_format: str = "auto"):
+                 verify_updates: bool = True, weight_format: str = "auto", launch_restarts: int = 0):
         from glmlight.rollout.http import HttpClient, HttpSettings, UrlPool
 
         self.weight_format = weight_format  # auto | fp8 (glmlight.models.fp8_checkpoint.to_server_weights)
 
         self.launcher: ManagedServer | None = None
+        self.launch_restarts, self.num_server_restarts = launch_restarts, 0
+        self.ready_timeout_s = ready_timeout_s
         self._closed = False
         self.http = HttpClient(self.name, http or HttpSettings(), on_connection_error=self._check_launcher,
                                on_server_error=self._on_server_error)
@@ -95,6 +97,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
             self._probe: tuple[list[int], list[int]] | None = None
             self._probe_scores: dict[str, list[float]] = {}
             self._fingerprint: torch.Tensor | None = None
+            self._shapes: dict[str, tuple[int, ...]] | None = None  # name -> shape the servers serve
             for url in self.urls:
                 self._wait_ready(url, ready_timeout_s)
             self._after_ready()
@@ -115,6 +118,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
             return []
         params = normalize_requests(prompts, params)
         self._remember_probe(prompts[0])
+        self._restart_exited_server()
         self._check_unlabelled()
         self._sync_suspects()
         from glmlight.rollout.http import new_rid
@@ -149,6 +153,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
+        self._restart_exited_server()
         self._sync_suspects()
         from glmlight.rollout.http import new_rid
 
@@ -163,6 +168,8 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         if (named_tensors is None) == (path is None):
             raise ValueError("update_weights needs exactly one of named_tensors or path")
         named = list(named_tensors) if named_tensors is not None else None
+        if named is not None:
+            self._check_shapes(named, version)
         fingerprint = weights_fingerprint(named) if named is not None else None
         if named is not None and self.weight_format != "auto":
             from glmlight.models.fp8_checkpoint import to_server_weights
@@ -173,6 +180,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         with self._fleet_lock:
             for attempt in range(self.update_retries + 1):
                 try:
+                    self._restart_exited_server()
                     source = self._update_fleet(urls, named, path, version, fingerprint)
                     break
                 except UpdateFailed as e:
@@ -237,6 +245,21 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         self._suspects.difference_update(urls)
         return source
 
+    def _check_shapes(self, named: list, version: int) -> None:
+        """Refuse, before any server is touched, a tensor whose shape differs from the served model's
+        (the checkpoint the servers started from, `model_path`, and every update since). A server may
+        not refuse it itself: SGLang 0.5.23 on CPU answered a q_proj one row short with success and
+        served it (tests/test_real_servers.py)."""
+        if self._shapes is None:
+            self._shapes = checkpoint_shapes(getattr(self, "model_path", None))
+        for name, t in named:
+            want = self._shapes.get(name)
+            if want is not None and tuple(t.shape) != want:
+                raise EngineError(f"{self.name}: weight update to version {version} refused: tensor {name} has the "
+                                  f"wrong shape {list(t.shape)}, the served model's is {list(want)}; every server "
+                                  f"still serves version {self._version}")
+        self._shapes.update({name: tuple(t.shape) for name, t in named})
+
     def _resume_all(self, urls: Sequence[str]) -> None:
         try:
             self._run_all(self._resume, urls)
@@ -278,6 +301,32 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
     def _check_launcher(self) -> None:
         if self.launcher is not None:
             self.launcher.check()
+
+    def _restart_exited_server(self) -> None:
+        """A managed server that exited (killed, crashed) is started again on the same address, up to
+        `launch_restarts` times, and waited for; it then serves its start-up weights, so it is a
+        suspect: `_sync_suspects` gives it the current ones before any request. Past the limit, the
+        exit is raised as one line (`ManagedServer.check`). Called from the caller's thread, before
+        generating, scoring or updating (never from the HTTP loop: the wait blocks)."""
+        if self.launcher is None or self.launcher.proc.poll() is None or self._closed:
+            return
+        with self._fleet_lock:
+            if self.launcher.proc.poll() is None:
+                return
+            try:
+                self.launcher.check()
+            except EngineError as e:
+                if self.num_server_restarts >= self.launch_restarts:
+                    self._failed = f"{e} (restarted {self.num_server_restarts} times already)"
+                    raise FleetFailed(self._failed) from None
+                log.warning("%s; starting it again (restart %d of %d)", e, self.num_server_restarts + 1,
+                            self.launch_restarts)
+            spec, url = self.launcher.spec, self.launcher.spec.url
+            self.launcher.stop()  # whatever is left of its process group
+            self.launcher = spec.start()
+            self.num_server_restarts += 1
+            self._wait_ready(url, self.ready_timeout_s)
+            self._suspects.add(url)
 
     def _wait_ready(self, url: str, timeout_s: float) -> None:
         from glmlight.rollout.http import ServerUnavailable
@@ -369,3 +418,23 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
 
     async def _served_label(self, url: str) -> str | None:
         raise NotImplementedError
+
+
+def checkpoint_shapes(path: str | None) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from the safetensors headers of a local checkpoint directory ({} when
+    there is none here, e.g. a server's own path on another host)."""
+    import glob
+    import json
+    import os
+    import struct
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))) if path and os.path.isdir(path) else []:
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            continue
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__" and "shape" in v})
+    return shapes

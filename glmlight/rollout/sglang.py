@@ -1,5 +1,6 @@
 """SGLangEngine: the RolloutEngine protocol over SGLang's native HTTP API (written against SGLang
-0.5.23's source; see docs/servers.md for what each older release supports).
+0.5.23's source and run against the real 0.5.23 on CPU; see docs/servers.md for what each older
+release supports).
 
 Generation: POST /generate {rid, input_ids, sampling_params, return_logprob: true}; ids from
 meta_info.output_token_logprobs ([[logprob, token_id, text], ...]), the finish reason from
@@ -13,9 +14,13 @@ Log-probs must be those of the distribution the token was sampled from. SGLang's
 output_token_logprobs are after temperature but before top-k/top-p (srt/layers/sampler.py), so
 when top_k > 0 or top_p < 1 the request also asks `return_sampling_mask: true` and the log-probs
 come from meta_info.output_token_sampling_logprobs (log of the sampled token's weight over the
-renormalised top-k/top-p support). SGLang serves that only for top_k == 1 or a finite
+renormalised top-k/top-p support; SGLang's support with both on is the "joint" one,
+glmlight/ops/logprobs.py, which `filter_order` declares). SGLang serves that only for top_k == 1 or a finite
 1 < top_k <= --sampling-mask-max-tokens (default 4096), so top_p < 1 without top_k is refused at
 start (`check_sampling`).
+
+Seeds: sampling_seed is sent, but SGLang uses it only with --enable-deterministic-inference
+(`_check_seeding`; `seeded_sampling`).
 
 Prefill scoring (teacher log-probs): /generate with max_new_tokens 0, return_logprob and
 logprob_start_len = len(prompt) - 1. input_token_logprobs are aligned with
@@ -71,11 +76,15 @@ from glmlight.rollout.sglang_wire import (FINISH_REASONS, FilteredLogprobsMissin
                                          pairs, parse_generate_answer, serialize_named_tensors, single)
 
 log = logging.getLogger(__name__)
+# sglang 0.5.23's reply to a disk update whose weights loaded but whose cache flush was refused
+FLUSH_REFUSED_AFTER_LOAD = "Weights were updated, but the cache was not flushed"
 
 
 class SGLangEngine(ServerEngineBase):
     name = "SGLang"
     health_path = "/health_generate"
+    # top-k and top-p over the same un-renormalised distribution (glmlight/ops/logprobs.py `joint_kept`)
+    filter_order = "joint"
     replay_fields = {  # replay records (server_replay.py; formats in replay_codec.py)
         "routing": ReplayField({"return_routed_experts": True, "routed_experts_start_len": 0}, "routed_experts",
                                "meta_info.routed_experts", decode_sglang_routed_experts, "--enable-return-routed-experts"),
@@ -101,6 +110,7 @@ class SGLangEngine(ServerEngineBase):
         self._initial_labels: dict[str, str | None] = {}
         self._sessions: dict[str, bool] = {}  # url -> has /begin_weight_update
         self.filtered_logprobs = True  # the servers report top-k/top-p log-probs (return_sampling_mask)
+        self.seeded_sampling = True  # the servers honour sampling_seed (`_check_seeding`)
         super().__init__(urls, **kwargs)
 
     @classmethod
@@ -115,6 +125,7 @@ class SGLangEngine(ServerEngineBase):
         # Health checks pass without a key; an authenticated call finds a refused key now.
         for url in self._sync_urls() if (not self.router or len(self.urls) > 1) else self.urls[:1]:
             self._initial_labels[url] = self.http.run(self._served_label(url))
+        self._check_seeding()
         if self.check_logprobs:
             check_logprob_definition(self, "do not set SGLANG_RETURN_ORIGINAL_LOGPROB on the server",
                                      filtered=self._sampling_mask_ok)
@@ -140,6 +151,30 @@ class SGLangEngine(ServerEngineBase):
         url, reply = await self.http.request("/generate", None, pool=self.pool, with_url=True, rid_for=attempt_rid(rid),
                                              payload_for=body, on_retry=self._aborter)
         return self._parse_generation(single(reply), url, rid, filtered, len(prompt))
+
+    def _check_seeding(self) -> None:
+        """SGLang samples with a request's sampling_seed only when started with
+        --enable-deterministic-inference (sglang 0.5.23 srt/sampling/sampling_batch_info.py: the seeds
+        are passed to the sampler only in deterministic mode, which refuses torch-native attention, so
+        never on CPU). /server_info carries the flag; a server without it (or that does not say) makes
+        the engine report `seeded_sampling = False`, and the run is told once."""
+        unseeded = []
+        for url in self.pool.urls:
+            info = self._server_info(url)
+            if not (isinstance(info, dict) and info.get("enable_deterministic_inference") is True):
+                unseeded.append(url)
+        self.seeded_sampling = not unseeded
+        if unseeded:
+            log.warning("SGLang server(s) %s run without --enable-deterministic-inference: they ignore per-request "
+                        "seeds, so sampling is not reproducible (the same seed gives other tokens, and a resumed run "
+                        "samples differently from the interrupted one)", ", ".join(unseeded))
+
+    def _server_info(self, url: str) -> Any:
+        for path in ("/server_info", "/get_server_info"):
+            info = self.http.run(self.http.request(path, url=url, method="GET", allow_404=True))
+            if info is not None:
+                return info
+        return None
 
     def _sampling_mask_ok(self, error: EngineError) -> bool:
         """The start-up check's top_k=1 request failed: a server without return_sampling_mask (before
@@ -203,6 +238,12 @@ class SGLangEngine(ServerEngineBase):
     async def _resume(self, url: str) -> None:
         await self.http.request("/continue_generation", {}, url=url, expect_json=False, allow_404=True)
 
+    async def _probe_alive(self, url: str) -> None:
+        """/health and /health_generate run a one-token generation, which a paused server holds: they
+        answer 503 after 20 s (sglang 0.5.23 srt/entrypoints/http_server.py `health_generate`,
+        HEALTH_CHECK_TIMEOUT). /model_info is answered by the HTTP process itself, paused or not."""
+        await self.http.request("/model_info", url=url, method="GET", attempts=1, timeout_s=10, allow_404=True)
+
     async def _served_label(self, url: str) -> str | None:
         for path in ("/model_info", "/get_model_info"):  # 0.5.23 has no /get_weight_version
             body = await self.http.request(path, url=url, method="GET", allow_404=True)
@@ -225,6 +266,7 @@ class SGLangEngine(ServerEngineBase):
             source.path = os.path.abspath(path)  # type: ignore[arg-type]
             errors = self._post_each(urls, "/update_weights_from_disk",
                                      lambda u: {"model_path": source.path, "weight_version": str(version)})
+            errors = self._loaded_anyway(errors, version)
             if errors:  # SGLang put its own weights back where the load failed; the others go back too
                 self._revert([u for u in urls if u not in errors], prev, errors)
             return source
@@ -238,6 +280,37 @@ class SGLangEngine(ServerEngineBase):
         except (EngineError, RuntimeError) as e:  # RuntimeError: a failed broadcast
             self._revert(urls, prev, {u: e for u in urls})
         return source
+
+    def _loaded_anyway(self, errors: dict[str, Exception], version: int) -> dict[str, Exception]:
+        """The failures of a disk update where the new weights did not go in. SGLang 0.5.23 answers
+        HTTP 400 `success: false` also when the weights loaded and its scheduler's weight version
+        (the one stamped on answers) moved, but the cache flush that follows was refused because
+        requests were still running (srt/managers/scheduler_components/weight_updater.py
+        `flush_cache_after_weight_update`; /model_info keeps the old version, which the HTTP process
+        moves only on success). Such a server is neither put back nor loaded twice: its reply says the
+        weights are in, /update_weight_version (abort_all_requests false) makes /model_info report the
+        same version, and `_flush` flushes its cache once the requests are gone. Any other failure
+        counts unless /model_info already reports the new version."""
+        left = {}
+        for url, e in errors.items():
+            if FLUSH_REFUSED_AFTER_LOAD in str(e):
+                log.warning("SGLang server at %s loaded weight version %d but could not flush its cache yet: %s",
+                            url, version, e)
+                try:
+                    self.http.run(self.http.request("/update_weight_version", {"new_version": str(version),
+                                                                               "abort_all_requests": False}, url=url))
+                    continue
+                except EngineError as e2:
+                    e = e2
+            try:
+                served = self.http.run(self._served_label(url))
+            except EngineError:
+                served = None
+            if served == str(version):
+                log.warning("SGLang server at %s reports weight version %d after answering: %s", url, version, e)
+            else:
+                left[url] = e
+        return left
 
     def _push_tensors(self, urls: Sequence[str], named: list, version: int, tp: dict[str, int]) -> None:
         parts = list(wt.buckets(named, self.bucket_bytes)) or [[]]
@@ -314,12 +387,7 @@ class SGLangEngine(ServerEngineBase):
 
     def _tp_size(self, url: str) -> int:
         if url not in self._tp_sizes:
-            info = None
-            for path in ("/server_info", "/get_server_info"):
-                info = self.http.run(self.http.request(path, url=url, method="GET", allow_404=True))
-                if info is not None:
-                    break
-            self._tp_sizes[url] = int((info or {}).get("tp_size", 1))
+            self._tp_sizes[url] = int((self._server_info(url) or {}).get("tp_size", 1))
         return self._tp_sizes[url]
 
     def _resync_urls(self, url: str) -> list[str]:

@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 class VLLMEngine(ServerEngineBase):
     name = "vLLM"
     health_path = "/health"
+    # top-k, renormalise, then top-p (vllm 0.32.0 vllm/v1/sample/ops/topk_topp_sampler.py
+    # `apply_top_k_top_p_pytorch`): glmlight's own order (glmlight/ops/logprobs.py)
+    filter_order = "sequential"
     replay_fields = {  # routed experts only: vLLM returns no DSA selection (server_replay.py, replay_codec.py)
         "routing": ReplayField({"routed_experts_prompt_start": 0}, "routed_experts", "choices.0.routed_experts",
                                decode_vllm_routed_experts, "--enable-return-routed-experts (and Model Runner V2: "
