@@ -8,6 +8,10 @@ import os
 import sys
 from typing import Any, Callable
 
+from omegaconf import open_dict
+
+log = logging.getLogger("glmlight")
+
 # The Hydra configs: inside the installed package (glmlight/conf, package data), or the checkout's conf/
 # beside the package (a source checkout or an editable install, as the README installs it).
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,9 +40,41 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | None 
         raise ConfigError(f"config error: no train.yaml in {root}; pass config_dir= (a copy of glmlight's conf/)")
     with initialize_config_dir(config_dir=root, version_base="1.3"):
         try:
-            return hydra_compose(config_name="train", overrides=list(overrides))
+            cfg = hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
         except (AssertionError, TypeError, ValueError) as e:  # OmegaConf's own faults on an impossible override
             raise _override_error(list(overrides), hydra_compose, e) from None
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/") and v is not None}
+    for line in cross_group_settings(root, choices):
+        log.info(line)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def cross_group_settings(root: str, choices: dict[str, str]) -> list[str]:
+    """One line for each chosen group option that sets keys outside its own group or chooses another
+    group's option (e.g. algo=sao sets rollout.mode): no group changes another's settings unseen. An
+    `experiment` is a whole recipe and sets what it likes."""
+    import yaml
+
+    out = []
+    for group, option in sorted(choices.items()):
+        path = os.path.join(root, group, f"{option}.yaml")
+        if group == "experiment" or not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            text = f.read()
+        if "@package _global_" not in text.split("\n", 1)[0] and "# @package _global_" not in text[:200]:
+            continue
+        body = yaml.safe_load(text) or {}
+        chosen = [f"{d.split()[1].strip('/').rstrip(':')}={v}" for entry in body.get("defaults", []) if isinstance(entry, dict)
+                  for d, v in entry.items() if d.startswith("override ")]
+        keys = [f"{top}.{k}" if isinstance(v, dict) else top for top, v in body.items()
+                if top not in ("defaults", group) for k in (v if isinstance(v, dict) else [None])]
+        if chosen or keys:
+            parts = ([f"chooses {', '.join(chosen)}"] if chosen else []) + ([f"sets {', '.join(keys)}"] if keys else [])
+            out.append(f"{group}={option} also {' and '.join(parts)} ({os.path.relpath(path, root)})")
+    return out
 
 
 def _override_error(overrides: list[str], hydra_compose: Callable[..., Any], e: BaseException) -> Exception:
