@@ -24,6 +24,7 @@ from glmlight.rollout.factory import build_server_engine
 from glmlight.rollout.launch import server_processes
 from glmlight.rollout.tiny_checkpoint import build_tiny_checkpoint
 from glmlight.rollout.transport import read_checkpoint
+from tests.waiting import running, wait_event, wait_until
 from tests.conftest import newest_pushed_version
 from tests.real_servers import DEVICE, TOL, interpreter, max_diff, server_config, trainer_greedy, trainer_logprobs
 
@@ -190,9 +191,9 @@ def _long_generation_paused(real, p: list[int], weights) -> dict:
 
     t = threading.Thread(target=long_request if real.backend == "vllm" else lambda: _sglang_stream(real, p, box, started))
     t.start()
-    assert started.wait(120)
+    wait_event(started, alive=t.is_alive, what="the streamed request's first tokens")
     real.engine.update_weights(weights, version=real.engine.version + 1)
-    t.join(120)
+    t.join()
     return box
 
 
@@ -231,9 +232,9 @@ def test_abort_request_ends_the_request_with_its_partial_answer(real):
     box, started, rid = {"ids": [], "lps": [], "finish": None}, threading.Event(), "glm-abort-test-00"
     t = threading.Thread(target=_sglang_stream, args=(real, p, box, started, rid))
     t.start()
-    assert started.wait(120)
+    wait_event(started, alive=t.is_alive, what="the streamed request's first tokens")
     real.engine.http.run(real.engine._aborter(real.url, "no answer within 1s", rid))
-    t.join(120)
+    t.join()
     ids, lps = box["ids"], box["lps"]
     assert box["finish"] == "abort" and 20 <= len(ids) < 900, (box["finish"], len(ids))
     assert max_diff(lps, trainer_logprobs(real.models[0], p, ids, 1.0)) <= TOL
@@ -284,7 +285,7 @@ def test_a_disk_update_whose_cache_flush_is_refused_is_not_rolled_back(real):
     box, started = {"ids": [], "lps": [], "finish": None}, threading.Event()
     t = threading.Thread(target=_sglang_stream, args=(real, p, box, started, "glm-retract-test-00"))
     t.start()
-    assert started.wait(120)
+    wait_event(started, alive=t.is_alive, what="the streamed request's first tokens")
     version = eng.version + 1
     refused = {}
     loaded_anyway = eng._loaded_anyway
@@ -295,7 +296,7 @@ def test_a_disk_update_whose_cache_flush_is_refused_is_not_rolled_back(real):
     finally:
         del eng._loaded_anyway
         eng.http.run(eng._resume(url))
-    t.join(120)
+    t.join()
     assert box["finish"] == "length"  # the paused request went on after the pause
     assert "cache was not flushed" in str(refused.get(url)), refused  # the server did answer success: false
     eng.http.run(eng._flush(url))  # what the update does next (the request is done now)
@@ -379,7 +380,7 @@ def test_worker_extension_imports_in_the_server_environment(real):
 
     code = ("import sys, glmlight.rollout.vllm_worker as w; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'hydra', 'omegaconf', 'aiohttp')))")
-    out = subprocess.run([real.python, "-c", code], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([real.python, "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": python_path_with_package({}), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
@@ -493,13 +494,11 @@ def test_train_py_with_a_real_server_stopped_by_sigterm_leaves_nothing(tmp_path,
                                 stderr=subprocess.STDOUT, cwd=REPO,
                                 env={**os.environ, "GLMLIGHT_TEST_TAG": tag, "PYTHONPATH": REPO})
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None and newest_pushed_version(tmp_path / "weights") < 2:
-            time.sleep(0.5)
-        assert proc.poll() is None, log.read_text()[-3000:]
+        wait_until(lambda: newest_pushed_version(tmp_path / "weights") >= 2, alive=running(proc), poll_s=0.5,
+                   what=f"weight version 2 ({log})")
         assert len(_tagged(tag)) >= 4  # train.py, the guard, the server's processes (vLLM: 3, SGLang: 3)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(180)
+        proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -561,7 +560,7 @@ def test_a_real_server_killed_mid_run_is_restarted_and_resynced(tmp_path, backen
                 self.killed = eng.launcher
                 guard = self.killed.proc.pid
                 os.kill([p for p in server_processes(self.killed.server_id) if p != guard][0], signal.SIGKILL)
-                self.killed.proc.wait(60)
+                self.killed.proc.wait()
 
     run = glmlight.build(cfg)
     seen = KillOnce()
@@ -660,7 +659,7 @@ def test_a_tensor_payload_sglang_cannot_unpickle_kills_it_and_is_named_in_one_li
                                           url=eng.urls[0], attempts=1, timeout_s=60))
         except EngineError as e:
             print(f"\nthe refused payload: {e}")
-        eng.launcher.proc.wait(120)  # the server went down
+        eng.launcher.proc.wait()  # the server went down
         with pytest.raises(EngineError) as err:
             eng.generate(_prompts(load_tokenizer_of(ckpt), 1), SamplingParams(temperature=0.0, max_new_tokens=2))
         msg = str(err.value)

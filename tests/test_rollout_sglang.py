@@ -351,7 +351,7 @@ def test_a_managed_server_that_dies_is_started_again_and_resynced_before_it_answ
         first = eng.launcher
         guard = first.proc.pid
         os.kill([p for p in server_processes(first.server_id) if p != guard][0], signal.SIGKILL)
-        first.proc.wait(10)
+        first.proc.wait()
         got = eng.generate(ps, sp)
         assert eng.launcher is not first and eng.num_server_restarts == 1 and eng.num_resyncs == 1
         assert_same(got, want)  # the restarted server answered with version 1's weights
@@ -359,7 +359,7 @@ def test_a_managed_server_that_dies_is_started_again_and_resynced_before_it_answ
         assert server_processes(first.server_id) == []
         second = eng.launcher
         os.kill([p for p in server_processes(second.server_id) if p != second.proc.pid][0], signal.SIGKILL)
-        second.proc.wait(10)
+        second.proc.wait()
         with pytest.raises(EngineError) as err:
             eng.generate(ps, sp)
         assert "\n" not in str(err.value) and "exited with signal 9" in str(err.value)
