@@ -467,7 +467,7 @@ def _train_py_args(backend: str, python: str, ckpt: str, tmp_path, *more: str) -
         tmp_path, f"rollout={backend}", "model=hf", f"model.path={ckpt}", "model.dtype=float32", "logger=none",
         "rollout.server.urls=[]", "rollout.server.launch=true", f"rollout.server.launch_python={python}",
         f"rollout.server.launch_args=[{','.join(FLAGS[(backend, DEVICE)])}]", "rollout.server.api_key_env=null",
-        f"rollout.server.weight_sync_dir={tmp_path}/weights", "rollout.server.launch_timeout_s=600",
+        f"rollout.server.weight_sync_dir={tmp_path}/weights", "rollout.server.launch_timeout_s=1800",
         "~callbacks.held_out_eval", "~callbacks.sample_table", *more)
     return args + [f"+rollout.server.launch_env.{k}={v}" for k, v in ENV_VARS.get((backend, DEVICE), {}).items()]
 

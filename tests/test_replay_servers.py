@@ -44,7 +44,7 @@ def _model(tokenizer, **kw):
 
 
 def _client(cls, url, model):
-    eng = cls([url], http=HttpSettings(timeout_s=10, max_retries=2, backoff_s=0.01), ready_timeout_s=10,
+    eng = cls([url], http=HttpSettings(timeout_s=120, max_retries=2, backoff_s=0.01), ready_timeout_s=300,
               weight_sync_dir="/tmp/unused", sync_backend="gloo")
     eng.record_layout = RecordLayout.from_model(model)
     return eng

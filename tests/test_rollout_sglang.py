@@ -33,9 +33,9 @@ def server(model):
 
 
 def make(url_or_urls, tmp_path, **kw) -> SGLangEngine:
-    http = kw.pop("http", HttpSettings(timeout_s=5, max_retries=3, backoff_s=0.01))
+    http = kw.pop("http", HttpSettings(timeout_s=120, max_retries=3, backoff_s=0.01))
     urls = [url_or_urls] if isinstance(url_or_urls, str) else url_or_urls
-    return SGLangEngine(urls, http=http, ready_timeout_s=5, weight_sync_dir=str(tmp_path / "w"),
+    return SGLangEngine(urls, http=http, ready_timeout_s=120, weight_sync_dir=str(tmp_path / "w"),
                         sync_backend="gloo", **kw)
 
 
@@ -262,7 +262,7 @@ def test_api_key_sent_as_bearer(model, tokenizer, tmp_path, monkeypatch):
     srv = SGLangServer(LocalEngine(model), api_key="s3cret-key").start()
     monkeypatch.setenv("TEST_SGLANG_KEY", "s3cret-key")
     try:
-        eng = make(srv.url, tmp_path, http=HttpSettings(api_key_env="TEST_SGLANG_KEY", timeout_s=5, backoff_s=0.01))
+        eng = make(srv.url, tmp_path, http=HttpSettings(api_key_env="TEST_SGLANG_KEY", timeout_s=120, backoff_s=0.01))
         eng.generate(prompts(tokenizer, 2), greedy(tokenizer))
         eng.update_weights(list(model.state_dict().items()), version=1)
         eng.close()
@@ -270,7 +270,7 @@ def test_api_key_sent_as_bearer(model, tokenizer, tmp_path, monkeypatch):
         assert calls and all(c.headers.get("Authorization") == "Bearer s3cret-key" for c in calls)
         monkeypatch.setenv("TEST_SGLANG_KEY", "not-the-key")
         with pytest.raises(EngineError) as err:
-            make(srv.url, tmp_path, http=HttpSettings(api_key_env="TEST_SGLANG_KEY", timeout_s=5, backoff_s=0.01))
+            make(srv.url, tmp_path, http=HttpSettings(api_key_env="TEST_SGLANG_KEY", timeout_s=120, backoff_s=0.01))
     finally:
         srv.close()
     msg = str(err.value)

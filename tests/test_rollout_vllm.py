@@ -36,9 +36,9 @@ def server(model):
 
 
 def make(url, tmp_path, **kw) -> VLLMEngine:
-    http = kw.pop("http", HttpSettings(timeout_s=5, max_retries=3, backoff_s=0.01))
+    http = kw.pop("http", HttpSettings(timeout_s=120, max_retries=3, backoff_s=0.01))
     urls = [url] if isinstance(url, str) else url
-    return VLLMEngine(urls, http=http, ready_timeout_s=5, weight_sync_dir=str(tmp_path / "w"),
+    return VLLMEngine(urls, http=http, ready_timeout_s=120, weight_sync_dir=str(tmp_path / "w"),
                       sync_backend="gloo", **kw)
 
 
@@ -77,7 +77,7 @@ def test_requests_answered_503_while_paused_wait_without_spending_retries(server
     """vLLM 0.33 answers 503 "Generation is paused" while paused: the client waits for the resume
     (longer than its whole retry budget here) instead of failing."""
     ps, sp = prompts(tokenizer, 3), greedy(tokenizer)
-    with make(server.url, tmp_path, http=HttpSettings(timeout_s=5, max_retries=1, backoff_s=0.05)) as eng:
+    with make(server.url, tmp_path, http=HttpSettings(timeout_s=120, max_retries=1, backoff_s=0.05)) as eng:
         server.paused = True
         threading.Timer(1.0, lambda: setattr(server, "paused", False)).start()
         assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
@@ -221,7 +221,7 @@ def test_reset_prefix_cache_success_false_is_retried(model, server, tokenizer, t
 def test_permanent_rpc_errors_are_not_retried(server, tmp_path):
     from glmlight.rollout.http import ServerFailed
 
-    with make(server.url, tmp_path, http=HttpSettings(timeout_s=5, max_retries=5, backoff_s=0.2)) as eng:
+    with make(server.url, tmp_path, http=HttpSettings(timeout_s=120, max_retries=5, backoff_s=0.2)) as eng:
         n = len(server.calls("/collective_rpc"))
         with pytest.raises(ServerFailed, match="has no attribute 'no_such_method'"):
             eng.http.run(eng._rpc(server.url, "no_such_method", None))
@@ -275,7 +275,7 @@ def test_api_key_bearer_refusal_and_unset_variable(model, tokenizer, tmp_path, m
     srv = VLLMServer(LocalEngine(model), api_key="k-123").start()
     plain = VLLMServer(LocalEngine(model)).start()
     monkeypatch.setenv("TEST_VLLM_KEY", "k-123")
-    settings = HttpSettings(api_key_env="TEST_VLLM_KEY", timeout_s=5, backoff_s=0.01)
+    settings = HttpSettings(api_key_env="TEST_VLLM_KEY", timeout_s=120, backoff_s=0.01)
     try:
         eng = make(srv.url, tmp_path, http=settings)
         eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
