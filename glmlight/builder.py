@@ -23,6 +23,7 @@ from glmlight.data.evaluation import build_eval_sets
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
 from glmlight.errors import ConfigError
+from glmlight.models.gguf import prepare_model
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.lora import apply_lora
@@ -290,7 +291,7 @@ def _datamodule_factory(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any
 def policy_from_checkpoint(cfg: DictConfig | dict, ckpt_path: str) -> tuple[torch.nn.Module, Any]:
     """(policy, tokenizer) of a run's Lightning checkpoint, built as `build(cfg)` builds them (a LoRA
     checkpoint holds only the adapters: the base is rebuilt from model.path, or the seed and warm start)."""
-    cfg = validate(cfg)
+    cfg = prepare_model(validate(cfg))
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
                             seed=cfg.model.seed, trust_remote_code=cfg.model.trust_remote_code,
@@ -324,6 +325,7 @@ def build(cfg: DictConfig | dict) -> Run:
         from glmlight.accelerators.npu import require_npu
 
         require_npu()
+    prepare_model(cfg)  # a GGUF source becomes its cached checkpoint directory (converted on first use)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     policy = load_causal_lm(cfg.model.path, tokenizer, preset=cfg.model.preset, dtype=cfg.model.dtype,
