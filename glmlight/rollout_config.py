@@ -57,7 +57,10 @@ class RolloutConfig:
     # Servers: start them with an FP8 checkpoint (scripts/export.py --fp8); the sync sends that layout.
     weight_format: str = "auto"
     device: Optional[str] = None  # embedded engine device; None = the trainer's device
-    compile: bool = False  # embedded engine, GLM-5 models: torch.compile the decode step (long generations)
+    compile: bool = False  # embedded engine, GLM-5 and dense Llama-family models: torch.compile the decode step
+    # embedded engine: intra-op CPU threads of its decode thread (None: torch's setting). 1 suits small models,
+    # whose decode steps are many small ops; a model whose steps are big matmuls gains from more
+    num_threads: Optional[int] = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -78,7 +81,7 @@ class RolloutConfig:
     server: "ServerConfig" = field(default_factory=lambda: ServerConfig())
 
 
-ranges(RolloutConfig, temperature=">= 0", top_p="(0, 1]", top_k=">= 0", max_new_tokens=">= 1",
+ranges(RolloutConfig, num_threads=">= 1", temperature=">= 0", top_p="(0, 1]", top_k=">= 0", max_new_tokens=">= 1",
        rollout_batch_size=">= 1", n_samples_per_prompt=">= 1", over_sample=">= 1", max_refill_rounds=">= 0",
        overlong_cache=">= 0", max_context=">= 2", queue_size=">= 1", engine_retries=">= 0",
        engine_retry_backoff_s=">= 0", seed=SEED)
@@ -126,7 +129,7 @@ ranges(RewardOptions, timeout_s="> 0", max_concurrency=">= 1")
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    source: str = "synthetic"  # synthetic | running_sum | jsonl | hf
+    source: str = "synthetic"  # synthetic | chat | running_sum | jsonl | hf
     path: Optional[str] = None  # jsonl file or local datasets directory
     eval_path: Optional[str] = None  # held-out prompts (same format); synthetic tasks make their own
     split: str = "train"
@@ -137,6 +140,11 @@ class TaskConfig:
     # Synthetic arithmetic: operands in [0, max_operand], these operators.
     max_operand: int = 9
     operators: str = "+"
+    # source=chat (glmlight/data/chat_tasks.py): questions in words; arithmetic and sort draw numbers from
+    # [min_operand, max_operand]
+    question: str = "arithmetic"  # arithmetic | sort | reverse | count_letter
+    list_length: list[int] = field(default_factory=lambda: [3, 3])  # sort / reverse: [min, max] items
+    question_suffix: str = ""  # appended to every question
     num_steps: int = 8  # running_sum: numbers per episode
     min_operand: int = 1  # running_sum: numbers in [min_operand, max_operand]
     num_eval_prompts: int = 64
@@ -146,4 +154,4 @@ class TaskConfig:
     reward_options: RewardOptions = field(default_factory=RewardOptions)  # timeout, concurrency, executor
 
 
-ranges(TaskConfig, max_operand=">= 1", min_operand=">= 0", num_steps=">= 1", num_eval_prompts=">= 0")
+ranges(TaskConfig, list_length=">= 2", max_operand=">= 1", min_operand=">= 0", num_steps=">= 1", num_eval_prompts=">= 0")

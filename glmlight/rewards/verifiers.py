@@ -90,3 +90,32 @@ class BoxedMatch:
         ok = pred == label or (a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6)
                                and _NUMBER.fullmatch(pred.replace(" ", "")) is not None)
         return float(ok), {"pred": pred, "format_ok": True}
+
+
+_INTEGER = re.compile(r"-?\d+")
+_WORD = re.compile(r"[A-Za-z]+")
+
+
+def list_items(text: str) -> list[str]:
+    """The items of a comma-separated list label: "2, 7, 9" -> ["2", "7", "9"] (lower-cased)."""
+    return [x.strip().lower() for x in str(text).split(",") if x.strip()]
+
+
+class ListMatch:
+    """1.0 if the completion ends its answer with the label's list, in order; else 0.0.
+
+    The label is a comma-separated list ("2, 7, 9" or "map, sun, cat"). The completion's items are
+    its integers (for a list of integers) or its words (otherwise, case-insensitive), keeping only
+    those that occur in the label; the answer is the last n of them, n the label's length. So any
+    wording around the list passes ("The sorted list is: 2, 7, 9.", "1. 2  2. 7  3. 9", restating
+    the question first), and listing several orders earns nothing unless the last one is right.
+    `pred` is the answer read, joined with ", "."""
+
+    def __call__(self, sample: Sample) -> tuple[float, dict[str, Any]]:
+        want = list_items(label_of(sample))
+        numbers = all(_INTEGER.fullmatch(x) for x in want)
+        found = (_INTEGER if numbers else _WORD).findall(completion_text(sample))
+        vocab = set(want)
+        items = [x.lower() for x in found if x.lower() in vocab]
+        pred = items[-len(want):] if want else []
+        return float(bool(want) and pred == want), {"pred": ", ".join(pred) if pred else None}

