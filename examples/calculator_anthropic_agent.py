@@ -17,6 +17,7 @@ import ast
 import json
 import operator
 import os
+import threading
 
 from anthropic import Anthropic
 
@@ -79,10 +80,19 @@ def solve(client: Anthropic, messages: list[dict], model: str = "glmlight", max_
     return ""
 
 
+_shared: Anthropic | None = None
+_lock = threading.Lock()
+
+
 def run(task) -> None:
-    """glmlight's gateway agent: `task` has the episode's `anthropic_base_url`, `api_key` and `messages`."""
-    with Anthropic(base_url=task.anthropic_base_url, api_key=task.api_key, max_retries=0) as client:
-        solve(client, task.messages)
+    """glmlight's gateway agent: `task` has the episode's `anthropic_base_url`, `api_key` and `messages`. One
+    client per process (making one costs tens of milliseconds); each episode uses a copy with its own URL
+    and key (`with_options` shares the connection pool)."""
+    global _shared
+    with _lock:
+        if _shared is None:
+            _shared = Anthropic(base_url=task.anthropic_base_url, api_key=task.api_key, max_retries=0)
+    solve(_shared.with_options(base_url=task.anthropic_base_url, api_key=task.api_key), task.messages)
 
 
 if __name__ == "__main__":

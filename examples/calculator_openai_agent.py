@@ -20,8 +20,10 @@ import ast
 import json
 import operator
 import os
+import threading
 
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessage
 
 TOOLS = [
     {"type": "function", "function": {
@@ -87,14 +89,38 @@ def solve(client: OpenAI, messages: list[dict], model: str = "glmlight", max_tur
 
 
 def _streamed(client: OpenAI, model: str, messages: list[dict]):
-    with client.chat.completions.stream(model=model, messages=messages, tools=TOOLS, max_tokens=256) as s:
-        return s.get_final_completion().choices[0].message
+    """The reply of a streamed request, put together from its chunks."""
+    text, calls = [], {}
+    for chunk in client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=256,
+                                                stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is None:
+            continue
+        text.append(delta.content or "")
+        for c in delta.tool_calls or []:
+            call = calls.setdefault(c.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            call["id"] += c.id or ""
+            call["function"]["name"] += (c.function.name or "") if c.function else ""
+            call["function"]["arguments"] += (c.function.arguments or "") if c.function else ""
+    message = {"role": "assistant", "content": "".join(text)}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return ChatCompletionMessage.model_validate(message)
+
+
+_shared: OpenAI | None = None
+_lock = threading.Lock()
 
 
 def run(task) -> None:
-    """glmlight's gateway agent: `task` has the episode's `openai_base_url`, `api_key` and `messages`."""
-    with OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as client:
-        solve(client, task.messages)
+    """glmlight's gateway agent: `task` has the episode's `openai_base_url`, `api_key` and `messages`. One
+    client per process (making one costs tens of milliseconds); each episode uses a copy with its own URL
+    and key (`with_options` shares the connection pool)."""
+    global _shared
+    with _lock:
+        if _shared is None:
+            _shared = OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0)
+    solve(_shared.with_options(base_url=task.openai_base_url, api_key=task.api_key), task.messages)
 
 
 if __name__ == "__main__":

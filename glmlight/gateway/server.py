@@ -4,7 +4,8 @@ Routes (each also under `/e/<key>`, the episode's own base URL, for agents that 
 
 - POST /v1/chat/completions (`openai_wire`) and POST /v1/messages (`anthropic_wire`): one turn of
   the episode the key names (`Authorization: Bearer <key>` or `x-api-key: <key>`);
-- POST /reward `{"reward": <number>, "info": {...}}`: the agent reports its episode's reward;
+- POST /reward (or /v1/reward) `{"reward": <number>, "info": {...}}`: the agent reports its episode's
+  reward;
 - GET /v1/models: the one model served.
 
 An episode's requests are served one at a time, in the order they arrive; the engine call runs in
@@ -80,6 +81,7 @@ class GatewayServer:
             app.router.add_post(prefix + "/v1/chat/completions", lambda r: self._turn(r, openai_wire))
             app.router.add_post(prefix + "/v1/messages", lambda r: self._turn(r, anthropic_wire))
             app.router.add_post(prefix + "/reward", self._reward)
+            app.router.add_post(prefix + "/v1/reward", self._reward)
             app.router.add_get(prefix + "/v1/models", self._models)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
