@@ -163,8 +163,11 @@ def build_gateway(agent: DictConfig):
             raise ConfigError("config error: task.agent.gateway.expert needs an agent program "
                               "(task.agent.gateway.agent or .command)")
         return None
-    from glmlight.gateway.runner import GatewayOptions, load_agent
-
+    try:
+        from glmlight.gateway.runner import GatewayOptions, load_agent
+    except ImportError as e:
+        raise ConfigError(f"config error: task.agent.gateway needs the gateway's server library ({e}); "
+                          "pip install 'glmlight[gateway]'") from None
     if g.agent is not None and g.command is not None:
         raise ConfigError("config error: task.agent.gateway: set agent (a callable) or command, not both")
     if agent.env is not None:
