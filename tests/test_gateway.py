@@ -218,6 +218,29 @@ def test_client_echo_variants_extend_the_episode(tokenizer):
     assert ge.final_text == "answer: 2146"
 
 
+def test_stop_strings_end_the_answer_where_a_server_would(tokenizer):
+    """`stop` / `stop_sequences`: the answer ends at the token that completes the string (the action: the
+    ids up to it, as sampled); the text returned leaves the string out."""
+    env = CalculatorEnv(system_prompt=None, expert_calc_rate=1.0)
+    got = {}
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            r = c.chat.completions.create(model="m", messages=task.messages, stop=["*"])
+            got["openai"] = (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens)
+        with anthropic.Anthropic(base_url=task.anthropic_base_url, api_key=task.api_key, max_retries=0) as c:
+            r = c.messages.create(model="m", max_tokens=16, messages=task.messages, stop_sequences=["*"])
+            got["anthropic"] = (r.content[0].text, r.stop_reason, r.stop_sequence)
+
+    (ge,), _ = _rollout(tokenizer, ExpertEngine(tokenizer, env.expert), agent, [_prompt("37*58=", "2146")],
+                        params=lambda n: SamplingParams(max_new_tokens=16, stop_token_ids=[1]))
+    assert got["openai"] == ("calc: 37", "stop", 9) and got["anthropic"] == ("calc: 37", "stop_sequence", "*")
+    ids = tokenizer("calc: 37*", add_special_tokens=False)["input_ids"]
+    (first,) = ge.ep.segments  # the second request sent the same messages again: a new segment
+    assert first.response_ids == ids and first.loss_mask == [1] * 9 and len(first.logprobs) == 9
+    assert ge.ep.response_ids == ids
+
+
 # ----------------------------------------------------------------- rewritten history
 def test_rewritten_history_opens_a_new_segment(tokenizer, tiny_model):
     """Turn 3 drops the earlier turns (a summary in their place): the first two turns stay one segment, as

@@ -239,7 +239,7 @@ class GatewayEpisode:
     def _cut_at_stop(self, g: Generation, stops: list[str], prompt_len: int) -> tuple[Generation, str | None, str]:
         """The generation up to the token that completes the first stop string (as a server stops there),
         the stop string, and the turn's text without it."""
-        decode = lambda ids: self.codec.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        decode = self.codec.decode
         text = decode(g.token_ids)
         if not stops or not any(s in text for s in stops):
             return g, None, text

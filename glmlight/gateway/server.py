@@ -83,9 +83,10 @@ class GatewayServer:
             app.router.add_post(prefix + "/reward", self._reward)
             app.router.add_post(prefix + "/v1/reward", self._reward)
             app.router.add_get(prefix + "/v1/models", self._models)
-        runner = web.AppRunner(app, access_log=None)
+        # a request still in flight when the rollout ends (its agent gone) is not waited for
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
+        site = web.TCPSite(runner, self.host, self.port, backlog=1024)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         return runner

@@ -49,6 +49,11 @@ class TurnCodec:
             return encode_chat(self.tokenizer, messages, add_generation_prompt=gen,
                                tools=[t.openai() for t in tools] or None)
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of sampled ids (special tokens left out)."""
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def encode(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
         """The ids of a whole conversation, up to the opening of the next assistant turn (a new segment)."""
         try:
