@@ -128,6 +128,22 @@ def test_hermes_template_spliced_turns_equal_the_whole_conversation_rendered():
     assert [c.name for c in ge.calls] == ["calc"]
 
 
+def test_a_template_that_renders_the_last_assistant_turn_otherwise_is_spliced():
+    """A template that marks only the last assistant turn (as templates that drop earlier turns' reasoning
+    do): the new messages' ids are still exactly what the template renders after an assistant turn."""
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{% if loop.last %}[r]{% endif %}"
+        "{{ m.content }}<eos>\n{% else %}<|{{ m.role }}|>{{ m.content }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    codec = TurnCodec(tok, LineFormat(), stop_token_ids(tok))
+    assert tok.decode(codec.closing) == "<eos>\n"
+    got = codec.extension([Message("user", "go on")], [])
+    assert tok.decode(got) == "<|user|>go on\n<|assistant|>"
+    assert codec.after_action(tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) == \
+        tok("\n", add_special_tokens=False)["input_ids"]
+
+
 def test_turn_codec_refuses_what_it_cannot_encode():
     tok = build_char_tokenizer()
     codec = TurnCodec(tok, LineFormat(), stop_token_ids(tok))

@@ -2,13 +2,16 @@
 
 An episode's ids grow by splicing: the engine's sampled ids as they are, then the ids of the
 messages the agent adds (tool results, user turns) and of the opening of the next assistant turn.
-Those are rendered against a fixed two-turn conversation (a user turn, an assistant turn), so that
+Those are rendered after a fixed two-turn conversation (a user turn, an assistant turn), so that
 what a template adds at the start of a conversation (a default system prompt, a BOS) is not repeated,
 and so that how the template renders the real earlier turns never matters: ids already in the
-episode are never re-rendered. `closing` is what the template puts after an assistant turn's text
-(its end-of-turn token, and what follows it): a turn the model ended with its end token gets the
-rest; a turn cut short (by max_tokens or a stop string) gets all of it, so the next turn starts
-where the template starts one.
+episode are never rendered again. They are what follows the assistant turn's text in that
+rendering: the part two renderings with different assistant texts have in common at their end, less
+the template's `closing` (so a template that renders an earlier assistant turn otherwise than the last
+one, e.g. with its reasoning dropped, is spliced as well). `closing` is what the template puts after
+an assistant turn's text (its end-of-turn token, and what follows it): a turn the model ended with
+its end token gets the rest; a turn cut short (by max_tokens or a stop string) gets all of it, so
+the next turn starts where the template starts one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from glmlight.gateway.tool_format import ToolFormat
 from glmlight.models.tokenizer import PromptEncodingError, encode_chat
 
 _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+_BASE_LONGER = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "yz"}]
 _PROBE_TOOL = ToolSpec("probe", "a probe", {"type": "object", "properties": {"a": {"type": "string"}}})
 
 
@@ -29,13 +33,7 @@ class TurnCodec:
     def __init__(self, tokenizer: Any, fmt: ToolFormat, stop_ids: list[int]):
         self.tokenizer, self.fmt, self.stop_ids = tokenizer, fmt, set(stop_ids)
         self._lock = threading.Lock()  # a fast tokenizer is not safe to call from many threads at once
-        self._prefix: dict[str, list[int]] = {}
-        y = self._encode(_BASE, False, [])
-        yz = self._encode(_BASE[:1] + [{"role": "assistant", "content": "yz"}], False, [])
-        n = 0
-        while n < min(len(y), len(yz)) and y[-1 - n] == yz[-1 - n]:
-            n += 1
-        self.closing = y[len(y) - n:]  # after an assistant turn's text
+        self.closing = _common_tail(self._encode(_BASE, False, []), self._encode(_BASE_LONGER, False, []))
         self.renders_tools = self._encode(_BASE[:1], True, [_PROBE_TOOL]) != self._encode(_BASE[:1], True, [])
         for probe in ([Message("user", "z")], [Message("tool", "z", tool_call_id="c")]):
             try:
@@ -63,21 +61,27 @@ class TurnCodec:
 
     def extension(self, new: list[Message], tools: list[ToolSpec]) -> list[int]:
         """The ids of `new` (the messages after an assistant turn) and of the next assistant turn's opening."""
-        key = ",".join(t.key() for t in tools)
+        rendered = [self.fmt.template_message(m, tools) for m in new]
         try:
-            if key not in self._prefix:
-                self._prefix[key] = self._encode(_BASE, False, tools)
-            prefix = self._prefix[key]
-            full = self._encode(_BASE + [self.fmt.template_message(m, tools) for m in new], True, tools)
+            tail = _common_tail(self._encode(_BASE + rendered, True, tools),
+                                self._encode(_BASE_LONGER + rendered, True, tools))
         except PromptEncodingError as e:
             raise bad_request(f"the model's chat template cannot encode these messages: {e}") from None
-        if full[: len(prefix)] != prefix:
-            raise bad_request("the model's chat template renders these messages differently after earlier turns; "
-                              "they cannot be appended to the episode")
-        return full[len(prefix):]
+        if tail[: len(self.closing)] != self.closing:
+            raise bad_request("the model's chat template closes an assistant turn differently when more messages "
+                              "follow; these messages cannot be appended to the episode")
+        return tail[len(self.closing):]
 
     def after_action(self, action: list[int]) -> list[int]:
         """What closes a sampled turn: the rest of the template's closing after the model's own end token,
         or all of it when the turn did not end with one."""
         ended = bool(action) and action[-1] in self.stop_ids
         return self.closing[1:] if ended and self.closing else [] if ended else list(self.closing)
+
+
+def _common_tail(a: list[int], b: list[int]) -> list[int]:
+    """The longest common suffix of `a` and `b`."""
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n:]
