@@ -174,6 +174,50 @@ def build_env_factory(agent: DictConfig):
     return lambda: instantiate(spec)
 
 
+def build_gateway(agent: DictConfig):
+    """The agent gateway's options (glmlight.gateway.runner.GatewayOptions), or None when no agent program is set."""
+    g = agent.gateway
+    if g.agent is None and g.command is None:
+        if g.expert is not None:
+            raise ConfigError("config error: task.agent.gateway.expert needs an agent program "
+                              "(task.agent.gateway.agent or .command)")
+        return None
+    try:
+        from glmlight.gateway.runner import GatewayOptions, load_agent
+    except ImportError as e:
+        raise ConfigError(f"config error: task.agent.gateway needs the gateway's server library ({e}); "
+                          "pip install 'glmlight[gateway]'") from None
+    if g.agent is not None and g.command is not None:
+        raise ConfigError("config error: task.agent.gateway: set agent (a callable) or command, not both")
+    if agent.env is not None:
+        raise ConfigError("config error: task.agent.gateway runs an agent program; task.agent.env must be null")
+    if agent.compact_threshold is not None:
+        raise ConfigError("config error: task.agent.compact_threshold is for task.agent.env episodes; a gateway "
+                          "agent manages its own context (a rewritten history opens a new segment)")
+    if g.command is not None and not g.command:
+        raise ConfigError("config error: task.agent.gateway.command is empty")
+    return GatewayOptions(agent=load_agent(g.agent) if g.agent is not None else None,
+                          command=list(g.command) if g.command is not None else None, timeout_s=g.timeout_s,
+                          max_concurrent=g.max_concurrent, reward=g.reward, tool_format=g.tool_format,
+                          client_sampling=g.client_sampling, host=g.host)
+
+
+def expert_factory(agent: DictConfig):
+    """What the format warm start's expert comes from: task.agent.gateway.expert, else the environment."""
+    spec = agent.gateway.expert
+    if spec is None:
+        return build_env_factory(agent)
+    spec = OmegaConf.to_container(spec, resolve=True)
+    if "_target_" not in spec:
+        raise ConfigError("config error: task.agent.gateway.expert needs a _target_")
+    try:
+        instantiate(spec)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"config error: task.agent.gateway.expert: cannot build {spec['_target_']} "
+                          f"({_root_cause(e)})") from None
+    return lambda: instantiate(spec)
+
+
 def compaction_options(agent: DictConfig) -> dict[str, Any] | None:
     if agent.compact_threshold is None:
         return None
@@ -301,8 +345,7 @@ def _warm_start_rows(cfg: DictConfig, tokenizer: Any, make_datamodule: Any) -> t
     if task.source == "chat":
         identity.update(question=task.question, list_length=list(task.list_length), question_suffix=task.question_suffix)
     identity["seed"] = cfg.seed
-    env_factory = build_env_factory(task.agent)
-    experts = env_experts(env_factory) if ws.data in ("auto", "expert") else []
+    experts = env_experts(expert_factory(task.agent)) if ws.data in ("auto", "expert") else []
     if ws.data == "expert" and not experts:
         raise ConfigError("config error: model.warm_start.data=expert needs an agent task whose environment "
                           "has an expert(messages, summarize) or experts() method")
@@ -318,7 +361,7 @@ def _datamodule_options(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any
     agent = cfg.task.agent
     return dict(env_factory=build_env_factory(agent), max_turns=agent.max_turns, compaction=compaction_options(agent),
                 vocab_size=max(policy.config.vocab_size, len(tokenizer)), turn_max_new_tokens=agent.max_new_tokens,
-                agent_domains=list(agent.domains or ()))
+                agent_domains=list(agent.domains or ()), gateway=build_gateway(agent))
 
 
 def _datamodule_factory(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource,

@@ -20,7 +20,7 @@ from glmlight.errors import ConfigError
 from glmlight.ranges import SEED, Range, check_ranges, field_range, ranges  # noqa: F401 - Range, field_range re-exported
 from glmlight.registry import algorithm
 from glmlight.rollout_config import (  # noqa: F401 - re-exported
-    AgentConfig, RewardOptions, RolloutConfig, ServerConfig, TaskConfig)
+    AgentConfig, GatewayConfig, RewardOptions, RolloutConfig, ServerConfig, TaskConfig)
 
 # ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
 OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default'}", replace=True)
@@ -353,6 +353,8 @@ CHOICES = {
     "rollout.weight_format": ("auto", "fp8"),
     "logger.mode": ("offline", "online", "disabled"),
     "task.reward_options.executor": ("thread", "process"),
+    "task.agent.gateway.reward": ("task", "agent"),
+    "task.agent.gateway.tool_format": ("auto", "line", "hermes", "glm"),
 }
 
 

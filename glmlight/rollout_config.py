@@ -88,6 +88,28 @@ ranges(RolloutConfig, num_threads=">= 1", temperature=">= 0", top_p="(0, 1]", to
 
 
 @dataclass
+class GatewayConfig:
+    """The agent gateway (docs/agents.md): the user's own agent program, run once per episode against
+    OpenAI- and Anthropic-compatible endpoints that record the exact tokens. On when `agent` or
+    `command` is set."""
+
+    agent: Optional[str] = None  # a callable agent(task): "pkg.module:function" or "path/to/file.py:function"
+    command: Optional[list[str]] = None  # or a command; the episode's URLs, key and prompt are in its environment
+    timeout_s: float = 300.0  # the agent's own time per episode (time waiting for the engine not counted)
+    max_concurrent: int = 128  # agents running at once
+    reward: str = "task"  # task: task.reward scores the episode | agent: the reward the agent reports
+    tool_format: str = "auto"  # how tool calls look in the model's text: auto | line | hermes | glm
+    client_sampling: bool = False  # honour a request's temperature / top_p / top_k (off: the run's sampling)
+    host: str = "127.0.0.1"
+    # The format warm start's demonstrations: an object with expert(messages, summarize) (or experts()),
+    # built with _target_ and played through the gateway with the agent (e.g. the calculator environment).
+    expert: Optional[dict[str, Any]] = None
+
+
+ranges(GatewayConfig, timeout_s="> 0", max_concurrent=">= 1")
+
+
+@dataclass
 class AgentConfig:
     """Multi-turn episodes: set env to an Environment class (_target_) to turn the task into an agent task."""
 
@@ -103,6 +125,7 @@ class AgentConfig:
     summary_max_tokens: int = 32
     summary_prompt: str = "Summarize."  # the user turn that asks the policy for its summary
     resume_header: str = "Summary: "  # opens the resume turn that carries the summary
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)  # an agent program instead of an env
 
 
 ranges(AgentConfig, max_turns=">= 1", max_new_tokens=">= 1", compact_threshold=">= 1", keep_last_steps=">= 0",

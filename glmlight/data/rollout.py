@@ -52,10 +52,12 @@ class RolloutDataModule(pl.LightningDataModule):
                  max_turns: int = 4, compaction: dict[str, Any] | None = None, vocab_size: int | None = None,
                  eval_sets: dict[str, PromptSource | evaluation.EvalSet] | None = None,
                  eval_cfg: EvalConfig | None = None, turn_max_new_tokens: int | None = None,
-                 agent_domains: Iterable[str] = (), policy_version: Callable[[], int] = lambda: 0):
+                 agent_domains: Iterable[str] = (), policy_version: Callable[[], int] = lambda: 0,
+                 gateway: Any = None):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
         self.env_factory, self.max_turns = env_factory, max_turns
+        self.gateway = gateway  # glmlight.gateway.runner.GatewayOptions: episodes run the user's agent program
         self.agent_domains = frozenset(agent_domains)  # with env_factory: only these domains are episodes (empty: all)
         self.turn_max_new_tokens = turn_max_new_tokens  # agent turns: tokens per turn (None: cfg.max_new_tokens)
         self.compaction = compaction  # CompactingAgentLoop options, or None
@@ -168,8 +170,10 @@ class RolloutDataModule(pl.LightningDataModule):
         return samples
 
     def is_episode(self, prompt: Prompt) -> bool:
-        """Whether `prompt` runs as an agent episode (an environment, and its domain listed or none listed)."""
-        return self.env_factory is not None and (not self.agent_domains or prompt.domain in self.agent_domains)
+        """Whether `prompt` runs as an agent episode (an environment or an agent program, and its domain listed or
+        none listed)."""
+        agent = self.env_factory is not None or self.gateway is not None
+        return agent and (not self.agent_domains or prompt.domain in self.agent_domains)
 
     def _single_turn(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool, engine: RolloutEngine,
                      id_source: Any) -> list[Sample]:
@@ -214,9 +218,10 @@ class RolloutDataModule(pl.LightningDataModule):
                   ids: Any) -> list[Sample]:
         engine = RetryingEngine(engine, counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s,
                                 self.vocab_size)
-        args = (engine, self.tokenizer, self.env_factory,
-                lambda ctx: self.sampling_params(ctx, greedy, self.turn_max_new_tokens),
-                self.max_turns, self.cfg.max_context)
+        params = lambda ctx: self.sampling_params(ctx, greedy, self.turn_max_new_tokens)  # noqa: E731
+        if self.gateway is not None:
+            return self._gateway_episodes(prompts, n, counts, engine, params, ids)
+        args = (engine, self.tokenizer, self.env_factory, params, self.max_turns, self.cfg.max_context)
         loop = CompactingAgentLoop(*args, **self.compaction) if self.compaction else AgentLoop(*args)
         episodes = loop.run(prompts, n)
         samples = []
@@ -229,6 +234,25 @@ class RolloutDataModule(pl.LightningDataModule):
                 counts["agent_turns"] += ep.turns
                 counts["compactions"] += len(ep.segments)
         return samples
+
+    def _gateway_episodes(self, prompts: list[Prompt], n: int, counts: Counter, engine: RolloutEngine,
+                          params: Callable[[int], SamplingParams], ids: Any) -> list[Sample]:
+        """Episodes of the user's agent program through the agent gateway (glmlight/gateway)."""
+        from glmlight.gateway.runner import GatewayRollout, score_episodes
+
+        rollout = GatewayRollout(engine, self.tokenizer, self.gateway, params, self.max_turns, self.cfg.max_context,
+                                 counts)
+        episodes = rollout.run(prompts, n)
+        trajectories = []
+        for k in range(len(prompts)):
+            group_id = ids.new_group_id()
+            first = ids.take_rollout_ids(n)
+            for j in range(n):
+                ep = episodes[k * n + j].ep
+                trajectories.append(episode_to_samples(ep, group_id, first + j))
+                counts["agent_turns"] += ep.turns
+        score_episodes(episodes, trajectories, self.reward_fn, self.gateway.reward, counts)
+        return [s for t in trajectories for s in t]
 
     def _filter_groups(self, samples: list[Sample], counts: Counter) -> list[list[Sample]]:
         groups: dict[int, list[Sample]] = {}
@@ -243,7 +267,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 self.stream.requeue(group[0].metadata["prompt_index"])
                 continue
             group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed",
-                                      lambda t: "reward_timeout" if t[0].metadata.get("reward_timeout") else "failed")
+                                      lambda t: "reward_timeout" if t[0].metadata.get("reward_timeout")
+                                      else t[0].metadata.get("failure", "failed"))
             if group is None:
                 continue
             # DAPO dynamic sampling keeps a group only if its verifier outcomes differ (0 < #correct < G):

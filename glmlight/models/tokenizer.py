@@ -43,9 +43,12 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def encode_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template.
+    """Token ids of `messages` rendered by the tokenizer's chat template (with `tools`, the tool
+    declarations the template renders, in the OpenAI function-tool form; a template without tool
+    support ignores them).
 
     A tokenizer without a chat template is a ConfigError; messages the template or the tokenizer
     cannot encode (a template error, characters outside the vocabulary) raise PromptEncodingError."""
@@ -54,7 +57,9 @@ def encode_chat(
         raise ConfigError(f"config error: the tokenizer {name!r} has no chat template; set tokenizer.chat_template, "
                           "or use a checkpoint whose tokenizer_config.json (or chat_template.jinja) has one")
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **extra)
     except Exception as e:  # noqa: BLE001 - jinja, the tokenizers library and transformers raise many kinds
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise PromptEncodingError("unencodable_prompt", f"the chat template cannot encode the prompt "

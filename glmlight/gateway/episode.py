@@ -1,0 +1,262 @@
+"""One gateway episode: its exact token record, served one request at a time.
+
+The record is a `glmlight.agents.loop.Episode`, so it becomes Samples as any agent episode does
+(`episode_to_samples`: one per segment). A request whose messages extend the conversation the
+record holds (the same messages, the assistant turns the ones the gateway produced, then only
+user or tool messages) appends the new messages' ids (loss mask 0) and the opening of the next
+assistant turn; the engine continues that exact context, and its ids go in as sampled (loss mask
+1, with their log-probs and versions). Any other request (history dropped, edited or summarised,
+an assistant turn the gateway did not produce, other tools where the template renders them) closes
+the current segment and opens a new one from the request's messages, rendered by the chat template
+(as CompactionRL's segments: each segment is a sample of its own, all share the episode's reward).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable
+
+from glmlight.agents.loop import Episode, Segment
+from glmlight.gateway.messages import (BAD_REQUEST, CLOSED, CONTEXT, SERVER, Message, ToolCall, ToolSpec,
+                                       TurnRequest, TurnResult, WireError)
+from glmlight.gateway.template import TurnCodec
+from glmlight.prompt import Prompt
+from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
+from glmlight.sample import Status
+
+log = logging.getLogger(__name__)
+
+MAX_REGENERATIONS = 3  # a turn a weight update aborted is generated again this many times at most
+
+
+class GatewayEpisode:
+    """`params(context_len)`: the run's sampling params of one turn (max_new_tokens within the context
+    budget). With `client_sampling`, a request's temperature, top_p and top_k replace the run's."""
+
+    def __init__(self, index: int, prompt: Prompt, codec: TurnCodec, engine: RolloutEngine,
+                 params: Callable[[int], SamplingParams], max_turns: int, max_context: int, counts: Counter,
+                 client_sampling: bool = False):
+        self.key = "glk-" + secrets.token_hex(16)
+        self.id = f"episode-{index}"
+        self.codec, self.engine, self.params, self.counts = codec, engine, params, counts
+        self.max_turns, self.max_context, self.client_sampling = max_turns, max_context, client_sampling
+        self.ep = Episode(prompt=prompt, env=None, prompt_ids=[])
+        self.history: list[Message] | None = None  # the conversation the current segment's ids hold
+        self.tools: list[ToolSpec] = []
+        self.last_action: list[int] = []
+        self.failure: tuple[str, str] | None = None  # (reason, message): the episode failed
+        self.truncated: str | None = None  # why the episode ended at its budget
+        self.closed = False
+        self.reported: dict[str, Any] | None = None  # a reward the agent reported
+        self.final_text = ""  # the text of the last turn the gateway answered
+        self.calls: list[ToolCall] = []  # every tool call the gateway answered with
+        self.requests = self.rewrites = self.regenerated = 0
+        self._state = threading.Lock()
+        self._clock = threading.Lock()
+        self._inflight, self._agent_s, self._since = 0, 0.0, time.monotonic()
+
+    # ----------------------------------------------------------------- the agent's own time
+    def start_clock(self) -> None:
+        """The agent starts now."""
+        with self._clock:
+            self._agent_s, self._since = 0.0, time.monotonic()
+
+    def enter(self) -> None:
+        """A request of this episode is being served (the agent's clock stops)."""
+        with self._clock:
+            if self._inflight == 0:
+                self._agent_s += time.monotonic() - self._since
+            self._inflight += 1
+
+    def leave(self) -> None:
+        with self._clock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._since = time.monotonic()
+
+    def agent_seconds(self) -> float:
+        """Seconds the agent has spent on its own: its time alive minus the time its requests were served."""
+        with self._clock:
+            return self._agent_s + (time.monotonic() - self._since if self._inflight == 0 else 0.0)
+
+    # ----------------------------------------------------------------- outcome
+    def fail(self, reason: str, message: str) -> None:
+        with self._state:
+            self._fail(reason, message)
+
+    def _fail(self, reason: str, message: str) -> None:
+        if self.failure is None and self.truncated is None and not self.closed:
+            self.failure = (reason, message)
+            log.warning("gateway %s failed (%s): %s", self.id, reason, message)
+
+    def report(self, reward: float, info: dict[str, Any]) -> None:
+        with self._state:
+            if self.closed:
+                raise WireError(400, CLOSED, "this episode has ended")
+            self.reported = {"reward": reward, "info": info}
+
+    def finish(self, agent_failure: tuple[str, str] | None) -> Episode:
+        """Close the episode (later requests are refused) and set the record's status."""
+        with self._state:
+            if agent_failure is not None:
+                self._fail(*agent_failure)
+            if self.failure is None and self.truncated is None and self.ep.turns == 0:
+                self._fail("agent_no_requests", "the agent ended without asking the model anything")
+            self.closed = True
+            ep = self.ep
+            if not ep.prompt_ids:  # it never got as far as a prompt (a Sample needs one)
+                ep.prompt_ids = [self.codec.tokenizer.eos_token_id]
+            if self.failure is not None:
+                ep.finish(Status.FAILED, f"{self.failure[0]}: {self.failure[1]}")
+            else:
+                ep.finish(Status.TRUNCATED if self.truncated else Status.COMPLETED, self.truncated)
+            ep.info.update(requests=self.requests, rewrites=self.rewrites, tool_calls=len(self.calls),
+                           regenerated=self.regenerated)
+            return ep
+
+    # ----------------------------------------------------------------- a turn
+    def turn(self, req: TurnRequest) -> TurnResult:
+        """Serve one request (called with the episode's requests one at a time)."""
+        with self._state:
+            self._check_open()
+            self.requests += 1
+            ctx, params = self._prepare(req)
+        g = self._generate(ctx, params)
+        with self._state:
+            self._check_open()
+            return self._take(req, g, len(ctx))
+
+    def _check_open(self) -> None:
+        if self.failure is not None:
+            raise WireError(400, CLOSED, f"this episode has failed ({self.failure[0]}: {self.failure[1]})")
+        if self.truncated is not None:
+            raise WireError(400, CONTEXT, f"this episode has ended: {self.truncated}")
+        if self.closed:
+            raise WireError(400, CLOSED, "this episode has ended (the rollout closed it)")
+
+    def _truncate(self, why: str) -> WireError:
+        self.truncated = why
+        return WireError(400, CONTEXT, why)
+
+    def _new_messages(self, req: TurnRequest) -> list[Message] | None:
+        """The messages `req` adds to the conversation the record holds; None when it does not extend it."""
+        h = self.history
+        if h is None or len(req.messages) <= len(h):
+            return None
+        if self.codec.renders_tools and [t.key() for t in req.tools] != [t.key() for t in self.tools]:
+            return None
+        if any(a.key() != b.key() for a, b in zip(req.messages, h)):
+            return None
+        new = req.messages[len(h):]
+        return None if any(m.role == "assistant" for m in new) else new
+
+    def _prepare(self, req: TurnRequest) -> tuple[list[int], SamplingParams]:
+        if self.ep.turns >= self.max_turns:
+            raise self._truncate(f"the episode's turn limit ({self.max_turns} turns) is reached")
+        new = self._new_messages(req)
+        if new is not None:
+            ids = self.codec.after_action(self.last_action) + self.codec.extension(new, req.tools)
+            if len(self.ep.context) + len(ids) >= self.max_context:
+                raise self._truncate(f"the conversation exceeds the episode's context budget "
+                                     f"({self.max_context} tokens)")
+            self.ep.add_observation(ids)
+        else:
+            prompt = self.codec.encode(req.messages, req.tools)
+            if len(prompt) >= self.max_context:
+                raise self._truncate(f"the messages take {len(prompt)} tokens, the episode's context budget is "
+                                     f"{self.max_context}")
+            if self.history is not None:
+                self._new_segment()
+            self.ep.prompt_ids = prompt
+        self.history, self.tools = list(req.messages), list(req.tools)
+        ctx = list(self.ep.context)
+        p = self.params(len(ctx))
+        cap = p.max_new_tokens if req.max_tokens is None else min(p.max_new_tokens, req.max_tokens)
+        mine = self.client_sampling
+        params = SamplingParams(
+            temperature=req.temperature if mine and req.temperature is not None and p.temperature > 0 else p.temperature,
+            top_p=req.top_p if mine and req.top_p is not None else p.top_p,
+            top_k=req.top_k if mine and req.top_k is not None else p.top_k,
+            max_new_tokens=max(cap, 1), stop_token_ids=list(p.stop_token_ids), seed=p.seed)
+        return ctx, params
+
+    def _new_segment(self) -> None:
+        """Close the current segment (when it holds an action) and start an empty one: a rewritten history."""
+        ep = self.ep
+        if any(ep.loss_mask):
+            ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
+                                       ep.routed_experts, ep.indexer_topk, ep.turn_rewards))
+        ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions = [], [], [], [], []
+        ep.routed_experts = ep.indexer_topk = None
+        ep.turn_rewards, ep.records_lost, ep.record_turns = [], False, 0
+        self.last_action = []
+        self.rewrites += 1
+        self.counts["gateway_rewrites"] += 1
+
+    def _generate(self, ctx: list[int], params: SamplingParams) -> Generation:
+        """The engine's answer; a turn a weight update aborted is generated again (the agent never saw it)."""
+        for _ in range(MAX_REGENERATIONS + 1):
+            try:
+                g = self.engine.generate([ctx], [params])[0]
+            except Exception as e:  # noqa: BLE001 - an engine without retries of its own
+                g = Generation([], [], "error", [])
+                log.warning("gateway %s: engine error: %s: %s", self.id, type(e).__name__, e)
+            if g.finish_reason != "abort":
+                return g
+            self.regenerated += 1
+            self.counts["gateway_regenerated"] += 1
+        with self._state:
+            self._fail("aborted", f"a weight update aborted this turn {MAX_REGENERATIONS + 1} times")
+        raise WireError(503, SERVER, "the turn was aborted by weight updates too many times")
+
+    def _take(self, req: TurnRequest, g: Generation, prompt_len: int) -> TurnResult:
+        if g.finish_reason == "error":
+            self._fail("engine_failed", "the rollout engine failed on this turn (after its retries)")
+            raise WireError(500, SERVER, "the rollout engine failed on this turn")
+        g, stop, text = self._cut_at_stop(g, req.stop, prompt_len)
+        self.ep.add_action(g)
+        self.ep.turns += 1
+        self.ep.action_lengths.append(len(g.token_ids))
+        self.last_action = list(g.token_ids)
+        if req.tool_choice == "none" or not req.tools:
+            content, calls = text, []
+        else:
+            content, calls = self.codec.fmt.parse(text, req.tools, self._call_id)
+        self.calls += calls
+        self.final_text = content
+        self.history.append(Message("assistant", content, calls))
+        finish = ("length" if g.finish_reason == "length" else "stop_sequence" if stop is not None
+                  else "tool_calls" if calls else "stop")
+        return TurnResult(content, calls, finish, stop, prompt_len, len(g.token_ids), self.ep.turns, self.id)
+
+    def _call_id(self) -> str:
+        return f"call_{secrets.token_hex(8)}"
+
+    def _cut_at_stop(self, g: Generation, stops: list[str], prompt_len: int) -> tuple[Generation, str | None, str]:
+        """The generation up to the token that completes the first stop string (as a server stops there),
+        the stop string, and the turn's text without it."""
+        decode = self.codec.decode
+        text = decode(g.token_ids)
+        if not stops or not any(s in text for s in stops):
+            return g, None, text
+        for k in range(1, len(g.token_ids) + 1):
+            part = decode(g.token_ids[:k])
+            hits = [(part.find(s), s) for s in stops if s in part]
+            if hits:
+                at, stop = min(hits)
+                ran = prompt_len + k - 1  # positions whose records stay (module docstring of glmlight.sample)
+                cut = Generation(g.token_ids[:k], g.logprobs[:k], "stop", g.versions[:k],
+                                 None if g.routed_experts is None else g.routed_experts[:ran],
+                                 None if g.indexer_topk is None else g.indexer_topk[:max(ran - _topk_start(g, prompt_len), 0)])
+                return cut, stop, part[:at]
+        return g, None, text
+
+
+def _topk_start(g: Generation, prompt_len: int) -> int:
+    """The first query position of `g`'s DSA records (they start at k_ix; see glmlight.sample)."""
+    ran = prompt_len + len(g.token_ids) - 1
+    return ran - len(g.indexer_topk) if g.indexer_topk is not None else 0

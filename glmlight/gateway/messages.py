@@ -1,0 +1,96 @@
+"""The gateway's own form of a chat turn, shared by both wire formats.
+
+Each wire module (`openai_wire`, `anthropic_wire`) turns a request into a `TurnRequest` (the
+conversation as `Message`s, the declared `ToolSpec`s, the sampling options) and a `TurnResult`
+back into its own response. A request the gateway cannot serve raises `WireError`: an HTTP status,
+a kind (what the error means for the episode) and a message the agent gets in its wire's error body.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# WireError kinds: what the error means for the episode.
+BAD_REQUEST = "bad_request"  # malformed or unsupported: the episode fails
+CONTEXT = "context_length"  # the context or turn budget is spent: the episode ends truncated
+AUTH = "authentication"  # no episode has this key
+CLOSED = "closed"  # the episode has ended (failed, truncated or closed): nothing changes
+SERVER = "server"  # the engine failed: the episode fails
+
+
+class WireError(Exception):
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+def bad_request(message: str) -> WireError:
+    return WireError(400, BAD_REQUEST, message)
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)  # JSON schema of the arguments
+
+    def key(self) -> str:
+        return json.dumps([self.name, self.description, self.parameters], sort_keys=True)
+
+    def openai(self) -> dict[str, Any]:
+        """The OpenAI function-tool form (the form Hugging Face chat templates take in `tools=`)."""
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class Message:
+    role: str  # system | user | assistant | tool
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None  # a tool result: the call it answers
+
+    def key(self) -> tuple:
+        """What makes two messages the same turn. An assistant message is compared by its text (outer
+        whitespace aside) and its calls' names and arguments: clients re-serialise arguments and may
+        drop or strip the text, and a call's id is only the wire's pairing of call and result."""
+        if self.role == "assistant":
+            calls = tuple((c.name, json.dumps(c.arguments, sort_keys=True)) for c in self.tool_calls)
+            return ("assistant", self.content.strip(), calls)
+        return (self.role, self.content, self.tool_call_id or "")
+
+
+@dataclass
+class TurnRequest:
+    messages: list[Message]
+    tools: list[ToolSpec] = field(default_factory=list)
+    tool_choice: str = "auto"  # auto | none
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    model: str = ""
+    include_usage: bool = False  # OpenAI stream_options.include_usage
+
+
+@dataclass
+class TurnResult:
+    content: str
+    tool_calls: list[ToolCall]
+    finish: str  # stop | length | tool_calls | stop_sequence
+    stop_sequence: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    turn: int  # 1 for the episode's first turn
+    episode: str  # the episode's public id (not its key)

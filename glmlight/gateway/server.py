@@ -1,0 +1,182 @@
+"""The gateway's HTTP server: aiohttp on a free localhost port, in a thread with its own event loop.
+
+Routes (each also under `/e/<key>`, the episode's own base URL, for agents that cannot set a key):
+
+- POST /v1/chat/completions (`openai_wire`) and POST /v1/messages (`anthropic_wire`): one turn of
+  the episode the key names (`Authorization: Bearer <key>` or `x-api-key: <key>`);
+- POST /reward (or /v1/reward) `{"reward": <number>, "info": {...}}`: the agent reports its episode's
+  reward;
+- GET /v1/models: the one model served.
+
+An episode's requests are served one at a time, in the order they arrive; the engine call runs in
+a worker thread, so requests of many episodes reach the engine together (the embedded engine
+batches them). Every error goes back in the wire's own error form with `x-should-retry: false`
+(the official clients would otherwise retry some of them); a malformed request fails its episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from glmlight.gateway import anthropic_wire, openai_wire
+from glmlight.gateway.episode import GatewayEpisode
+from glmlight.gateway.messages import AUTH, BAD_REQUEST, WireError, bad_request
+
+log = logging.getLogger(__name__)
+NO_RETRY = {"x-should-retry": "false"}
+
+
+class GatewayServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, workers: int = 64, model_name: str = "glmlight"):
+        self.host, self.port, self.model_name = host, port, model_name
+        self.episodes: dict[str, GatewayEpisode] = {}
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="glmlight-gateway-turn")
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- life
+    def __enter__(self) -> "GatewayServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        ready: dict[str, Any] = {}
+        started = threading.Event()
+        self._loop = asyncio.new_event_loop()
+
+        def main() -> None:
+            asyncio.set_event_loop(self._loop)
+            runner = None
+            try:
+                runner = self._loop.run_until_complete(self._listen())
+            except BaseException as e:  # noqa: BLE001 - re-raised in start()
+                ready["error"] = e
+            started.set()
+            if runner is None:
+                return
+            self._loop.run_forever()
+            self._loop.run_until_complete(runner.cleanup())
+            self._loop.close()
+
+        self._thread = threading.Thread(target=main, name="glmlight-gateway", daemon=True)
+        self._thread.start()
+        started.wait()
+        if "error" in ready:
+            raise RuntimeError(f"the agent gateway cannot listen on {self.host}:{self.port}: {ready['error']}")
+
+    async def _listen(self) -> web.AppRunner:
+        app = web.Application(client_max_size=64 * 2**20)
+        for prefix in ("", "/e/{key}"):
+            app.router.add_post(prefix + "/v1/chat/completions", lambda r: self._turn(r, openai_wire))
+            app.router.add_post(prefix + "/v1/messages", lambda r: self._turn(r, anthropic_wire))
+            app.router.add_post(prefix + "/reward", self._reward)
+            app.router.add_post(prefix + "/v1/reward", self._reward)
+            app.router.add_get(prefix + "/v1/models", self._models)
+        # a request still in flight when the rollout ends (its agent gone) is not waited for
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, backlog=1024)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return runner
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ----------------------------------------------------------------- episodes
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def add(self, ep: GatewayEpisode) -> str:
+        """Serve `ep`; returns its own base URL."""
+        self.episodes[ep.key] = ep
+        return f"{self.url}/e/{ep.key}"
+
+    def _episode(self, request: web.Request) -> GatewayEpisode:
+        key = request.match_info.get("key")
+        if key is None:
+            auth = request.headers.get("Authorization", "")
+            key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
+        ep = self.episodes.get(key or "")
+        if ep is None:
+            raise WireError(401, AUTH, "unknown API key: each episode has its own key or base URL, handed to its agent")
+        return ep
+
+    # ----------------------------------------------------------------- handlers
+    async def _turn(self, request: web.Request, wire: Any) -> web.StreamResponse:
+        ep = None
+        try:
+            ep = self._episode(request)
+            ep.enter()
+            try:
+                req = wire.parse_request(await _json(request))
+                lock = self._locks.setdefault(ep.key, asyncio.Lock())
+                async with lock:
+                    result = await asyncio.get_running_loop().run_in_executor(self._pool, ep.turn, req)
+            finally:
+                ep.leave()
+        except WireError as e:
+            if ep is not None and e.kind == BAD_REQUEST:
+                ep.fail("bad_request", e.message)
+            return web.json_response(wire.error_body(e), status=e.status, headers=NO_RETRY)
+        except Exception as e:  # noqa: BLE001 - a gateway bug fails the episode, not the run
+            log.exception("agent gateway: a request of %s failed", ep.id if ep else "an unknown episode")
+            if ep is not None:
+                ep.fail("gateway_error", f"{type(e).__name__}: {e}")
+            err = WireError(500, "server", f"the gateway failed on this request: {type(e).__name__}: {e}")
+            return web.json_response(wire.error_body(err), status=500, headers=NO_RETRY)
+        model = req.model or self.model_name
+        if not req.stream:
+            return web.json_response(wire.response(result, model))
+        events = (openai_wire.stream(result, model, req.include_usage) if wire is openai_wire
+                  else anthropic_wire.stream(result, model))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for e in events:
+            await resp.write(e)
+        await resp.write_eof()
+        return resp
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        ep = None
+        try:
+            ep = self._episode(request)
+            body = await _json(request)
+            reward = body.get("reward") if isinstance(body, dict) else None
+            info = body.get("info", {}) if isinstance(body, dict) else None
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise bad_request(f"reward must be a finite number, got {reward!r}")
+            if not isinstance(info, dict):
+                raise bad_request("info must be an object")
+            ep.report(float(reward), info)
+        except WireError as e:
+            if ep is not None and e.kind == BAD_REQUEST:
+                ep.fail("bad_request", e.message)
+            return web.json_response(openai_wire.error_body(e), status=e.status, headers=NO_RETRY)
+        return web.json_response({"ok": True})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "glmlight"}]})
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except Exception:  # noqa: BLE001 - any body that is not JSON
+        raise bad_request("the request body is not valid JSON") from None

@@ -1,0 +1,87 @@
+"""Token ids of conversation turns: the chat template, spliced turn by turn.
+
+An episode's ids grow by splicing: the engine's sampled ids as they are, then the ids of the
+messages the agent adds (tool results, user turns) and of the opening of the next assistant turn.
+Those are rendered after a fixed two-turn conversation (a user turn, an assistant turn), so that
+what a template adds at the start of a conversation (a default system prompt, a BOS) is not repeated,
+and so that how the template renders the real earlier turns never matters: ids already in the
+episode are never rendered again. They are what follows the assistant turn's text in that
+rendering: the part two renderings with different assistant texts have in common at their end, less
+the template's `closing` (so a template that renders an earlier assistant turn otherwise than the last
+one, e.g. with its reasoning dropped, is spliced as well). `closing` is what the template puts after
+an assistant turn's text (its end-of-turn token, and what follows it): a turn the model ended with
+its end token gets the rest; a turn cut short (by max_tokens or a stop string) gets all of it, so
+the next turn starts where the template starts one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from glmlight.errors import ConfigError
+from glmlight.gateway.messages import Message, ToolSpec, bad_request
+from glmlight.gateway.tool_format import ToolFormat
+from glmlight.models.tokenizer import PromptEncodingError, encode_chat
+
+_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+_BASE_LONGER = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "yz"}]
+_PROBE_TOOL = ToolSpec("probe", "a probe", {"type": "object", "properties": {"a": {"type": "string"}}})
+
+
+class TurnCodec:
+    def __init__(self, tokenizer: Any, fmt: ToolFormat, stop_ids: list[int]):
+        self.tokenizer, self.fmt, self.stop_ids = tokenizer, fmt, set(stop_ids)
+        self._lock = threading.Lock()  # a fast tokenizer is not safe to call from many threads at once
+        self.closing = _common_tail(self._encode(_BASE, False, []), self._encode(_BASE_LONGER, False, []))
+        self.renders_tools = self._encode(_BASE[:1], True, [_PROBE_TOOL]) != self._encode(_BASE[:1], True, [])
+        for probe in ([Message("user", "z")], [Message("tool", "z", tool_call_id="c")]):
+            try:
+                self.extension(probe, [])
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(f"config error: the chat template cannot be spliced turn by turn for the agent "
+                                  f"gateway ({getattr(e, 'message', e)})") from None
+
+    def _encode(self, messages: list[dict[str, Any]], gen: bool, tools: list[ToolSpec]) -> list[int]:
+        with self._lock:
+            return encode_chat(self.tokenizer, messages, add_generation_prompt=gen,
+                               tools=[t.openai() for t in tools] or None)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of sampled ids (special tokens left out)."""
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
+        """The ids of a whole conversation, up to the opening of the next assistant turn (a new segment)."""
+        try:
+            return self._encode([self.fmt.template_message(m, tools) for m in messages], True, tools)
+        except PromptEncodingError as e:
+            raise bad_request(f"the model's chat template cannot encode these messages: {e}") from None
+
+    def extension(self, new: list[Message], tools: list[ToolSpec]) -> list[int]:
+        """The ids of `new` (the messages after an assistant turn) and of the next assistant turn's opening."""
+        rendered = [self.fmt.template_message(m, tools) for m in new]
+        try:
+            tail = _common_tail(self._encode(_BASE + rendered, True, tools),
+                                self._encode(_BASE_LONGER + rendered, True, tools))
+        except PromptEncodingError as e:
+            raise bad_request(f"the model's chat template cannot encode these messages: {e}") from None
+        if tail[: len(self.closing)] != self.closing:
+            raise bad_request("the model's chat template closes an assistant turn differently when more messages "
+                              "follow; these messages cannot be appended to the episode")
+        return tail[len(self.closing):]
+
+    def after_action(self, action: list[int]) -> list[int]:
+        """What closes a sampled turn: the rest of the template's closing after the model's own end token,
+        or all of it when the turn did not end with one."""
+        ended = bool(action) and action[-1] in self.stop_ids
+        return self.closing[1:] if ended and self.closing else [] if ended else list(self.closing)
+
+
+def _common_tail(a: list[int], b: list[int]) -> list[int]:
+    """The longest common suffix of `a` and `b`."""
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n:]

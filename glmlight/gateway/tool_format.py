@@ -1,0 +1,198 @@
+"""How tool calls look in the model's text, per chat template.
+
+The sampled tokens are the action; a format only reads the structured calls off their text (for the
+wire's `tool_calls` / `tool_use`) and says how a conversation's assistant and tool turns are handed
+to the chat template when the gateway has to render them (a prompt, or a rewritten history).
+
+- `line` (glmlight's own template, which knows no tools): a call is a line `<name>: <argument>`
+  whose name is one of the request's tools. The argument is the tool's one parameter (its value as
+  written; an integer or number when the schema says so) or, for any tool, a JSON object of all its
+  arguments. Every other line is the message's text. A tool result is the template's observation
+  turn (`<|observation|>`). The calculator's `calc: 37*58` is a call of a tool `calc` with one
+  parameter: `{"expr": "37*58"}`.
+- `hermes` (templates that render `<tool_call>` blocks: Qwen2.5, Qwen3 and others): a call is
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+- `glm` (GLM-4.5 and later): `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>`,
+  a value read as JSON unless its parameter is a string.
+
+For `hermes` and `glm` the template renders the structured calls, tool results and tool declarations
+itself (`tool_calls`, role `tool`, `tools=`). Text outside the calls (reasoning included) is the
+message's content. `auto` picks by the template's text: `glm` when it has `<arg_key>`, `hermes`
+when it has `<tool_call>`, else `line`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable
+
+from glmlight.errors import ConfigError
+from glmlight.gateway.messages import Message, ToolCall, ToolSpec
+
+NewId = Callable[[], str]
+
+
+class ToolFormat:
+    name = ""
+    tool_role = "tool"  # the template's role of a tool result
+
+    def parse(self, text: str, tools: list[ToolSpec], new_id: NewId) -> tuple[str, list[ToolCall]]:
+        """(the message's text, the tool calls) of one sampled turn."""
+        raise NotImplementedError
+
+    def template_message(self, m: Message, tools: list[ToolSpec]) -> dict[str, Any]:
+        """`m` as the chat template takes it."""
+        if m.role == "tool":
+            out: dict[str, Any] = {"role": self.tool_role, "content": m.content}
+            if m.tool_call_id and self.tool_role == "tool":
+                out["tool_call_id"] = m.tool_call_id
+            return out
+        if m.role == "assistant" and m.tool_calls:
+            return {"role": "assistant", "content": m.content,
+                    "tool_calls": [{"id": c.id, "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]}
+        return {"role": m.role, "content": m.content}
+
+
+def _declared(tools: list[ToolSpec]) -> dict[str, ToolSpec]:
+    return {t.name: t for t in tools}
+
+
+def _properties(spec: ToolSpec) -> dict[str, Any]:
+    props = spec.parameters.get("properties") if isinstance(spec.parameters, dict) else None
+    return props if isinstance(props, dict) else {}
+
+
+def _typed(raw: str, schema: Any) -> Any:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    try:
+        if kind == "integer" and re.fullmatch(r"-?\d+", raw):
+            return int(raw)
+        if kind == "number":
+            return float(raw) if not re.fullmatch(r"-?\d+", raw) else int(raw)
+        if kind == "boolean" and raw in ("true", "false"):
+            return raw == "true"
+    except ValueError:
+        pass
+    return raw
+
+
+class LineFormat(ToolFormat):
+    name = "line"
+    tool_role = "observation"
+    _LINE = re.compile(r"^\s*([A-Za-z0-9_-]+):[ \t]?(.*)$")
+
+    def parse(self, text: str, tools: list[ToolSpec], new_id: NewId) -> tuple[str, list[ToolCall]]:
+        declared = _declared(tools)
+        calls, kept = [], []
+        for line in text.split("\n"):
+            m = self._LINE.match(line)
+            args = self.arguments(m.group(2).strip(), declared[m.group(1)]) if m and m.group(1) in declared else None
+            if args is None:
+                kept.append(line)
+            else:
+                calls.append(ToolCall(new_id(), m.group(1), args))
+        return (text if not calls else "\n".join(kept).strip()), calls
+
+    @staticmethod
+    def arguments(raw: str, spec: ToolSpec) -> dict[str, Any] | None:
+        """A JSON object, or the value of the tool's one parameter; None when it is neither."""
+        if raw.startswith("{"):
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = None
+            if isinstance(value, dict):
+                return value
+        props = _properties(spec)
+        if len(props) == 1:
+            (name, schema), = props.items()
+            return {name: _typed(raw, schema)}
+        return {} if not props and not raw else None
+
+    def render(self, content: str, calls: list[ToolCall], tools: list[ToolSpec]) -> str:
+        declared = _declared(tools)
+        lines = [content] if content else []
+        for c in calls:
+            props = _properties(declared[c.name]) if c.name in declared else {}
+            single = len(props) == 1 and list(c.arguments) == list(props)
+            value = next(iter(c.arguments.values())) if single else None
+            if single and isinstance(value, (str, int, float)) and not isinstance(value, bool) \
+                    and "\n" not in str(value) and not str(value).startswith("{"):
+                lines.append(f"{c.name}: {value}")
+            else:
+                lines.append(f"{c.name}: {json.dumps(c.arguments)}")
+        return "\n".join(lines)
+
+    def template_message(self, m: Message, tools: list[ToolSpec]) -> dict[str, Any]:
+        if m.role == "assistant":
+            return {"role": "assistant", "content": self.render(m.content, m.tool_calls, tools)}
+        return super().template_message(m, tools)
+
+
+class HermesFormat(ToolFormat):
+    name = "hermes"
+    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def parse(self, text: str, tools: list[ToolSpec], new_id: NewId) -> tuple[str, list[ToolCall]]:
+        declared, calls = _declared(tools), []
+
+        def take(m: re.Match) -> str:
+            try:
+                obj = json.loads(m.group(1))
+                args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                return m.group(0)
+            if not isinstance(args, dict) or obj.get("name") not in declared:
+                return m.group(0)
+            calls.append(ToolCall(new_id(), obj["name"], args))
+            return ""
+
+        rest = self._CALL.sub(take, text)
+        return (text if not calls else rest.strip()), calls
+
+
+class GlmFormat(ToolFormat):
+    name = "glm"
+    _CALL = re.compile(r"<tool_call>\s*([^<\s]+)\s*(.*?)</tool_call>", re.DOTALL)
+    _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def parse(self, text: str, tools: list[ToolSpec], new_id: NewId) -> tuple[str, list[ToolCall]]:
+        declared, calls = _declared(tools), []
+
+        def take(m: re.Match) -> str:
+            name = m.group(1)
+            if name not in declared:
+                return m.group(0)
+            props = _properties(declared[name])
+            args = {}
+            for k, v in self._ARG.findall(m.group(2)):
+                k = k.strip()
+                if isinstance(props.get(k), dict) and props[k].get("type") == "string":
+                    args[k] = v
+                    continue
+                try:
+                    args[k] = json.loads(v)
+                except ValueError:
+                    args[k] = v
+            calls.append(ToolCall(new_id(), name, args))
+            return ""
+
+        rest = self._CALL.sub(take, text)
+        return (text if not calls else rest.strip()), calls
+
+
+FORMATS = {f.name: f for f in (LineFormat, HermesFormat, GlmFormat)}
+
+
+def tool_format(name: str, chat_template: str | None) -> ToolFormat:
+    """The format `name` (line | hermes | glm), or with "auto" the one `chat_template` uses."""
+    if name == "auto":
+        text = chat_template or ""
+        name = "glm" if "<arg_key>" in text else "hermes" if "<tool_call>" in text else "line"
+    if name not in FORMATS:
+        raise ConfigError(f"config error: task.agent.gateway.tool_format={name!r} is not one of "
+                          f"{['auto', *FORMATS]}")
+    return FORMATS[name]()
