@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-import os
 import sys
 import tempfile
 import time

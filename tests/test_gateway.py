@@ -21,7 +21,6 @@ from glmlight.agents.expert import ExpertEngine
 from glmlight.config import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, ListSource, Prompt
-from glmlight.gateway.rewards import CalculatorAnswer
 from glmlight.gateway.runner import GatewayOptions, GatewayRollout, load_agent
 from glmlight.models.tokenizer import encode_chat
 from glmlight.rollout.base import SamplingParams

@@ -9,7 +9,6 @@ import math
 import os
 
 import pytest
-import torch
 
 import glmlight
 from glmlight import compose

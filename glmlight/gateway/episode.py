@@ -21,7 +21,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from glmlight.agents.loop import Episode, Segment
-from glmlight.gateway.messages import (BAD_REQUEST, CLOSED, CONTEXT, SERVER, Message, ToolCall, ToolSpec,
+from glmlight.gateway.messages import (CLOSED, CONTEXT, SERVER, Message, ToolCall, ToolSpec,
                                        TurnRequest, TurnResult, WireError)
 from glmlight.gateway.template import TurnCodec
 from glmlight.prompt import Prompt

@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
