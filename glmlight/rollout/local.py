@@ -229,6 +229,27 @@ class LocalEngine:
         resolve_requests(done)
         return len(done)
 
+    def abort(self, futures: Sequence[Future]) -> int:
+        """End the requests behind these futures (from `submit`) now, queued or running, with
+        finish_reason "abort" and the tokens they have; the others go on. Returns how many ended."""
+        wanted = set(futures)
+        with self._turn, self._lock:
+            with self._cv:
+                gone = [r for r in self._pending if r.future in wanted]
+                self._pending = deque(r for r in self._pending if r.future not in wanted)
+            done = [(r, Generation([], [], "abort", [])) for r in gone]
+            rows = [i for i, r in enumerate(self._batch.requests) if r.future in wanted]
+            if rows:
+                with torch.inference_mode():
+                    done += self._batch.finish(rows, reason="abort")
+                    order = fill_holes(len(self._batch), rows)
+                    self._batch.keep(order)
+                    self._runner.keep(order)
+            with self._cv:
+                self._stats["aborted"] += len(done)
+        resolve_requests(done)
+        return len(done)
+
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Prefill log-probs of each completion token (e.g. a teacher's log-probs of the student's tokens)."""
         if len(prompts) != len(completions):
