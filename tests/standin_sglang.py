@@ -14,11 +14,14 @@ Checked against the real 0.5.23 on CPU as well as read from its source:
 - a disk update while requests run loads the weights and moves the scheduler's version (stamped on
   answers), then answers 400 success: false because the flush was refused; /model_info keeps the old
   version until /update_weight_version.
-Where it still differs from the real server (each covered against the real one in
-tests/test_real_servers.py): /abort_request answers 200 but ends nothing (the real one ends the request
-with that rid, finish_reason abort, its partial tokens); an update sent without a pause does not wait for
-the running requests (the real one takes its model-update writer lock); a tensor payload the restricted
-unpickler refuses is answered 400 (the real scheduler dies of it, and the server with it).
+- /abort_request {rid} ends requests at once: finish_reason abort with the tokens so far (checked for the
+  exact rid of a request in flight).
+Where it still differs from the real server: an update sent without a pause does not wait for the
+running requests (the real one takes its model-update writer lock); a tensor payload the restricted
+unpickler refuses is answered 400 (the real scheduler dies of it, and the server with it,
+tests/test_real_servers.py); it does not abort a non-streaming request whose client disconnected (the
+real one does, srt/managers/tokenizer_manager.py `_stream_one_response`, after up to
+SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s, srt/environ.py); timing (the backing engine's speed).
 
 What it does is read from sglang-0.5.23's source (paths inside the wheel's `sglang/` package):
 - /generate (srt/entrypoints/http_server.py:928-990): a rid still held by an earlier request answers
@@ -32,6 +35,18 @@ What it does is read from sglang-0.5.23's source (paths inside the wheel's `sgla
   before top-k/top-p (srt/layers/sampler.py); with return_sampling_mask, output_token_sampling_logprobs
   are the renormalised ones, refused with 400 unless top_k == 1 or 1 < top_k <= 4096
   (srt/managers/scheduler.py:3160-3182); input_token_logprobs from logprob_start_len with entry 0 None.
+- /abort_request {rid, abort_all} (http_server.py `abort_request`, 1721-1731) answers 200 at once and
+  ends the requests in the background: the HTTP process ignores an empty rid without abort_all, and
+  forwards a rid only when it holds a request with exactly that rid, once per request
+  (tokenizer_manager.py `abort_request`, 2241-2263); the scheduler then ends every request it has whose
+  rid starts with the given one, or all of them with abort_all (scheduler.py `abort_request`,
+  5675-5812): a running one answers with its tokens so far and finish_reason {"type": "abort",
+  "message": "Aborted", "status_code": null, "err_type": null} (schedule_batch.py `FINISH_ABORT`), a
+  queued one with none and {"type": "abort", "message": "Abort in waiting queue"}
+  (tokenizer_manager.py `_handle_abort_req`, 3577-3643). A request still waiting for
+  /continue_generation has not reached the scheduler, so an abort misses it.
+- /update_weight_version aborts every request first unless abort_all_requests is false (its default is
+  true; http_server.py `update_weight_version`, srt/managers/io_struct.py `UpdateWeightVersionReqInput`).
 - /pause_generation {mode: abort} aborts every in-flight request and returns once all have answered
   (tokenizer_manager.py:2267-2280); /continue_generation; /flush_cache answers 400 "Flush cache
   failed." while requests run (scheduler.py:5518-5547).
@@ -154,6 +169,8 @@ class SGLangServer(ProtocolServer):
         self.groups: dict[str, Any] = {}
         self.session_open = False
         self.held: set[str] = set()  # rids registered (in flight or waiting)
+        self.abort_sent: set[str] = set()  # held rids an /abort_request was forwarded for
+        self.live: dict[str, Any] = {}  # rid -> the engine future of a request the "scheduler" has
         self.in_flight = 0
         self._decoder: subprocess.Popen | None = None
         self._decoder_lock = threading.Lock()
@@ -163,6 +180,7 @@ class SGLangServer(ProtocolServer):
         self.weight_version, self.info_version, self.session_open = "default", None, False
         self.groups.clear()
         self.held.clear()
+        self.abort_sent.clear()
         self.running.set()
 
     def close(self) -> None:
@@ -227,6 +245,7 @@ class SGLangServer(ProtocolServer):
             return await self._generate(body, rid)
         finally:
             self.held.discard(rid)
+            self.abort_sent.discard(rid)
 
     async def _generate(self, body: dict, rid: str) -> web.Response:
         ids, sp = body["input_ids"], dict(body.get("sampling_params") or {})
@@ -251,9 +270,11 @@ class SGLangServer(ProtocolServer):
         meta["output_token_logprobs"], meta["finish_reason"] = [], {"type": "length", "length": 0}
         if max_new > 0:
             self.in_flight += 1
+            future = self.live[rid] = self.engine.submit(ids, _params(sp, max_new))  # what /abort_request ends
             try:
-                gen = (await self.run_engine(self.engine.generate, [ids], _params(sp, max_new)))[0]
+                gen = await asyncio.wrap_future(future)
             finally:
+                self.live.pop(rid, None)
                 self.in_flight -= 1
             self.answers[rid].append(gen)
             out_ids = gen.token_ids
@@ -270,7 +291,9 @@ class SGLangServer(ProtocolServer):
             meta["finish_reason"] = {"stop": {"type": "stop", "matched": out_ids[-1] if out_ids else None},
                                      "length": {"type": "length", "length": len(out_ids)},
                                      "abort": {"type": "abort", "message": "Aborted", "status_code": None,
-                                               "err_type": None}}.get(gen.finish_reason, {"type": "length"})
+                                               "err_type": None} if out_ids else
+                                     {"type": "abort", "message": "Abort in waiting queue"}
+                                     }.get(gen.finish_reason, {"type": "length"})
         meta["weight_version"] = self.weight_version
         meta["weight_versions"] = [{"version": self.weight_version, "start": 0, "end": len(out_ids)}]
         start = body.get("logprob_start_len")
@@ -313,7 +336,23 @@ class SGLangServer(ProtocolServer):
                                  "or waiting requests, the operation will not be performed.)\n")
 
     async def abort_request(self, request: web.Request) -> web.Response:
+        body = ((await request.json()) or {}) if await request.read() else {}
+        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all"))
+        if not abort_all:  # the HTTP process forwards only a rid it holds, once
+            if not rid or rid not in self.held or rid in self.abort_sent:
+                return web.Response(status=200)
+            self.abort_sent.add(rid)
+        self._abort(rid, abort_all)
         return web.Response(status=200)
+
+    def _abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """The scheduler's side of an abort, in the background (the caller does not wait): every request
+        it has whose rid starts with `rid`, or all of them."""
+        futures = [f for r, f in self.live.items() if abort_all or r.startswith(rid)]
+        if abort_all:
+            self._loop.run_in_executor(self._ctl_pool, self.engine.abort_all)
+        elif futures:
+            self._loop.run_in_executor(self._ctl_pool, self.engine.abort, futures)
 
     # ------------------------------------------------------------------ weight updates
     async def begin(self, request: web.Request) -> web.Response:
@@ -402,8 +441,12 @@ class SGLangServer(ProtocolServer):
         return await self._update(request, b, named=named)
 
     async def set_version(self, request: web.Request) -> web.Response:
-        self.weight_version, self.info_version = (await request.json())["new_version"], None
-        return web.json_response({"success": True, "message": "Weight version updated"})
+        body = await request.json()
+        if body.get("abort_all_requests", True):
+            self._abort(abort_all=True)
+        self.weight_version, self.info_version = body["new_version"], None
+        return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
+                                  "new_version": body["new_version"]})
 
 
 def _fail(message: str) -> web.Response:

@@ -23,6 +23,7 @@ from glmlight.rollout.sglang import SGLangEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
     SGLangServer, answers_of, assert_same, expected, greedy, launch_config, model, perturbed, prompts, ref,
     standin_script)
+from tests.waiting import wait_event, wait_until
 
 
 @pytest.fixture()
@@ -41,6 +42,43 @@ def make(url_or_urls, tmp_path, **kw) -> SGLangEngine:
 
 def _generate_calls(server, start=0):
     return [c for c in server.calls("/generate")[start:] if c.body.get("sampling_params", {}).get("max_new_tokens")]
+
+
+class HeldDecoding:
+    """Stops the stand-in's decode thread `steps` decode steps after `rows` more requests were admitted,
+    until `release()`: they then stay in flight, with the tokens they have, for as long as a test needs.
+    Aborts and weight updates do not need the decode thread, so they go on."""
+
+    def __init__(self, engine: LocalEngine, rows: int = 1, steps: int = 3):
+        self.engine, self.held, self.released = engine, threading.Event(), threading.Event()
+        target, since = engine.stats()["admitted"] + rows, []
+
+        def hook(iteration: int) -> None:
+            if not since and engine.stats()["admitted"] >= target:
+                since.append(iteration)
+            if since and iteration >= since[0] + steps and not self.released.is_set():
+                self.held.set()
+                self.released.wait()
+
+        engine.on_step = hook
+
+    def release(self) -> None:
+        self.released.set()
+        self.engine.on_step = None
+
+
+def _post(url: str, path: str, body: dict, timeout_s: float = 120) -> tuple[int, dict | None]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
 
 
 def test_generate_equals_embedded_engine_in_order(server, ref, tokenizer, tmp_path):
@@ -116,9 +154,80 @@ def test_a_retry_while_the_first_attempt_is_still_held_gets_a_fresh_rid(server, 
         start = len(server.calls("/generate"))
         server.inject("/generate", "slow", seconds=2.5)
         assert_same(eng.generate(ps, sp), expected(ref, ps, sp))
-    rids = [c.body["rid"] for c in server.calls("/generate")[start:]]
-    assert len(rids) == 2 and rids[0] != rids[1] and rids[0][:-3] == rids[1][:-3]
-    assert [c.body for c in server.calls("/abort_request")] == [{"rid": rids[0]}]
+        rids = [c.body["rid"] for c in server.calls("/generate")[start:]]
+        assert len(rids) == 2 and rids[0] != rids[1] and rids[0][:-3] == rids[1][:-3]
+        assert [c.body for c in server.calls("/abort_request")] == [{"rid": rids[0]}]
+        # the abort came while the first attempt had not reached the scheduler yet (SGLang's HTTP process
+        # forwards it; the scheduler has nothing of that rid to end): it runs to its end
+        wait_until(lambda: server.answers.get(rids[0]), what="the first attempt's own answer")
+    assert server.answers[rids[0]][0].finish_reason != "abort"
+
+
+def test_an_attempt_given_up_on_is_ended_on_the_server_with_its_partial_answer(server, ref, tokenizer, tmp_path):
+    """An attempt with no answer in time is dropped with /abort_request {its rid} before the retry: SGLang
+    ends that request at once, finish_reason abort with the tokens it has (tests/test_real_servers.py
+    checks this against the real server); the retry, under a fresh rid, is answered in full."""
+    ps, sp = prompts(tokenizer, 1), SamplingParams(temperature=1.0, max_new_tokens=40, seed=2)
+    with make(server.url, tmp_path, http=HttpSettings(timeout_s=2.0, max_retries=3, backoff_s=0.01)) as eng:
+        hold, box = HeldDecoding(server.engine), {}
+        t = threading.Thread(target=lambda: box.setdefault("g", eng.generate(ps, sp)[0]))
+        t.start()
+        try:
+            wait_until(lambda: server.calls("/abort_request"), alive=t.is_alive, what="the client giving up")
+            first = server.calls("/abort_request")[0].body["rid"]
+            wait_until(lambda: server.answers.get(first), alive=t.is_alive, what="the attempt ended on the server")
+            assert hold.held.is_set() and server.engine.stats()["aborted"] == 1
+        finally:
+            hold.release()
+            t.join()
+    ended = server.answers[first][0]
+    assert ended.finish_reason == "abort" and 0 < len(ended.token_ids) < 40
+    assert ended.logprobs == pytest.approx(ref.score(ps, [ended.token_ids])[0], abs=1e-5)
+    last = _generate_calls(server)[-1].body["rid"]
+    assert last != first and last[:-3] == first[:-3]  # the retry: the same logical request, a fresh rid
+    assert_same([box["g"]], expected(ref, ps, sp), served=[server.answers[last]])
+
+
+def test_abort_request_ends_every_request_whose_rid_starts_with_a_held_one(server, tokenizer):
+    """SGLang's rule, which glmlight's fixed-length rids (never a prefix of one another) rely on: the HTTP
+    process forwards an abort only for a rid it holds, and the scheduler then ends every request whose
+    rid starts with it; the answers are 200 with the tokens so far and finish_reason abort."""
+    p = prompts(tokenizer, 1)[0]
+    rids = ["job-1", "job-10", "job-2"]
+    out: dict[str, tuple] = {}
+
+    def send(rid: str) -> None:
+        out[rid] = _post(server.url, "/generate", {"rid": rid, "input_ids": p, "return_logprob": True,
+                                                   "sampling_params": {"max_new_tokens": 40, "temperature": 0.0}})
+
+    threads = [threading.Thread(target=send, args=(rid,)) for rid in rids]
+    hold = HeldDecoding(server.engine, rows=3)
+    try:
+        with server.engine._turn:  # the decode thread waits before its next step: the three start together
+            for t in threads:
+                t.start()
+            wait_until(lambda: server.in_flight == 3, alive=lambda: all(t.is_alive() for t in threads),
+                       what="three requests in the engine")
+        wait_event(hold.held, alive=lambda: all(t.is_alive() for t in threads), what="three requests decoding")
+        assert _post(server.url, "/abort_request", {"rid": "job"}) == (200, None)  # no request has that rid
+        assert _post(server.url, "/abort_request", {"rid": ""}) == (200, None)  # ignored (not abort_all)
+        assert _post(server.url, "/abort_request", {"rid": "job-1"}) == (200, None)
+        wait_until(lambda: "job-1" in out and "job-10" in out, alive=lambda: threads[2].is_alive(),
+                   what="job-1 and job-10 ended")
+        assert "job-2" not in out
+    finally:
+        hold.release()
+        for t in threads:
+            t.join()
+    for rid in rids:
+        status, body = out[rid]
+        meta = body["meta_info"]
+        assert status == 200 and meta["completion_tokens"] == len(body["output_ids"])
+        if rid == "job-2":
+            assert meta["finish_reason"] == {"type": "length", "length": 40}
+        else:
+            assert meta["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+            assert 0 < len(body["output_ids"]) < 40
 
 
 def test_sync_facade_works_inside_a_running_event_loop_and_closes(server, ref, tokenizer, tmp_path):
