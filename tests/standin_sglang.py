@@ -16,12 +16,11 @@ Checked against the real 0.5.23 on CPU as well as read from its source:
   version until /update_weight_version.
 - /abort_request {rid} ends requests at once: finish_reason abort with the tokens so far (checked for the
   exact rid of a request in flight).
-Where it still differs from the real server: an update sent without a pause does not wait for the
-running requests (the real one takes its model-update writer lock); a tensor payload the restricted
-unpickler refuses is answered 400 (the real scheduler dies of it, and the server with it,
-tests/test_real_servers.py); it does not abort a non-streaming request whose client disconnected (the
-real one does, srt/managers/tokenizer_manager.py `_stream_one_response`, after up to
-SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s, srt/environ.py); timing (the backing engine's speed).
+Where it still differs from the real server: a tensor payload the restricted unpickler refuses is
+answered 400 (the real scheduler dies of it, and the server with it, tests/test_real_servers.py); it does
+not abort a non-streaming request whose client disconnected (the real one does,
+srt/managers/tokenizer_manager.py `_stream_one_response`, after up to SGLANG_REQUEST_STATE_WAIT_TIMEOUT,
+4 s, srt/environ.py); timing (the backing engine's speed, a pause polling every 10 ms instead of every 1 s).
 
 What it does is read from sglang-0.5.23's source (paths inside the wheel's `sglang/` package):
 - /generate (srt/entrypoints/http_server.py:928-990): a rid still held by an earlier request answers
@@ -47,9 +46,20 @@ What it does is read from sglang-0.5.23's source (paths inside the wheel's `sgla
   /continue_generation has not reached the scheduler, so an abort misses it.
 - /update_weight_version aborts every request first unless abort_all_requests is false (its default is
   true; http_server.py `update_weight_version`, srt/managers/io_struct.py `UpdateWeightVersionReqInput`).
-- /pause_generation {mode: abort} aborts every in-flight request and returns once all have answered
-  (tokenizer_manager.py:2267-2280); /continue_generation; /flush_cache answers 400 "Flush cache
-  failed." while requests run (scheduler.py:5518-5547).
+- The model-update lock (srt/utils/aio_rwlock.py `RWLock`, tokenizer_manager.py:771): a request holds it
+  shared from the moment it passes the pause gate until it has answered (tokenizer_manager.py
+  `generate_request`, 938-941). /update_weights_from_disk (tokenizer_manager.py
+  `update_weights_from_disk`, 2288-2323), /update_weights_from_tensor, /update_weights_from_distributed,
+  /begin_weight_update and /end_weight_update (srt/managers/tokenizer_control_mixin.py
+  `update_weights_from_tensor`, `update_weights_from_distributed`, `_weight_update_session_call`,
+  471-597) first abort every request if abort_all_requests (default false), then, unless the server is
+  paused, take it exclusively: they wait for the requests in flight to finish, and requests sent
+  meanwhile wait behind them (a waiting writer goes first). Paused, they run at once (all but the disk
+  update holding the pause lock, so /continue_generation waits for them).
+- /pause_generation {mode: abort} aborts every request and returns once the model-update lock is free,
+  i.e. every request has answered (tokenizer_manager.py `pause_generation`, 2267-2280);
+  /continue_generation; /flush_cache answers 400 "Flush cache failed." while requests run
+  (scheduler.py:5518-5547).
 - /begin_weight_update and /end_weight_update open and close a weight-update session
   (srt/managers/scheduler_components/weight_updater.py:309-335); /update_weights_from_tensor and
   /update_weights_from_distributed answer 400 {"success": false, "message": "<name> must run between
@@ -83,6 +93,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import subprocess
 import sys
 import threading
@@ -142,6 +153,47 @@ for line in sys.stdin:
 '''
 
 
+class ModelUpdateLock:
+    """SGLang's model-update lock (srt/utils/aio_rwlock.py `RWLock`): shared by requests, exclusive for
+    weight updates sent while not paused; a writer that waits goes before readers that come after it."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self.readers, self.writer, self.waiting_writers = 0, False, 0
+
+    @contextlib.asynccontextmanager
+    async def shared(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self.writer and self.waiting_writers == 0)
+            self.readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        async with self._cond:
+            self.waiting_writers += 1
+            try:
+                await self._cond.wait_for(lambda: not self.writer and self.readers == 0)
+                self.writer = True
+            finally:
+                self.waiting_writers -= 1
+                self._cond.notify_all()
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.writer = False
+                self._cond.notify_all()
+
+    def locked(self) -> bool:
+        return self.writer or self.readers > 0
+
+
 class SGLangServer(ProtocolServer):
     open_paths = ("/health", "/health_generate")  # SGLang's key middleware lets health checks through
 
@@ -172,6 +224,8 @@ class SGLangServer(ProtocolServer):
         self.abort_sent: set[str] = set()  # held rids an /abort_request was forwarded for
         self.live: dict[str, Any] = {}  # rid -> the engine future of a request the "scheduler" has
         self.in_flight = 0
+        self.update_lock = ModelUpdateLock()
+        self.pause_lock = asyncio.Lock()  # SGLang's is_pause_cond
         self._decoder: subprocess.Popen | None = None
         self._decoder_lock = threading.Lock()
 
@@ -242,7 +296,8 @@ class SGLangServer(ProtocolServer):
             if fault is not None and fault.kind == "slow":  # a slow request that is registered meanwhile
                 await asyncio.sleep(fault.seconds)
             await self.run_engine(self.running.wait)  # held while paused, as SGLang holds new requests
-            return await self._generate(body, rid)
+            async with self.update_lock.shared():  # until answered: an update not sent while paused waits
+                return await self._generate(body, rid)
         finally:
             self.held.discard(rid)
             self.abort_sent.discard(rid)
@@ -317,16 +372,18 @@ class SGLangServer(ProtocolServer):
             meta["indexer_topk"] = payload
 
     async def pause(self, request: web.Request) -> web.Response:
-        self.running.clear()
         mode = ((await request.json()) or {}).get("mode", "abort") if await request.read() else "abort"
-        if mode == "abort":  # returns once every in-flight request has answered
-            while self.in_flight > 0:
-                await self.run_engine(self.engine.abort_all, control=True)
-                await asyncio.sleep(0.01)
+        async with self.pause_lock:
+            self.running.clear()
+            if mode == "abort":  # returns once every request has answered (the model-update lock is free)
+                while self.update_lock.locked():
+                    await self.run_engine(self.engine.abort_all, control=True)
+                    await asyncio.sleep(0.01)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def cont(self, request: web.Request) -> web.Response:
-        self.running.set()
+        async with self.pause_lock:
+            self.running.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush(self, request: web.Request) -> web.Response:
@@ -355,17 +412,38 @@ class SGLangServer(ProtocolServer):
             self._loop.run_in_executor(self._ctl_pool, self.engine.abort, futures)
 
     # ------------------------------------------------------------------ weight updates
+    @contextlib.asynccontextmanager
+    async def _update_turn(self, body: dict, holds_pause: bool = True):
+        """How SGLang's HTTP process runs an update or a session call (module docstring): abort every
+        request if asked, then, paused, at once (holding the pause lock unless `holds_pause` is false: the
+        disk update only reads it); else under the exclusive model-update lock."""
+        if body.get("abort_all_requests"):
+            self._abort(abort_all=True)
+        await self.pause_lock.acquire()
+        paused = not self.running.is_set()
+        if paused and holds_pause:
+            try:
+                yield
+            finally:
+                self.pause_lock.release()
+            return
+        self.pause_lock.release()
+        async with contextlib.nullcontext() if paused else self.update_lock.exclusive():
+            yield
+
     async def begin(self, request: web.Request) -> web.Response:
-        if self.session_open:
-            return _fail("a weight-update session is already open; call end_weight_update() first")
-        self.session_open = True
-        return web.json_response({"success": True, "message": "Weight-update session opened."})
+        async with self._update_turn({}):
+            if self.session_open:
+                return _fail("a weight-update session is already open; call end_weight_update() first")
+            self.session_open = True
+            return web.json_response({"success": True, "message": "Weight-update session opened."})
 
     async def end(self, request: web.Request) -> web.Response:
-        if not self.session_open:
-            return _fail("no weight-update session is open; call begin_weight_update() first")
-        self.session_open = False
-        return web.json_response({"success": True, "message": "Weight-update session closed."})
+        async with self._update_turn({}):
+            if not self.session_open:
+                return _fail("no weight-update session is open; call begin_weight_update() first")
+            self.session_open = False
+            return web.json_response({"success": True, "message": "Weight-update session closed."})
 
     async def _update(self, request: web.Request, body: dict, named: Any = None, path: str | None = None) -> web.Response:
         fault = request.get(FAULT)
@@ -395,16 +473,18 @@ class SGLangServer(ProtocolServer):
 
     async def from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
-        return await self._update(request, body, path=body.get("model_path"))
+        async with self._update_turn(body, holds_pause=False):
+            return await self._update(request, body, path=body.get("model_path"))
 
     async def from_tensor(self, request: web.Request) -> web.Response:
         body = await request.json()
-        if not self.session_open:
-            return _fail(SESSION_MESSAGE.format("update_weights_from_tensor"))
-        reply = await self.run_engine(self._decode, body["serialized_named_tensors"][0], control=True)  # TP rank 0
-        if not reply.startswith("OK "):
-            return _fail(f"Failed to update weights: {reply[4:]}")
-        return await self._update(request, body, named=decode_safetensors(reply[3:]))
+        async with self._update_turn(body):
+            if not self.session_open:
+                return _fail(SESSION_MESSAGE.format("update_weights_from_tensor"))
+            reply = await self.run_engine(self._decode, body["serialized_named_tensors"][0], control=True)  # TP rank 0
+            if not reply.startswith("OK "):
+                return _fail(f"Failed to update weights: {reply[4:]}")
+            return await self._update(request, body, named=decode_safetensors(reply[3:]))
 
     def _decode(self, payload: str) -> str:
         """One payload through the restricted unpickler, in the decoder process (started once)."""
@@ -432,13 +512,14 @@ class SGLangServer(ProtocolServer):
 
     async def from_distributed(self, request: web.Request) -> web.Response:
         b = await request.json()
-        if not self.session_open:  # refused before receiving anything: the sender's broadcast waits in vain
-            return _fail(SESSION_MESSAGE.format("update_weights_from_distributed"))
-        group = self.groups.get(b.get("group_name", "weight_update_group"))
-        if group is None:
-            return _fail("the process group was not initialized")
-        named = await self.run_engine(receive, group, b["names"], b["dtypes"], b["shapes"], control=True)
-        return await self._update(request, b, named=named)
+        async with self._update_turn(b):
+            if not self.session_open:  # refused before receiving anything: the sender's broadcast waits in vain
+                return _fail(SESSION_MESSAGE.format("update_weights_from_distributed"))
+            group = self.groups.get(b.get("group_name", "weight_update_group"))
+            if group is None:
+                return _fail("the process group was not initialized")
+            named = await self.run_engine(receive, group, b["names"], b["dtypes"], b["shapes"], control=True)
+            return await self._update(request, b, named=named)
 
     async def set_version(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from glmlight.errors import ConfigError, EngineError
 from glmlight.rollout.base import SamplingParams
@@ -345,6 +346,55 @@ def test_failed_update_keeps_version_and_resumes(server, model, tmp_path):
             eng.update_weights(list(model.state_dict().items()), version=1)
         assert eng.version == 0
     assert server.paths()[-1] == "/continue_generation" and server.running.is_set()
+
+
+@pytest.mark.parametrize("mode", ["disk", "tensor", "distributed"])
+def test_an_update_waits_for_the_running_requests_unless_the_server_is_paused(mode, model, server, ref, tokenizer,
+                                                                              tmp_path):
+    """SGLang runs an update (and, for tensor and distributed, the session calls around it) sent while not
+    paused under its model-update writer lock: it waits until the requests in flight have answered, and
+    those are served by the old weights to their end. glmlight pauses with mode abort first, so its update
+    does not wait: it completes while the running request cannot take a step, and that request comes back
+    aborted with its partial tokens."""
+    ps, sp = prompts(tokenizer, 1), SamplingParams(temperature=1.0, max_new_tokens=40, seed=2)
+    v1, v2 = perturbed(model, seed=1), perturbed(model, seed=2)
+    with make(server.url, tmp_path, weight_sync=mode, model_path=None) as eng:
+        # glmlight's update: pause (abort), update, resume, while the generation is held mid-way
+        hold, box = HeldDecoding(server.engine), {}
+        gen = threading.Thread(target=lambda: box.setdefault("paused", eng.generate(ps, sp)[0]))
+        gen.start()
+        try:
+            wait_event(hold.held, alive=gen.is_alive, what="the generation under way")
+            eng.update_weights(v1, version=1)
+            assert not hold.released.is_set() and eng.version == 1 and server.weight_version == "1"
+            gen.join()
+        finally:
+            hold.release()
+            gen.join()
+        assert box["paused"].finish_reason == "abort" and 0 < len(box["paused"].token_ids) < 40
+
+        # the same update sent without a pause: it waits for the held generation
+        hold = HeldDecoding(server.engine)
+        gen = threading.Thread(target=lambda: box.setdefault("served", eng.generate(ps, sp)[0]))
+        push = threading.Thread(target=lambda: box.setdefault("source", eng._push([server.url], v2, None, 2)))
+        gen.start()
+        try:
+            wait_event(hold.held, alive=gen.is_alive, what="the generation under way")
+            push.start()
+            wait_until(lambda: server.update_lock.waiting_writers == 1, alive=push.is_alive,
+                       what="the update waiting for the running request")
+            name, tensor = v1[0]
+            assert server.weight_version == "1" and not server.session_open
+            assert torch.equal(server.engine.model.state_dict()[name], tensor)  # nothing of v2 loaded yet
+        finally:
+            hold.release()
+            gen.join()
+            if push.is_alive() or "source" not in box:
+                push.join()
+    assert box["source"].version == 2 and server.weight_version == "2"
+    assert_same([box["served"]], answers_of(model, v1, ps, sp))  # served by version 1 to its end
+    assert box["served"].versions == [1] * 40
+    assert_same(server.engine.generate(ps, sp), answers_of(model, v2, ps, sp))  # and then version 2 serves
 
 
 def test_pause_aborts_in_flight_generation_with_its_partial_answer(server, ref, tokenizer, tmp_path):
