@@ -55,6 +55,14 @@ def serve_main(kind: str, argv: list[str]) -> None:
                       fuse_topk=os.environ.get("SGLANG_DSA_FUSE_TOPK", "1") != "0")
     cls = SGLangServer if kind == "sglang" else VLLMServer
     server = cls(engine, api_key=args.api_key, port=args.port, **replay).start()
+    if kind == "sglang":
+        def die() -> None:  # SGLang's kill_process_tree(os.getpid()): its children, then itself with SIGKILL
+            for child in (core, server._decoder):
+                if child is not None:
+                    child.kill()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        server.on_death = die
     print(f"stand-in {kind} server ready on {server.url}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

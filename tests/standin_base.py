@@ -81,6 +81,7 @@ class ProtocolServer:
         self.faults: list[Fault] = []
         self.restarts = 0
         self._lock = threading.Lock()
+        self._stop_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(8)
         self._ctl_pool = concurrent.futures.ThreadPoolExecutor(2)
         self._loop = asyncio.new_event_loop()
@@ -108,9 +109,10 @@ class ProtocolServer:
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-            self._runner = None
+        with self._stop_lock:
+            if self._runner is not None:
+                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+                self._runner = None
 
     def restart(self, down_s: float = 0.0, fresh: bool = False) -> None:
         """Stop, wait, start on the same port; `fresh`: come back as a new process would, with the

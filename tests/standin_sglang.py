@@ -16,11 +16,12 @@ Checked against the real 0.5.23 on CPU as well as read from its source:
   version until /update_weight_version.
 - /abort_request {rid} ends requests at once: finish_reason abort with the tokens so far (checked for the
   exact rid of a request in flight).
-Where it still differs from the real server: a tensor payload the restricted unpickler refuses is
-answered 400 (the real scheduler dies of it, and the server with it, tests/test_real_servers.py); it does
-not abort a non-streaming request whose client disconnected (the real one does,
-srt/managers/tokenizer_manager.py `_stream_one_response`, after up to SGLANG_REQUEST_STATE_WAIT_TIMEOUT,
-4 s, srt/environ.py); timing (the backing engine's speed, a pause polling every 10 ms instead of every 1 s).
+- a tensor payload the restricted unpickler refuses kills the server (observed: the scheduler's
+  exception is not caught; SGLang then kills its process tree).
+Where it still differs from the real server: it does not abort a non-streaming request whose client
+disconnected (the real one does, srt/managers/tokenizer_manager.py `_stream_one_response`, after up to
+SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s, srt/environ.py); timing (the backing engine's speed, a pause
+polling every 10 ms instead of every 1 s).
 
 What it does is read from sglang-0.5.23's source (paths inside the wheel's `sglang/` package):
 - /generate (srt/entrypoints/http_server.py:928-990): a rid still held by an earlier request answers
@@ -68,7 +69,19 @@ What it does is read from sglang-0.5.23's source (paths inside the wheel's `sgla
 - /update_weights_from_tensor decodes each payload with SGLang's restricted unpickler
   (`SafeUnpickler`, srt/utils/common.py:3144-3370: an allow-list of globals) in another process
   started on its own, as SGLang's scheduler is, so shared-memory handles that only the sender's
-  processes can open fail here as they fail there.
+  processes can open fail here as they fail there. A payload that is not base64 is refused by the HTTP
+  process's request validation: 400 {"object": "error", "message", "type": "Bad Request", "code": 400}
+  (srt/utils/msgspec_utils.py `Base64Bytes`, http_server.py `validation_exception_handler`). A payload
+  that fails to unpickle kills the server: the scheduler deserialises it outside any try
+  (weight_updater.py `update_weights_from_tensor`, 232-245; srt/managers/tp_worker.py
+  `deserialize_own_rank`), its process logs "Scheduler hit an exception" and sends SIGQUIT to the
+  server's main process (scheduler.py `run_scheduler_process`, 6370-6373), which kills its children and
+  then itself with SIGKILL (tokenizer_manager.py `SignalHandler.running_phase_sigquit_handler`,
+  4072-4081; srt/utils/common.py `kill_process_tree`, 2507-2564). The update gets no answer (its
+  connection drops), nor does any other request in flight, and nothing listens on the port any more.
+  Here the decoder process dies of the exception and the server calls `on_death`: in a process of its
+  own (`serve_main`) that kills its children and then itself with SIGKILL, as SGLang does; in the test
+  process it stops serving (every connection closed, the port refused) and stays down (`dead`).
 - No /get_weight_version (removed); /model_info (and the deprecated /get_model_info) carry
   weight_version, "default" at start (http_server.py:802-848); /server_info and /get_server_info
   carry tp_size; /update_weight_version; /init_weights_update_group (gloo only here) and
@@ -93,11 +106,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
 import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -146,10 +161,11 @@ class SafeUnpickler(pickle.Unpickler):
 for line in sys.stdin:
     try:
         named = SafeUnpickler(io.BytesIO(base64.b64decode(line.strip(), validate=True))).load()
-        out = base64.b64encode(save({n: t.contiguous() for n, t in named})).decode()
-        print("OK " + out, flush=True)
-    except Exception as e:
-        print("ERR " + (type(e).__name__ + ": " + str(e)).replace("\n", " ")[:500], flush=True)
+    except Exception:  # uncaught in SGLang's scheduler: it dies of it
+        import traceback
+        print("Scheduler hit an exception: " + traceback.format_exc(), file=sys.stderr, flush=True)
+        sys.exit(1)
+    print("OK " + base64.b64encode(save({n: t.contiguous() for n, t in named})).decode(), flush=True)
 '''
 
 
@@ -226,6 +242,8 @@ class SGLangServer(ProtocolServer):
         self.in_flight = 0
         self.update_lock = ModelUpdateLock()
         self.pause_lock = asyncio.Lock()  # SGLang's is_pause_cond
+        self.dead = False  # the server died (an unloadable tensor payload); `on_death` took it down
+        self.on_death: Callable[[], None] = self._stop_serving
         self._decoder: subprocess.Popen | None = None
         self._decoder_lock = threading.Lock()
 
@@ -237,11 +255,25 @@ class SGLangServer(ProtocolServer):
         self.abort_sent.clear()
         self.running.set()
 
-    def close(self) -> None:
-        super().close()
-        if self._decoder is not None:
+    def _stop_serving(self) -> None:
+        """A death in the test process: every connection closed, the port refused from now on."""
+        self._kill_decoder()
+        threading.Thread(target=self.stop, daemon=True).start()
+
+    def _kill_decoder(self) -> None:
+        if self._decoder is not None and self._decoder.poll() is None:
             self._decoder.kill()
             self._decoder.wait()
+
+    def close(self) -> None:
+        super().close()
+        self._kill_decoder()
+
+    def start(self) -> SGLangServer:
+        if self.dead:
+            raise RuntimeError("the server died; start another")
+        super().start()
+        return self
 
     def routes(self, app: web.Application) -> None:
         r = app.router
@@ -478,24 +510,45 @@ class SGLangServer(ProtocolServer):
 
     async def from_tensor(self, request: web.Request) -> web.Response:
         body = await request.json()
+        payloads = body.get("serialized_named_tensors")
+        try:  # the HTTP process's request validation (Base64Bytes)
+            for p in payloads:
+                base64.b64decode(p, validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            return web.json_response({"object": "error", "message": "1 validation error: serialized_named_tensors: "
+                                      "Value error, Expected base64-encoded bytes", "type": "Bad Request",
+                                      "param": None, "code": 400}, status=400)
         async with self._update_turn(body):
             if not self.session_open:
                 return _fail(SESSION_MESSAGE.format("update_weights_from_tensor"))
-            reply = await self.run_engine(self._decode, body["serialized_named_tensors"][0], control=True)  # TP rank 0
-            if not reply.startswith("OK "):
-                return _fail(f"Failed to update weights: {reply[4:]}")
+            reply = await self.run_engine(self._decode, payloads[0], control=True)  # TP rank 0
+            if reply is None:  # the "scheduler" died of the payload
+                return self._die(request)
             return await self._update(request, body, named=decode_safetensors(reply[3:]))
 
-    def _decode(self, payload: str) -> str:
-        """One payload through the restricted unpickler, in the decoder process (started once)."""
+    def _decode(self, payload: str) -> str | None:
+        """One payload through the restricted unpickler, in the decoder process (started once): "OK
+        <safetensors, base64>", or None when it died of the payload."""
         with self._decoder_lock:
             if self._decoder is None or self._decoder.poll() is not None:
                 self._decoder = subprocess.Popen([sys.executable, "-c", DECODER], stdin=subprocess.PIPE,
                                                  stdout=subprocess.PIPE, text=True, bufsize=1)
             assert self._decoder.stdin is not None and self._decoder.stdout is not None
-            self._decoder.stdin.write(payload + "\n")
-            self._decoder.stdin.flush()
-            return self._decoder.stdout.readline().strip() or "ERR the decoder process died"
+            try:
+                self._decoder.stdin.write(payload + "\n")
+                self._decoder.stdin.flush()
+            except OSError:
+                return None
+            return self._decoder.stdout.readline().strip() or None
+
+    def _die(self, request: web.Request) -> web.Response:
+        """SGLang's main process on its scheduler's SIGQUIT: the whole server goes (module docstring); the
+        call that killed it gets no answer."""
+        print("SIGQUIT received. It usually means one child failed.", file=sys.stderr, flush=True)
+        self.dead = True
+        request.transport.close()  # type: ignore[union-attr]
+        self.on_death()
+        return web.Response(status=500)
 
     async def init_group(self, request: web.Request) -> web.Response:
         b = await request.json()

@@ -397,6 +397,73 @@ def test_an_update_waits_for_the_running_requests_unless_the_server_is_paused(mo
     assert_same(server.engine.generate(ps, sp), answers_of(model, v2, ps, sp))  # and then version 2 serves
 
 
+def test_a_tensor_payload_sglang_cannot_unpickle_kills_the_managed_server_named_in_one_line(tokenizer, tmp_path):
+    """The same steps as against the real SGLang (tests/test_real_servers.py): its scheduler dies of a payload
+    the restricted unpickler refuses and the server kills its process tree, so the update gets no answer
+    and the next call says in one line that the managed server exited (signal 9), with its log's last
+    lines; nothing of the server is left."""
+    import base64
+    import pickle
+
+    cmd = [sys.executable, standin_script(tmp_path, "sglang")]
+    eng = build_server_engine(launch_config(tmp_path, "sglang", cmd, launch_restarts=0))
+    try:
+        bad = base64.b64encode(pickle.dumps([("model.norm.weight", pickle.PicklingError)])).decode()
+        eng.http.run(eng.http.request("/begin_weight_update", {}, url=eng.urls[0], allow_404=True))
+        with pytest.raises(EngineError) as lost:
+            eng.http.run(eng.http.request("/update_weights_from_tensor", {"serialized_named_tensors": [bad]},
+                                          url=eng.urls[0], attempts=1, timeout_s=60))
+        eng.launcher.proc.wait()  # the server went down
+        with pytest.raises(EngineError) as err:
+            eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
+    finally:
+        eng.close()
+    assert server_processes(eng.launcher.server_id) == []
+    assert "\n" not in str(lost.value) and eng.urls[0] in str(lost.value)
+    msg = str(err.value)
+    assert "\n" not in msg and "managed SGLang server exited with signal 9" in msg and "Blocked unsafe global" in msg
+
+
+def test_an_unloadable_tensor_payload_takes_an_in_process_stand_in_down(server, tokenizer, tmp_path):
+    """In the test process the stand-in cannot kill itself: it dies as seen from outside, every connection
+    dropped (the update's, and a generation's left running by a pause in place) and the port refused
+    from then on; the client's calls fail with one line naming the server."""
+    import base64
+    import pickle
+
+    bad = base64.b64encode(pickle.dumps([("model.norm.weight", pickle.PicklingError)])).decode()
+    http = HttpSettings(timeout_s=120, max_retries=1, backoff_s=0.01)
+    with make(server.url, tmp_path, weight_sync="tensor", http=http) as eng:
+        hold, box = HeldDecoding(server.engine), {}
+
+        def generate() -> None:
+            try:
+                eng.generate(prompts(tokenizer, 1), SamplingParams(temperature=1.0, max_new_tokens=40, seed=2))
+            except EngineError as e:
+                box["error"] = e
+
+        gen = threading.Thread(target=generate)
+        gen.start()
+        try:
+            wait_event(hold.held, alive=gen.is_alive, what="a generation under way")
+            eng.http.run(eng.http.request("/pause_generation", {"mode": "in_place"}, url=server.url, expect_json=False))
+            eng.http.run(eng.http.request("/begin_weight_update", {}, url=server.url))
+            with pytest.raises(EngineError) as lost:
+                eng.http.run(eng.http.request("/update_weights_from_tensor", {"serialized_named_tensors": [bad]},
+                                              url=server.url, attempts=1))
+            gen.join()
+        finally:
+            hold.release()
+            gen.join()
+        wait_until(lambda: server._runner is None, what="the stand-in to stop serving")
+        assert server.dead and server._decoder.poll() is not None
+        with pytest.raises(EngineError) as err:
+            eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
+    for e in (lost.value, box["error"], err.value):
+        assert "\n" not in str(e) and server.url in str(e), str(e)
+    print(f"\nthe update: {lost.value}\nthe generation in flight: {box['error']}\nthe next call: {err.value}")
+
+
 def test_pause_aborts_in_flight_generation_with_its_partial_answer(server, ref, tokenizer, tmp_path):
     """SGLang's /pause_generation (abort) ends a running request early: its partial tokens come
     back with finish_reason abort and the log-probs they were sampled with."""
