@@ -80,6 +80,7 @@ def test_a_weight_sync_of_the_recipe_reaches_a_real_vllm_server(tmp_path):
     from omegaconf import OmegaConf
 
     from glmlight.models.loading import load_causal_lm
+    from glmlight.models.tokenizer import encode_chat
     from tests.real_servers import ENV_VARS, FLAGS, interpreter, trainer_logprobs
 
     python = interpreter("vllm")
@@ -98,7 +99,7 @@ def test_a_weight_sync_of_the_recipe_reaches_a_real_vllm_server(tmp_path):
         run.fit(close=False)
         assert engine.version == 1 and run.module.policy_version == 1
         tok = run.datamodule.tokenizer
-        prompt = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], add_generation_prompt=True)
+        prompt = encode_chat(tok, [{"role": "user", "content": "What is 3 + 4?"}])
         completion = tok("3 + 4 = 7.<|im_end|>", add_special_tokens=False).input_ids
         served = engine.score([prompt], [completion])[0]
         want = trainer_logprobs(run.module.policy.eval(), prompt, completion)
