@@ -23,7 +23,7 @@ import torch
 
 from glmlight.hooks import RLCallback
 from glmlight.models.glm5.replay import Replay, indexer_layers, moe_layers, transformers_replay
-from glmlight.rollout.base import CapturesReplay, HoldsModel
+from glmlight.engines.base import CapturesReplay, HoldsModel
 from glmlight.sample import Experience
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import torchmetrics
 
 from glmlight.hooks import RLCallback
 from glmlight.ops.mismatch import mismatch_sums, reduce_mismatch_sums, token_agreement
-from glmlight.rollout.base import SamplingParams
+from glmlight.engines.base import SamplingParams
 from glmlight.sample import Experience
 
 _KEYS = ("token_count", "seq_count", "kl_sum", "k3_kl_sum", "chi2_token_sum", "train_log_ppl_sum",

@@ -19,7 +19,7 @@ from glmlight.checkpoint import verified_resume_path
 from glmlight.config import validate
 from glmlight.progress import RLProgressBar
 from glmlight.registry import algorithm
-from glmlight.rollout.base import filter_order_of
+from glmlight.engines.base import filter_order_of
 from glmlight.data.evaluation import build_eval_sets
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
@@ -31,7 +31,7 @@ from glmlight.models.lora import apply_lora
 from glmlight.models.warm_start import label_examples, supervised_warm_start
 from glmlight.rewards import build_reward
 from glmlight.rewards.base import RewardRunner
-from glmlight.rollout.factory import build_engine
+from glmlight.engines.factory import build_engine
 from glmlight.trainer_setup import build_loggers, hardware_kwargs, make_trainer  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ What a hook may use, and nothing else:
   `module.rl_step`;
 - `trainer.datamodule.engine_aside()`: the rollout engine for a trainer-side use outside the rollout
   (a probe, an evaluation), under the generation lock; `trainer.datamodule.evaluate(...)`;
-- the engine's optional abilities, declared on `glmlight.rollout.base.RolloutEngine`;
+- the engine's optional abilities, declared on `glmlight.engines.base.RolloutEngine`;
 - `module.evaluation_targets()`: other models the algorithm wants evaluated beside the policy
   (`EvalTarget`s; OPD's teachers), which the evaluation callback runs once at the start.
 

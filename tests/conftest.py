@@ -93,6 +93,6 @@ class DigitRunningSumEnv:
 def newest_pushed_version(weights_dir) -> int:
     """The highest `v<N>` a disk-mode weight push has written under `weights_dir` (0: none yet). The push
     keeps only the last two versions, so a fast run has deleted `v1` long before a poller looks for it."""
-    from glmlight.rollout.transport import checkpoint_versions
+    from glmlight.engines.transport import checkpoint_versions
 
     return max(checkpoint_versions(str(weights_dir)), default=0)

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 from tests.standin_base import Fault, ProtocolServer, Recorded, join_gloo_group, receive  # noqa: F401
 from tests.standin_sglang import SGLangServer  # noqa: F401
 from tests.standin_vllm import StandInWorker, VLLMServer  # noqa: F401

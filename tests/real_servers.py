@@ -86,7 +86,7 @@ def trainer_logprobs(model: Any, prompt: list[int], ids: list[int], temperature:
                      top_p: float = 1.0, order: str = "sequential") -> list[float]:
     """The trainer's log-prob of each token of `ids` after `prompt`, under the distribution it was
     sampled from (temperature, then top-k/top-p combined in the engine's `order`, renormalised)."""
-    from glmlight.rollout.sampling import processed_logprobs
+    from glmlight.engines.local.sampling import processed_logprobs
 
     if not ids:
         return []

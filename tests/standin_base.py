@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 
 FAULT = web.RequestKey("fault", object)  # the fault injected into this request (handlers may act on it)
 

@@ -118,9 +118,9 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from glmlight.rollout.local import LocalEngine
-from glmlight.rollout.replay_codec import RecordLayout, sglang_indexer_topk_payload, sglang_routed_experts_payload
-from glmlight.rollout.transport import decode_safetensors
+from glmlight.engines.local.engine import LocalEngine
+from glmlight.engines.servers.replay_codec import RecordLayout, sglang_indexer_topk_payload, sglang_routed_experts_payload
+from glmlight.engines.transport import decode_safetensors
 from tests.standin_base import FAULT, ProtocolServer, _params, join_gloo_group, receive
 
 SESSION_MESSAGE = "{} must run between begin_weight_update() and end_weight_update()"

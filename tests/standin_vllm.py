@@ -47,9 +47,9 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from glmlight.rollout.local import LocalEngine
-from glmlight.rollout.replay_codec import RecordLayout, vllm_routed_experts_payload
-from glmlight.rollout.vllm_worker import WeightLoaderExtension
+from glmlight.engines.local.engine import LocalEngine
+from glmlight.engines.servers.replay_codec import RecordLayout, vllm_routed_experts_payload
+from glmlight.engines.servers.vllm_worker import WeightLoaderExtension
 from tests.standin_base import FAULT, ProtocolServer, _params, join_gloo_group
 
 PAUSED = {"error": {"message": "Generation is paused. Please retry after it resumes.", "type": "ServiceUnavailableError",

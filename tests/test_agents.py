@@ -13,8 +13,8 @@ from glmlight.agents.envs import CalculatorEnv, RunningSumEnv, RunningSumTask, s
 from glmlight.config import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, Prompt
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Status
 from tests.conftest import overrides_for_tests
 from glmlight import compose

@@ -21,8 +21,8 @@ from glmlight.data.sources import JsonlSource, ListSource, Prompt
 from glmlight.errors import ConfigError, DataError
 from glmlight.models.loading import load_causal_lm, load_tokenizer, save_checkpoint
 from glmlight.models.tokenizer import build_char_tokenizer, encode_chat
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Status
 from tests.conftest import REPO, overrides_for_tests
 

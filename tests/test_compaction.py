@@ -15,7 +15,7 @@ from glmlight.algorithms.compaction import CompactionConfig, CompactionRL
 from glmlight.data.sources import Prompt
 from glmlight.models.tokenizer import encode_chat, stop_token_ids
 from glmlight.ops.reduce import aggregate_loss
-from glmlight.rollout.base import Generation, SamplingParams
+from glmlight.engines.base import Generation, SamplingParams
 from glmlight.sample import Experience, Sample, Status
 from tests.conftest import overrides_for_tests
 from glmlight import compose

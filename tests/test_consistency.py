@@ -11,8 +11,8 @@ from torch.testing import assert_close
 
 import glmlight
 from callbacks import IcePop, MaskedIS, PolicyVersionGate, RejectionSampling, TruncatedIS, WeightSync
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Experience, Sample
 from tests.conftest import encode, overrides_for_tests
 from glmlight import compose

@@ -16,8 +16,8 @@ from glmlight.rewards.base import score_samples
 from glmlight.rewards.verifiers import BoxedMatch, ExactMatch, NumericMatch, extract_boxed
 from glmlight.agents.loop import episode_to_samples
 from glmlight.data.sources import Prompt
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Sample, Status
 
 
@@ -232,7 +232,7 @@ class _ThreeTokenEngine:
         self.ids = tokenizer("ab", add_special_tokens=False)["input_ids"][:2] + [tokenizer.eos_token_id]
 
     def generate(self, prompts, params):
-        from glmlight.rollout.base import Generation
+        from glmlight.engines.base import Generation
 
         return [Generation(list(self.ids), [-0.1] * 3, "stop", [0] * 3) for _ in prompts]
 

@@ -1,4 +1,4 @@
-"""The dense Llama-family runner of the embedded engine (glmlight/rollout/dense_runner.py) computes the
+"""The dense Llama-family runner of the embedded engine (glmlight/engines/local/dense_runner.py) computes the
 model's own function: for tiny random Llama (grouped-query attention, with and without attention
 biases), Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) models, the logits of prefill and
 of every decode step equal the model's own forward on the same tokens, whatever else is in the batch
@@ -10,10 +10,10 @@ import transformers as T
 
 from glmlight.errors import EngineError
 from glmlight.ops.logprobs import logprobs_from_logits
-from glmlight.rollout import dense_runner
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.dense_runner import DenseRunner
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.local import dense_runner
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.dense_runner import DenseRunner
+from glmlight.engines.local.engine import LocalEngine
 
 V = 97
 

@@ -3,8 +3,8 @@
 import torch
 
 from glmlight.ops.logprobs import logprobs_from_logits
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 from tests.conftest import encode
 
 PROMPTS = ["1+2=", "13+22=?", "7"]

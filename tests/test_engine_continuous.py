@@ -19,8 +19,8 @@ import torch
 
 from glmlight.errors import EngineError
 from glmlight.models.loading import load_causal_lm
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Status
 from tests.conftest import encode
 from tests.waiting import wait_event
@@ -222,7 +222,7 @@ def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer, monkeypatc
     ties between index scores (where any two implementations may pick differently) away."""
     from torch._dynamo.utils import counters
 
-    from glmlight.rollout import glm_runner
+    from glmlight.engines.local import glm_runner
 
     model = load_causal_lm(None, tokenizer, preset="test", seed=0, index_topk=8, index_n_heads=16).eval()
     monkeypatch.setattr(glm_runner, "ABSORB_MAX_GROWTH", growth)
@@ -254,7 +254,7 @@ def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer, monkeypatc
 @pytest.mark.parametrize("form", ["dense", "grouped", "model's own"])
 def test_glm_runner_moe_forms_equal_the_model(tokenizer, tiny_model, monkeypatch, form):
     from glmlight.models.glm5 import moe as glm_moe
-    from glmlight.rollout.glm_runner import GlmDsaRunner
+    from glmlight.engines.local.glm_runner import GlmDsaRunner
 
     if form == "model's own":  # experts too large for the dense form: no stacked copy at all
         monkeypatch.setattr(glm_moe, "DENSE_MOE_MAX_WASTED_FLOPS", 0.0)
@@ -289,7 +289,7 @@ def test_a_waiting_weight_update_stops_new_decode_steps(tokenizer, tiny_model):
 
 
 def test_cache_grows_only_what_is_short(tiny_model):
-    from glmlight.rollout.glm_runner import GlmDsaRunner
+    from glmlight.engines.local.glm_runner import GlmDsaRunner
 
     runner = GlmDsaRunner(tiny_model, rows=8, capacity=128)
     runner._ensure(30, 7)  # more rows, short sequences: the capacity stays
@@ -344,10 +344,10 @@ def test_compiled_decode_with_the_model_s_own_moe(tokenizer, tiny_model, monkeyp
     layer loop that would make the compiled step slower than eager: the runner decodes eagerly, says so,
     and computes the eager runner's logits."""
     from glmlight.models.glm5 import moe as glm_moe
-    from glmlight.rollout.glm_runner import GlmDsaRunner
+    from glmlight.engines.local.glm_runner import GlmDsaRunner
 
     monkeypatch.setattr(glm_moe, "DENSE_MOE_MAX_WASTED_FLOPS", 0.0)
-    with caplog.at_level("WARNING", logger="glmlight.rollout.glm_runner"):
+    with caplog.at_level("WARNING", logger="glmlight.engines.local.glm_runner"):
         runners = [GlmDsaRunner(tiny_model), GlmDsaRunner(tiny_model, compile=True)]
     assert all(L.experts is None for L in runners[1].layers if L.moe)
     assert runners[1].compiled is False and runners[1]._decode is None

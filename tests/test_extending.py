@@ -14,7 +14,7 @@ from glmlight import compose
 from glmlight.algorithms.grpo import GRPO, GRPOConfig
 from glmlight.ops.corrections import CorrectionResult
 from glmlight.registry import ALGORITHMS, register_algorithm
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.local.engine import LocalEngine
 from tests.conftest import REPO, overrides_for_tests
 
 

@@ -20,8 +20,8 @@ from glmlight.ops.quant import (
     fp8_scale_shape,
     quantize_fp8_block,
 )
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 from tests.conftest import encode
 
 

@@ -23,8 +23,8 @@ from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, ListSource, Prompt
 from glmlight.gateway.runner import GatewayOptions, GatewayRollout, load_agent
 from glmlight.models.tokenizer import encode_chat
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Status
 from tests.conftest import overrides_for_tests
 from tests.waiting import wait_event, wait_until

@@ -16,7 +16,7 @@ from glmlight.gateway.template import TurnCodec
 from glmlight.gateway.tool_format import GlmFormat, HermesFormat, LineFormat, tool_format
 from glmlight.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer, encode_chat, stop_token_ids
 from glmlight.data.sources import Prompt
-from glmlight.rollout.base import Generation, SamplingParams
+from glmlight.engines.base import Generation, SamplingParams
 from glmlight.sample import Status
 
 CALC = ToolSpec("calc", "exact value", {"type": "object", "properties": {"expr": {"type": "string"}}})

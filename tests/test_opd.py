@@ -75,7 +75,7 @@ def teacher_dirs(tmp_path_factory, tokenizer):
 
 def engine_from_checkpoint(path: str):
     """An engine spec target for tests: the embedded engine serving a local checkpoint."""
-    from glmlight.rollout.local import LocalEngine
+    from glmlight.engines.local.engine import LocalEngine
 
     return LocalEngine(load_causal_lm(path, None), pad_token_id=0)
 

@@ -19,11 +19,11 @@ import urllib.request
 import pytest
 
 from glmlight.errors import EngineError
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.factory import build_server_engine
-from glmlight.rollout.launch import server_processes
-from glmlight.rollout.tiny_checkpoint import build_tiny_checkpoint
-from glmlight.rollout.transport import read_checkpoint
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.factory import build_server_engine
+from glmlight.engines.servers.launch import server_processes
+from glmlight.engines.servers.tiny_checkpoint import build_tiny_checkpoint
+from glmlight.engines.transport import read_checkpoint
 from tests.waiting import running, wait_event, wait_until
 from tests.conftest import newest_pushed_version
 from tests.real_servers import DEVICE, TOL, interpreter, max_diff, server_config, trainer_greedy, trainer_logprobs
@@ -245,7 +245,7 @@ def test_request_errors_are_one_line_with_the_servers_message(real):
     answers with becomes one line carrying its message."""
     if real.backend != "sglang":
         pytest.skip("SGLang's /generate")
-    from glmlight.rollout.http import Rejected
+    from glmlight.engines.servers.http import Rejected
 
     _serving(real, 0)
     eng, p = real.engine, _prompts(real.tok, 1)[0]
@@ -361,7 +361,7 @@ def test_failed_update_leaves_the_previous_weights_serving(real):
 def test_permanent_server_errors_are_not_retried(real):
     if real.backend != "vllm":
         pytest.skip("vLLM's /collective_rpc")
-    from glmlight.rollout.http import ServerFailed
+    from glmlight.engines.servers.http import ServerFailed
 
     eng, before = real.engine, real.engine.http.num_retries
     t0 = time.monotonic()
@@ -376,9 +376,9 @@ def test_worker_extension_imports_in_the_server_environment(real):
         pytest.skip("vLLM's worker extension (SGLang needs no glmlight code in its environment)")
     import subprocess
 
-    from glmlight.rollout.launch import python_path_with_package
+    from glmlight.engines.servers.launch import python_path_with_package
 
-    code = ("import sys, glmlight.rollout.vllm_worker as w; "
+    code = ("import sys, glmlight.engines.servers.vllm_worker as w; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'hydra', 'omegaconf', 'aiohttp')))")
     out = subprocess.run([real.python, "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": python_path_with_package({}), "PATH": "/usr/bin:/bin"})

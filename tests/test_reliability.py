@@ -18,8 +18,8 @@ from glmlight.config import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask
 from glmlight.errors import ConfigError
-from glmlight.rollout.base import Generation
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import Generation
+from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Status
 from tests.waiting import running, wait_until
 from tests.conftest import REPO, overrides_for_tests

@@ -19,8 +19,8 @@ from glmlight.models.loading import load_causal_lm
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.ops.mismatch import set_agreement, topk_agreement
 from glmlight.registry import algorithm
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Experience, Sample, SampleError
 from tests.conftest import encode, overrides_for_tests
 
@@ -304,7 +304,7 @@ def test_start_up_errors(tmp_path, tokenizer):
 
 class _ServerWithoutRecords:
     """What a server client is to replay before it asks its server for records: an engine without
-    `capture_replay` (the generation protocol of glmlight/rollout/base.py only)."""
+    `capture_replay` (the generation protocol of glmlight/engines/base.py only)."""
 
     version = 0
 

@@ -1,4 +1,4 @@
-"""The server replay encodings (glmlight/rollout/replay_codec.py): payloads built as SGLang 0.5.23 and
+"""The server replay encodings (glmlight/engines/servers/replay_codec.py): payloads built as SGLang 0.5.23 and
 vLLM 0.33.0 build them decode to exactly what the embedded engine captures for the same tokens.
 
 How the servers build them (paths inside the wheels):
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from glmlight.models.loading import load_causal_lm
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.local import LocalEngine
-from glmlight.rollout.replay_codec import (RecordLayout, ReplayDecodeError, decode_sglang_indexer_topk,
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
+from glmlight.engines.servers.replay_codec import (RecordLayout, ReplayDecodeError, decode_sglang_indexer_topk,
                                            decode_sglang_routed_experts, decode_vllm_routed_experts,
                                            routed_experts_from_vllm_array, sglang_indexer_topk_payload,
                                            sglang_routed_experts_payload, vllm_routed_experts_payload)

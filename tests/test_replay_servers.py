@@ -20,16 +20,16 @@ from glmlight import compose
 from glmlight.config import validate
 from glmlight.errors import ConfigError, EngineError
 from glmlight.models.loading import load_causal_lm
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.factory import build_server_engine
-from glmlight.rollout.http import HttpSettings
-from glmlight.rollout.launch import sglang_launch, vllm_launch
-from glmlight.rollout.local import LocalEngine
-from glmlight.rollout.replay_codec import RecordLayout
-from glmlight.rollout.server_replay import ReplayRecordsInvalid
-from glmlight.rollout.server_types import server_settings
-from glmlight.rollout.sglang import SGLangEngine
-from glmlight.rollout.vllm import VLLMEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.factory import build_server_engine
+from glmlight.engines.servers.http import HttpSettings
+from glmlight.engines.servers.launch import sglang_launch, vllm_launch
+from glmlight.engines.local.engine import LocalEngine
+from glmlight.engines.servers.replay_codec import RecordLayout
+from glmlight.engines.servers.server_replay import ReplayRecordsInvalid
+from glmlight.engines.servers.server_types import server_settings
+from glmlight.engines.servers.sglang import SGLangEngine
+from glmlight.engines.servers.vllm import VLLMEngine
 from tests.conftest import overrides_for_tests
 from tests.protocol_servers import SGLangServer, VLLMServer, launch_config, standin_script
 from tests.test_replay import _near_ties

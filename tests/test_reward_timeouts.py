@@ -218,7 +218,7 @@ def test_reward_options_are_not_reward_arguments():
 
 def test_a_generative_judge_is_asked_concurrently_and_its_engine_batches(tokenizer, tiny_model):
     from glmlight.rewards.judge import GenerativeJudge
-    from glmlight.rollout.local import LocalEngine
+    from glmlight.engines.local.engine import LocalEngine
 
     engine = LocalEngine(tiny_model, pad_token_id=tokenizer.pad_token_id)
     judge = GenerativeJudge(engine, template="Rate: {completion}", max_new_tokens=4)

@@ -200,7 +200,7 @@ def test_generative_judge_through_engine(tokenizer, tiny_model, tmp_path):
     from glmlight.config import WarmStartConfig
     from glmlight.data.sources import ListSource, Prompt
     from glmlight.models.warm_start import supervised_warm_start
-    from glmlight.rollout.local import LocalEngine
+    from glmlight.engines.local.engine import LocalEngine
 
     untrained = LocalEngine(tiny_model, pad_token_id=tokenizer.pad_token_id)
     source = ListSource([Prompt(messages=[{"role": "user", "content": f"Rate: {i}"}], label="Score: 7/10")

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from glmlight.errors import ConfigError, EngineError
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.factory import build_server_engine
-from glmlight.rollout.http import HttpSettings
-from glmlight.rollout.launch import free_port, server_processes
-from glmlight.rollout.local import LocalEngine
-from glmlight.rollout.sglang import SGLangEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.factory import build_server_engine
+from glmlight.engines.servers.http import HttpSettings
+from glmlight.engines.servers.launch import free_port, server_processes
+from glmlight.engines.local.engine import LocalEngine
+from glmlight.engines.servers.sglang import SGLangEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
     SGLangServer, answers_of, assert_same, expected, greedy, launch_config, model, perturbed, prompts, ref,
     standin_script)
@@ -643,7 +643,7 @@ def test_a_dropped_tensor_bucket_puts_the_server_back_and_tries_again(model, ser
 
 
 def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model, server, tokenizer, tmp_path):
-    from glmlight.rollout.servers import FleetFailed
+    from glmlight.engines.servers.base import FleetFailed
 
     with make(server.url, tmp_path) as eng:
         eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
@@ -657,7 +657,7 @@ def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model,
 def test_a_server_without_sampling_masks_serves_plain_sampling_and_refuses_top_k(model, ref, tokenizer, tmp_path):
     """SGLang before 0.5.18 cannot report top-k/top-p log-probs: it passes the start-up check (the
     temperature part), serves sampling without top-k/top-p, and a top-k request stops the run."""
-    from glmlight.rollout.sglang import FilteredLogprobsMissing
+    from glmlight.engines.servers.sglang import FilteredLogprobsMissing
 
     srv = SGLangServer(LocalEngine(model), sampling_mask=False).start()
     try:
@@ -718,7 +718,7 @@ def test_a_paused_server_is_up_to_the_suspect_probe(server, tmp_path):
 
 
 def test_an_unknown_sampling_key_is_one_line_with_the_servers_message(server, tokenizer, tmp_path):
-    from glmlight.rollout.http import Rejected
+    from glmlight.engines.servers.http import Rejected
 
     with make(server.url, tmp_path) as eng:
         with pytest.raises(Rejected) as err:

@@ -16,11 +16,11 @@ import torch
 
 from glmlight.config import validate
 from glmlight.errors import EngineError
-from glmlight.rollout.factory import build_server_engine
-from glmlight.rollout.http import HttpSettings
-from glmlight.rollout.launch import PACKAGE_ROOT, free_port, server_processes
-from glmlight.rollout.local import LocalEngine
-from glmlight.rollout.vllm import EXTENSION, VLLMEngine
+from glmlight.engines.factory import build_server_engine
+from glmlight.engines.servers.http import HttpSettings
+from glmlight.engines.servers.launch import PACKAGE_ROOT, free_port, server_processes
+from glmlight.engines.local.engine import LocalEngine
+from glmlight.engines.servers.vllm import EXTENSION, VLLMEngine
 from tests.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
     VLLMServer, answers_of, assert_same, expected, greedy, launch_config, model, perturbed, prompts, ref,
     standin_script)
@@ -219,7 +219,7 @@ def test_reset_prefix_cache_success_false_is_retried(model, server, tokenizer, t
 
 
 def test_permanent_rpc_errors_are_not_retried(server, tmp_path):
-    from glmlight.rollout.http import ServerFailed
+    from glmlight.engines.servers.http import ServerFailed
 
     with make(server.url, tmp_path, http=HttpSettings(timeout_s=120, max_retries=5, backoff_s=0.2)) as eng:
         n = len(server.calls("/collective_rpc"))
@@ -229,7 +229,7 @@ def test_permanent_rpc_errors_are_not_retried(server, tmp_path):
 
 
 def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model, server, tokenizer, tmp_path):
-    from glmlight.rollout.servers import FleetFailed
+    from glmlight.engines.servers.base import FleetFailed
 
     with make(server.url, tmp_path, weight_sync="tensor") as eng:
         eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
@@ -370,13 +370,14 @@ def test_worker_extension_imports_with_torch_and_safetensors_alone(tmp_path):
     blocker = tmp_path / "sitecustomize.py"
     blocker.write_text("import sys\nfor name in ('lightning', 'hydra', 'omegaconf', 'transformers', 'aiohttp', "
                        "'torchmetrics', 'lightning_utilities'):\n    sys.modules[name] = None\n")
-    code = ("import sys, glmlight.rollout.vllm_worker as w; assert w.WeightLoaderExtension; "
+    code = ("import sys, glmlight.engines.servers.vllm_worker as w; assert w.WeightLoaderExtension; "
             "print(sorted(m for m in sys.modules if m.startswith('glmlight')))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-1500:]
-    assert out.stdout.strip() == str(['glmlight', 'glmlight.dtypes', 'glmlight.rollout', 'glmlight.rollout.transport',
-                                      'glmlight.rollout.vllm_worker', 'glmlight.sample'])
+    assert out.stdout.strip() == str(['glmlight', 'glmlight.dtypes', 'glmlight.engines', 'glmlight.engines.servers',
+                                      'glmlight.engines.servers.vllm_worker', 'glmlight.engines.transport',
+                                      'glmlight.sample'])
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
@@ -458,7 +459,7 @@ def test_disk_push_keeps_the_last_versions(tmp_path):
     """`write_hf_checkpoint` (the disk-mode push) writes root/vN atomically and keeps the newest `keep`."""
     import torch
 
-    from glmlight.rollout.transport import checkpoint_versions, read_checkpoint, write_hf_checkpoint
+    from glmlight.engines.transport import checkpoint_versions, read_checkpoint, write_hf_checkpoint
 
     root = str(tmp_path / "weights")
     assert checkpoint_versions(root) == []
@@ -494,7 +495,7 @@ def _fake_vllm(monkeypatch, device_type: str, weight_nz_mode: int) -> list:
 def _ascend_worker(seen: list, device: str):
     import types
 
-    from glmlight.rollout.vllm_worker import WeightLoaderExtension
+    from glmlight.engines.servers.vllm_worker import WeightLoaderExtension
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -567,7 +568,7 @@ def test_a_vllm_ascend_server_with_nz_weights_is_named_at_the_first_update(model
 def test_in_process_vllm_ascend_engine_keeps_weights_in_nd(monkeypatch):
     import types
 
-    from glmlight.rollout.vllm_inprocess import VLLMInProcessEngine
+    from glmlight.engines.servers.vllm_inprocess import VLLMInProcessEngine
 
     built: dict = {}
     fake = types.ModuleType("vllm")

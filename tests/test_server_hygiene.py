@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 
 import glmlight
-from glmlight.rollout.launch import SERVER_ID_ENV, processes_with_env, server_processes
+from glmlight.engines.servers.launch import SERVER_ID_ENV, processes_with_env, server_processes
 from tests.waiting import running, wait_until
 from tests.conftest import REPO, newest_pushed_version, overrides_for_tests
 from tests.protocol_servers import standin_script
@@ -91,7 +91,7 @@ def test_a_killed_parent_takes_its_server_along(tmp_path):
     code = f"""
 import os, signal, sys
 sys.path.insert(0, {REPO!r})
-from glmlight.rollout.factory import build_server_engine
+from glmlight.engines.factory import build_server_engine
 from tests.protocol_servers import launch_config, standin_script
 import pathlib
 tmp = pathlib.Path({str(tmp_path)!r})
@@ -109,7 +109,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 @pytest.mark.slow
 def test_killing_the_guard_still_stops_the_server(tmp_path):
     """PR_SET_PDEATHSIG: the server gets SIGTERM when its guard dies, and stops its own child."""
-    from glmlight.rollout.factory import build_server_engine
+    from glmlight.engines.factory import build_server_engine
     from tests.protocol_servers import launch_config
 
     eng = build_server_engine(launch_config(tmp_path, "sglang", [sys.executable, standin_script(tmp_path, "sglang")]))

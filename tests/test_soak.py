@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import glmlight
-from glmlight.rollout.local import LocalEngine
+from glmlight.engines.local.engine import LocalEngine
 from tests.conftest import overrides_for_tests
 from glmlight import compose
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from glmlight.agents.loop import AgentLoop, Episode, Segment, encode_observation
 from glmlight.models.tokenizer import encode_chat
-from glmlight.rollout.base import SamplingParams
+from glmlight.engines.base import SamplingParams
 from glmlight.sample import Status
 
 SUMMARY_PROMPT = "Summarize."

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from glmlight.prompt import Prompt
 from glmlight.models.warm_start import Example, ExampleFn
-from glmlight.rollout.base import Generation, SamplingParams, normalize_requests
+from glmlight.engines.base import Generation, SamplingParams, normalize_requests
 from glmlight.sample import Status
 
 log = logging.getLogger(__name__)

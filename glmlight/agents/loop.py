@@ -24,7 +24,7 @@ from glmlight.agents.env import Environment, step_result_problem
 from glmlight.errors import DataError
 from glmlight.models.tokenizer import encode_chat
 from glmlight.prompt import Prompt
-from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
+from glmlight.engines.base import Generation, RolloutEngine, SamplingParams
 from glmlight.sample import Sample, Status
 
 log = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.ops.reduce import masked_mean
 from glmlight.ranges import ranges
 from glmlight.registry import register_algorithm
-from glmlight.rollout.base import can_score_at_temperature
+from glmlight.engines.base import can_score_at_temperature
 from glmlight.sample import Experience, Sample
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class OPD(RLModule):
             if engine is not None and callable(getattr(engine, "generate", None)):
                 out.append(EvalTarget(prefix, engine, routed))
                 continue
-            from glmlight.rollout.local import LocalEngine
+            from glmlight.engines.local.engine import LocalEngine
 
             engine = LocalEngine(teacher.model, dtype=getattr(student, "dtype", "float32"),
                                  device=getattr(student, "device", "cpu"), pad_token_id=self.pad_token_id)
@@ -234,7 +234,7 @@ class OPD(RLModule):
             model = self._builtin_teacher(name, tc)
         self._check_vocab(name, model)
         if tc.serve == "engine":
-            from glmlight.rollout.local import LocalEngine
+            from glmlight.engines.local.engine import LocalEngine
 
             return EngineTeacher(name, LocalEngine(model, dtype=tc.dtype, device=self._target_device(),
                                                    pad_token_id=self.pad_token_id), self.teacher_temperature)

@@ -24,7 +24,7 @@ import torch
 from glmlight.data.groups import pad_or_drop_group
 from glmlight.errors import ConfigError
 from glmlight.models.glm5.replay import Replay, index_shape, routing_shape
-from glmlight.rollout.base import CapturesReplay
+from glmlight.engines.base import CapturesReplay
 from glmlight.sample import Experience, Sample
 
 log = logging.getLogger(__name__)

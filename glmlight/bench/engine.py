@@ -11,8 +11,8 @@ from glmlight.bench.common import TARGETS, Sizes, row, timed, tiny_model
 
 
 def bench_engine(s: Sizes, device: str) -> list[dict[str, Any]]:
-    from glmlight.rollout.base import SamplingParams
-    from glmlight.rollout.local import LocalEngine
+    from glmlight.engines.base import SamplingParams
+    from glmlight.engines.local.engine import LocalEngine
 
     tok, model = tiny_model(s.preset, device)
     model.eval()

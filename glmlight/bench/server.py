@@ -65,11 +65,11 @@ def bench_server(s: Sizes, device: str) -> list[dict[str, Any]]:
 
     from glmlight.models.loading import load_causal_lm
     from glmlight.models.tokenizer import build_char_tokenizer, encode_chat
-    from glmlight.rollout.base import SamplingParams
-    from glmlight.rollout.factory import build_server_engine
-    from glmlight.rollout.local import LocalEngine
-    from glmlight.rollout.servers import sampling_fields
-    from glmlight.rollout.tiny_checkpoint import build_tiny_checkpoint
+    from glmlight.engines.base import SamplingParams
+    from glmlight.engines.factory import build_server_engine
+    from glmlight.engines.local.engine import LocalEngine
+    from glmlight.engines.servers.base import sampling_fields
+    from glmlight.engines.servers.tiny_checkpoint import build_tiny_checkpoint
 
     root = tempfile.mkdtemp(prefix="glmlight-bench-server-")
     ckpt = build_tiny_checkpoint(os.path.join(root, "tiny-llama"), "llama", seed=0)

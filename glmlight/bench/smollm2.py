@@ -36,8 +36,8 @@ def smollm2_prompts(tok: Any, n: int) -> list[list[int]]:
 def bench_smollm2(s: Sizes, device: str) -> list[dict[str, Any]]:
     from glmlight.models.gguf import package_checkpoint
     from glmlight.models.loading import load_causal_lm, load_tokenizer
-    from glmlight.rollout.base import SamplingParams
-    from glmlight.rollout.local import LocalEngine
+    from glmlight.engines.base import SamplingParams
+    from glmlight.engines.local.engine import LocalEngine
 
     ckpt = package_checkpoint(PACKAGE, FILE)
     tok = load_tokenizer(ckpt)
@@ -116,8 +116,8 @@ class _Server:
         import aiohttp
 
         from glmlight.bench.server import _config, _session
-        from glmlight.rollout.factory import build_server_engine
-        from glmlight.rollout.servers import sampling_fields
+        from glmlight.engines.factory import build_server_engine
+        from glmlight.engines.servers.base import sampling_fields
 
         self.root = tempfile.mkdtemp(prefix="glmlight-bench-smollm2-")
         flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0"]

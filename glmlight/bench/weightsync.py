@@ -45,7 +45,7 @@ def write_seconds(named: NamedTensors, path: str) -> float:
 
 
 def bench_sync(s: Sizes, device: str) -> list[dict[str, Any]]:
-    from glmlight.rollout.local import LocalEngine
+    from glmlight.engines.local.engine import LocalEngine
 
     tok, trained = tiny_model(s.sync_preset, device)
     engine = LocalEngine(copy.deepcopy(trained).eval(), device=device, pad_token_id=tok.pad_token_id)

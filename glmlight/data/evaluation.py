@@ -38,7 +38,7 @@ import torch
 from glmlight.config import EvalConfig
 from glmlight.prompt import Prompt, PromptSource
 from glmlight.ops.eval_metrics import maj_at_k, mean_pass_at_k, pass_k_values
-from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
+from glmlight.engines.base import Generation, RolloutEngine, SamplingParams
 from glmlight.sample import Sample, Status
 
 DEFAULT_SET = "heldout"  # the task's own held-out prompts (task.eval_path, or the synthetic held-out stream)

@@ -39,8 +39,8 @@ from glmlight.data.stream import PromptStream
 from glmlight.hooks import has_rollout_sample_hooks, run_rollout_sample_hooks
 from glmlight.models.tokenizer import PromptEncodingError, encode_prompt, stop_token_ids
 from glmlight.rewards.base import RewardFn, RewardRunner, score_samples
-from glmlight.rollout.base import HasState, RolloutEngine, SamplingParams
-from glmlight.rollout.retry import RetryingEngine, generate_with_retries
+from glmlight.engines.base import HasState, RolloutEngine, SamplingParams
+from glmlight.engines.retry import RetryingEngine, generate_with_retries
 from glmlight.sample import Experience, Sample, Status
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from glmlight.gateway.messages import (CLOSED, CONTEXT, SERVER, Message, ToolCal
                                        TurnRequest, TurnResult, WireError)
 from glmlight.gateway.template import TurnCodec
 from glmlight.prompt import Prompt
-from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
+from glmlight.engines.base import Generation, RolloutEngine, SamplingParams
 from glmlight.sample import Status
 
 log = logging.getLogger(__name__)

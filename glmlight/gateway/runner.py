@@ -48,7 +48,7 @@ from glmlight.gateway.tool_format import tool_format
 from glmlight.models.tokenizer import stop_token_ids
 from glmlight.prompt import Prompt
 from glmlight.rewards.base import score_samples
-from glmlight.rollout.base import RolloutEngine, SamplingParams
+from glmlight.engines.base import RolloutEngine, SamplingParams
 from glmlight.sample import Sample, Status
 
 log = logging.getLogger(__name__)

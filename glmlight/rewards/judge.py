@@ -83,7 +83,7 @@ class GenerativeJudge:
                                           "task.reward.tokenizer_path" if tokenizer_path else "task.reward.path")
         if path is not None:
             from glmlight.models.loading import load_causal_lm
-            from glmlight.rollout.local import LocalEngine
+            from glmlight.engines.local.engine import LocalEngine
 
             engine = LocalEngine(load_causal_lm(path, self.tokenizer, dtype=dtype, key="task.reward.path"), dtype=dtype, device=device,
                                  pad_token_id=self.tokenizer.pad_token_id)
@@ -102,7 +102,7 @@ class GenerativeJudge:
     def judge_text(self, prompt: str) -> str:
         """The judge's raw answer to one judge prompt."""
         from glmlight.models.tokenizer import encode_chat, stop_token_ids
-        from glmlight.rollout.base import SamplingParams
+        from glmlight.engines.base import SamplingParams
 
         ids = encode_chat(self.tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
         params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens,

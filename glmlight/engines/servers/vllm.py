@@ -17,7 +17,7 @@ prompt position i > 0, a dict keyed by token id (a string) that always holds the
 token; the completion's entries start at len(prompt).
 
 Weight updates use vLLM's dev-mode endpoints (VLLM_SERVER_DEV_MODE=1) and the worker extension
-`glmlight.rollout.vllm_worker.WeightLoaderExtension` (`--worker-extension-cls`; a managed launch
+`glmlight.engines.servers.vllm_worker.WeightLoaderExtension` (`--worker-extension-cls`; a managed launch
 adds both and puts glmlight on the server's PYTHONPATH):
 
     /pause?mode=abort → stage every bucket on every server (/collective_rpc glmlight_load_payload,
@@ -49,16 +49,16 @@ from typing import Any
 
 from glmlight.dtypes import dtype_name
 from glmlight.errors import EngineError
-from glmlight.rollout import transport as wt
-from glmlight.rollout.base import Generation, NamedTensors, SamplingParams
-from glmlight.rollout.http import AuthError, get_field
-from glmlight.rollout.launch import free_port, local_ip_towards, vllm_index_refusal, vllm_launch
-from glmlight.rollout.replay_codec import decode_vllm_routed_experts
-from glmlight.rollout.server_checks import check_logprob_definition
-from glmlight.rollout.server_replay import ReplayField
-from glmlight.rollout.vllm_wire import (ASCEND_OPTIONS, EXTENSION, FINISH_REASONS, rpc_failed, token_id,  # noqa: F401
+from glmlight.engines import transport as wt
+from glmlight.engines.base import Generation, NamedTensors, SamplingParams
+from glmlight.engines.servers.http import AuthError, get_field
+from glmlight.engines.servers.launch import free_port, local_ip_towards, vllm_index_refusal, vllm_launch
+from glmlight.engines.servers.replay_codec import decode_vllm_routed_experts
+from glmlight.engines.servers.server_checks import check_logprob_definition
+from glmlight.engines.servers.server_replay import ReplayField
+from glmlight.engines.servers.vllm_wire import (ASCEND_OPTIONS, EXTENSION, FINISH_REASONS, rpc_failed, token_id,  # noqa: F401
                                         version_tuple)
-from glmlight.rollout.servers import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
+from glmlight.engines.servers.base import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
                                       server_settings)
 
 log = logging.getLogger(__name__)

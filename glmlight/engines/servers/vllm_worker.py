@@ -1,6 +1,6 @@
 """The vLLM worker extension: weight updates inside vLLM's workers, reached with /collective_rpc.
 
-Start the server with `--worker-extension-cls glmlight.rollout.vllm_worker.WeightLoaderExtension`
+Start the server with `--worker-extension-cls glmlight.engines.servers.vllm_worker.WeightLoaderExtension`
 (a managed launch adds it and puts glmlight on the server's PYTHONPATH). This module imports torch,
 safetensors and glmlight's weight transport only (vLLM lazily, inside the methods), so the server's
 environment needs no other part of glmlight.
@@ -49,7 +49,7 @@ import torch
 from safetensors import safe_open
 
 from glmlight.dtypes import parse_dtype
-from glmlight.rollout.transport import Named, decode_safetensors, init_custom_process_group, read_checkpoint, sync_device
+from glmlight.engines.transport import Named, decode_safetensors, init_custom_process_group, read_checkpoint, sync_device
 
 log = logging.getLogger(__name__)
 

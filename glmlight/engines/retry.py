@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from glmlight.rollout.base import Generation, RolloutEngine, SamplingParams
+from glmlight.engines.base import Generation, RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
 

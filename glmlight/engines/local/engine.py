@@ -45,12 +45,12 @@ from glmlight.dtypes import resolve_dtype
 from glmlight.errors import EngineError
 from glmlight.models.fp8 import hold_for_engine
 from glmlight.ops.logprobs import logprobs_from_logits
-from glmlight.rollout import dense_runner, glm_runner
-from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, normalize_requests
-from glmlight.rollout.batch import Request, RunningBatch, fill_holes, resolve_requests
-from glmlight.rollout.hf_runner import HFRunner
-from glmlight.rollout.sampling import request_uniforms
-from glmlight.rollout.transport import load_weights_file
+from glmlight.engines.local import dense_runner, glm_runner
+from glmlight.engines.base import Generation, NamedTensors, SamplingParams, normalize_requests
+from glmlight.engines.local.batch import Request, RunningBatch, fill_holes, resolve_requests
+from glmlight.engines.local.hf_runner import HFRunner
+from glmlight.engines.local.sampling import request_uniforms
+from glmlight.engines.transport import load_weights_file
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 few hundred thousand parameters with glmlight's character tokenizer, saved as safetensors.
 Used by the real-server tests, `scripts/bench.py` and `scripts/gpu_check.sh`; nothing is downloaded.
 
-    python -m glmlight.rollout.tiny_checkpoint OUT_DIR [llama|qwen2] [SEED]
+    python -m glmlight.engines.servers.tiny_checkpoint OUT_DIR [llama|qwen2] [SEED]
 """
 
 from __future__ import annotations

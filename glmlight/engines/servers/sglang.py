@@ -63,16 +63,16 @@ import torch
 
 from glmlight.dtypes import dtype_name
 from glmlight.errors import EngineError
-from glmlight.rollout import transport as wt
-from glmlight.rollout.base import SamplingParams
-from glmlight.rollout.http import Rejected, get_field
-from glmlight.rollout.launch import free_port, local_ip_towards, sglang_launch
-from glmlight.rollout.replay_codec import decode_sglang_indexer_topk, decode_sglang_routed_experts
-from glmlight.rollout.server_checks import check_logprob_definition
-from glmlight.rollout.server_replay import ReplayField
-from glmlight.rollout.servers import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
+from glmlight.engines import transport as wt
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.servers.http import Rejected, get_field
+from glmlight.engines.servers.launch import free_port, local_ip_towards, sglang_launch
+from glmlight.engines.servers.replay_codec import decode_sglang_indexer_topk, decode_sglang_routed_experts
+from glmlight.engines.servers.server_checks import check_logprob_definition
+from glmlight.engines.servers.server_replay import ReplayField
+from glmlight.engines.servers.base import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
                                       server_settings)
-from glmlight.rollout.sglang_wire import (FINISH_REASONS, FilteredLogprobsMissing, attempt_rid, check_sampling,  # noqa: F401
+from glmlight.engines.servers.sglang_wire import (FINISH_REASONS, FilteredLogprobsMissing, attempt_rid, check_sampling,  # noqa: F401
                                          pairs, parse_generate_answer, serialize_named_tensors, single)
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
     if r.get("engine"):
         return build_custom_engine(cfg, policy, tokenizer)
     if r.backend == "local":
-        from glmlight.rollout.local import LocalEngine
+        from glmlight.engines.local.engine import LocalEngine
 
         return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
                            seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile,
@@ -32,7 +32,7 @@ def build_custom_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from glmlight.rollout.base import RolloutEngine
+    from glmlight.engines.base import RolloutEngine
 
     spec = OmegaConf.to_container(cfg.rollout.engine, resolve=True)
     if "_target_" not in spec:
@@ -67,7 +67,7 @@ def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None):
     """A server client for `cfg.rollout.backend` (server engines work on token ids only and never
     re-tokenize, so they need no tokenizer). With `policy`, the client knows where the model's MoE
     and DSA layers sit in the servers' replay records (`record_layout`)."""
-    from glmlight.rollout.launch import replay_parts, vllm_index_refusal
+    from glmlight.engines.servers.launch import replay_parts, vllm_index_refusal
 
     r, s = cfg.rollout, cfg.rollout.server
     if r.backend not in BACKENDS:
@@ -95,15 +95,15 @@ def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None):
         raise ConfigError(f"config error: rollout.backend={r.backend} needs aiohttp; "
                           f"pip install 'glmlight[{r.backend.split('_')[0]}]'") from None
     if r.backend == "sglang":
-        from glmlight.rollout.sglang import SGLangEngine as cls
+        from glmlight.engines.servers.sglang import SGLangEngine as cls
     elif in_process:
-        from glmlight.rollout.vllm_inprocess import VLLMInProcessEngine as cls
+        from glmlight.engines.servers.vllm_inprocess import VLLMInProcessEngine as cls
     else:
-        from glmlight.rollout.vllm import VLLMEngine as cls
+        from glmlight.engines.servers.vllm import VLLMEngine as cls
     _check_weight_format(cfg, cls)
     engine = cls.from_config(cfg)
     if policy is not None and hasattr(engine, "capture_replay"):
-        from glmlight.rollout.replay_codec import RecordLayout
+        from glmlight.engines.servers.replay_codec import RecordLayout
 
         engine.record_layout = RecordLayout.from_model(policy)
     return engine

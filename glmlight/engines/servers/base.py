@@ -37,12 +37,12 @@ from typing import Any
 import torch
 
 from glmlight.errors import EngineError
-from glmlight.rollout.base import Generation, NamedTensors, SamplingParams, normalize_requests
-from glmlight.rollout.launch import LaunchSpec, ManagedServer
-from glmlight.rollout.server_checks import verify_update, weights_fingerprint
-from glmlight.rollout.server_replay import ReplayCapture
-from glmlight.rollout.server_suspects import SuspectTracking
-from glmlight.rollout.server_types import (Answer, FleetFailed, Source, UpdateFailed,  # noqa: F401 (re-exported)
+from glmlight.engines.base import Generation, NamedTensors, SamplingParams, normalize_requests
+from glmlight.engines.servers.launch import LaunchSpec, ManagedServer
+from glmlight.engines.servers.server_checks import verify_update, weights_fingerprint
+from glmlight.engines.servers.server_replay import ReplayCapture
+from glmlight.engines.servers.server_suspects import SuspectTracking
+from glmlight.engines.servers.server_types import (Answer, FleetFailed, Source, UpdateFailed,  # noqa: F401 (re-exported)
                                            sampling_fields, server_settings)
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
                  ready_timeout_s: float = 900.0, version: int = 0, confirm_timeout_s: float | None = None,
                  poll_interval_s: float = 0.05, update_retries: int = 2, resync: bool = True,
                  verify_updates: bool = True, weight_format: str = "auto", launch_restarts: int = 0):
-        from glmlight.rollout.http import HttpClient, HttpSettings, UrlPool
+        from glmlight.engines.servers.http import HttpClient, HttpSettings, UrlPool
 
         self.weight_format = weight_format  # auto | fp8 (glmlight.models.fp8_checkpoint.to_server_weights)
 
@@ -121,7 +121,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         self._restart_exited_server()
         self._check_unlabelled()
         self._sync_suspects()
-        from glmlight.rollout.http import new_rid
+        from glmlight.engines.servers.http import new_rid
 
         out: list[Generation | None] = [None] * len(prompts)
         pending = list(range(len(prompts)))
@@ -155,7 +155,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
                 raise ValueError(f"prompt {i} is empty")
         self._restart_exited_server()
         self._sync_suspects()
-        from glmlight.rollout.http import new_rid
+        from glmlight.engines.servers.http import new_rid
 
         jobs = [(rid, self._score_one(rid, list(p), list(c)))
                 for rid, p, c in zip((new_rid() for _ in prompts), prompts, completions)]
@@ -329,7 +329,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
             self._suspects.add(url)
 
     def _wait_ready(self, url: str, timeout_s: float) -> None:
-        from glmlight.rollout.http import ServerUnavailable
+        from glmlight.engines.servers.http import ServerUnavailable
 
         deadline, refusals = time.monotonic() + timeout_s, 0
         while True:

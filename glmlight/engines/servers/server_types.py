@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from glmlight.errors import EngineError
-from glmlight.rollout.base import Generation, SamplingParams
+from glmlight.engines.base import Generation, SamplingParams
 
 
 class UpdateFailed(EngineError):
@@ -51,7 +51,7 @@ def sampling_fields(p: SamplingParams) -> dict[str, Any]:
 
 def server_settings(cfg: Any) -> dict[str, Any]:
     """Constructor arguments every server engine takes, from the whole config."""
-    from glmlight.rollout.http import HttpSettings
+    from glmlight.engines.servers.http import HttpSettings
 
     s = cfg.rollout.server
     return dict(urls=list(s.urls), router=bool(s.router), http=HttpSettings.from_config(s),

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from glmlight.rollout.glm_runner import DECODE_WINDOW, _dynamic, _map_tensors
+from glmlight.engines.local.glm_runner import DECODE_WINDOW, _dynamic, _map_tensors
 
 log = logging.getLogger(__name__)
 

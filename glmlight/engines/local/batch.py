@@ -17,8 +17,8 @@ from functools import partial
 
 import torch
 
-from glmlight.rollout.base import Generation, SamplingParams
-from glmlight.rollout.sampling import sample_with_uniforms
+from glmlight.engines.base import Generation, SamplingParams
+from glmlight.engines.local.sampling import sample_with_uniforms
 
 TOP_K, STEP, MAX_NEW, SLOT = range(4)
 

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from glmlight.errors import EngineError
-from glmlight.rollout import transport as wt
-from glmlight.rollout.base import Generation, NamedTensors, SamplingParams
-from glmlight.rollout.servers import sampling_fields
-from glmlight.rollout.vllm_wire import ASCEND_OPTIONS, EXTENSION, FINISH_REASONS
+from glmlight.engines import transport as wt
+from glmlight.engines.base import Generation, NamedTensors, SamplingParams
+from glmlight.engines.servers.base import sampling_fields
+from glmlight.engines.servers.vllm_wire import ASCEND_OPTIONS, EXTENSION, FINISH_REASONS
 
 
 class VLLMInProcessEngine:

@@ -17,7 +17,7 @@ padding; the GLM-5 runner in `glm_runner.py` does not have that dependence.)
 
 Replay capture (`set_capture`, `records`): forward hooks on the model's routers and DSA indexers
 (`glmlight/models/glm5/replay.py`) hand each forward's choices to per-row, per-position records
-(`glmlight/rollout/records.py`); the indexer's cache columns become sequence positions.
+(`glmlight/engines/local/records.py`); the indexer's cache columns become sequence positions.
 
 FP8-held weights (`glmlight.models.fp8`) are dequantised once per forward (`parametrize.cached`),
 not once per read (MoE experts read theirs once per selected expert).
@@ -35,7 +35,7 @@ from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
 
 from glmlight.models.glm5.replay import (decoder_layers, index_shape, indexer_layers, indexer_of, moe_layers, router_of,
                                          routing_shape)
-from glmlight.rollout.records import Capture
+from glmlight.engines.local.records import Capture
 
 
 class HFRunner:

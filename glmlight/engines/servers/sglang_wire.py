@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from glmlight.errors import ConfigError, EngineError
-from glmlight.rollout.base import Generation
+from glmlight.engines.base import Generation
 
 log = logging.getLogger(__name__)
 _DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, device, ...)
@@ -110,7 +110,7 @@ def parse_generate_answer(body: Any, url: str, rid: str, filtered: bool,
     """(generation without versions, meta_info, weight-version labels) of a /generate answer to `rid`;
     `filtered`: the log-probs are meta_info.output_token_sampling_logprobs (top-k/top-p renormalised).
     A body of another shape is one EngineError naming the field."""
-    from glmlight.rollout.http import get_field
+    from glmlight.engines.servers.http import get_field
 
     path = "/generate"
     meta = get_field(body, "meta_info", url, path, name, dict)

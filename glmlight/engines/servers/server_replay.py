@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from glmlight.errors import EngineError
-from glmlight.rollout.base import Generation
-from glmlight.rollout.replay_codec import RecordLayout, ReplayDecodeError
+from glmlight.engines.base import Generation
+from glmlight.engines.servers.replay_codec import RecordLayout, ReplayDecodeError
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class ReplayCapture:
             raise EngineError("routing records need a model with routed MoE layers")
         if want[1] and not layout.indexer_layers:
             raise EngineError("index records need a model with DSA indexers")
-        from glmlight.rollout.server_checks import check_replay_records
+        from glmlight.engines.servers.server_checks import check_replay_records
 
         before = self.replay_capture
         self.replay_capture, self._replay_strict = want, True

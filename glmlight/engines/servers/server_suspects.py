@@ -1,5 +1,5 @@
 """Per-answer weight versions and suspects of a server fleet (a mixin of `ServerEngineBase`,
-glmlight/rollout/servers.py): an answer labelled with other weights than its server must serve
+glmlight/engines/servers/base.py): an answer labelled with other weights than its server must serve
 is stale; a server that dropped a connection or answered stale is a suspect, probed before the
 next call and, if it restarted on other weights, re-synced to the current ones."""
 
@@ -9,9 +9,9 @@ import asyncio
 import logging
 
 from glmlight.errors import EngineError
-from glmlight.rollout.server_types import Answer, FleetFailed, UpdateFailed
+from glmlight.engines.servers.server_types import Answer, FleetFailed, UpdateFailed
 
-log = logging.getLogger("glmlight.rollout.servers")
+log = logging.getLogger("glmlight.engines.servers.base")
 
 
 class SuspectTracking:

@@ -2,7 +2,7 @@
 
 `check_logprob_definition`: glmlight's definition of a rollout log-prob (every engine) is the
 log-prob of the token under the distribution it was sampled from: softmax(logits / T) restricted to
-the top-k / top-p kept set and renormalised (glmlight/rollout/sampling.py). Two requests on a fixed
+the top-k / top-p kept set and renormalised (glmlight/engines/local/sampling.py). Two requests on a fixed
 prompt tell a server that reports something else:
 
 1. T = 1, top_k = 1: the kept set is one token, so every sampled token's log-prob must be 0.
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from glmlight.errors import EngineError
-from glmlight.rollout.base import SamplingParams
+from glmlight.engines.base import SamplingParams
 
 PROMPT = list(range(3, 11))  # any ids inside every vocabulary
 TOL = 1e-4
@@ -46,7 +46,7 @@ def check_logprob_definition(engine: Any, hint: str, filtered: Any = None) -> No
 
 
 def _answer(engine: Any, url: str, params: SamplingParams) -> tuple[list[int], list[float], list[float]]:
-    from glmlight.rollout.http import new_rid
+    from glmlight.engines.servers.http import new_rid
 
     a = engine.http.run(_pinned(engine, url, engine._generate_one(new_rid(), PROMPT, params)))
     raw = engine.http.run(engine._score_one(new_rid(), PROMPT, a.gen.token_ids, url=url)) if a.gen.token_ids else []
@@ -83,7 +83,7 @@ def _check_one(engine: Any, url: str, hint: str, filtered: Any = None) -> None:
 
 def check_replay_records(engine: Any) -> None:
     """Raise a one-line EngineError unless every server answers with the records being asked for."""
-    from glmlight.rollout.http import new_rid
+    from glmlight.engines.servers.http import new_rid
 
     for url in list(engine.pool.urls):
         a = engine.http.run(_pinned(engine, url, engine._generate_one(
@@ -96,8 +96,8 @@ def check_replay_records(engine: Any) -> None:
 
 def verify_update(engine: Any, urls: Any, version: int, fingerprint: torch.Tensor | None) -> None:
     """See the module docstring; raises FleetFailed (and marks the engine failed)."""
-    from glmlight.rollout.http import new_rid
-    from glmlight.rollout.server_types import FleetFailed
+    from glmlight.engines.servers.http import new_rid
+    from glmlight.engines.servers.server_types import FleetFailed
 
     if engine._probe is None:
         return

@@ -38,8 +38,8 @@ from glmlight.errors import ConfigError, EngineError
 
 GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_guard.py")
 # The directory that holds the glmlight package: put on a server's PYTHONPATH so that a worker
-# extension (glmlight.rollout.vllm_worker) imports in the server's own environment.
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# extension (glmlight.engines.servers.vllm_worker) imports in the server's own environment.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SERVER_ID_ENV = "GLMLIGHT_SERVER_ID"
 
 _live: set["ManagedServer"] = set()
@@ -288,7 +288,7 @@ def sglang_launch(cfg: Any, kw: dict[str, Any]) -> LaunchSpec:
 
 def vllm_launch(cfg: Any, kw: dict[str, Any]) -> LaunchSpec:
     """A managed vLLM (or vLLM-Ascend) OpenAI-compatible server for the run's config."""
-    from glmlight.rollout.vllm_wire import ASCEND_OPTIONS, EXTENSION
+    from glmlight.engines.servers.vllm_wire import ASCEND_OPTIONS, EXTENSION
 
     s, ascend = cfg.rollout.server, cfg.rollout.backend == "vllm_ascend"
     host, port = launch_target(s.urls)

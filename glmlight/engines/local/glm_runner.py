@@ -38,7 +38,7 @@ Weights are read from the model on `refresh()`; the engine calls it after every
 weight update.
 
 Replay capture (`set_capture`, `records`): the expert ids of every MoE layer and the DSA selection of
-every layer with its own indexer, per row and position beside the cache (`glmlight/rollout/records.py`),
+every layer with its own indexer, per row and position beside the cache (`glmlight/engines/local/records.py`),
 also inside a compiled decode step.
 """
 
@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from glmlight.models.glm5.arch import is_glm5
 from glmlight.models.glm5.moe import moe_forward, moe_forward_routed
 from glmlight.ops.dsa import topk_mask, topk_recent
-from glmlight.rollout.glm_weights import Layer, read_layers
-from glmlight.rollout.records import Capture
+from glmlight.engines.local.glm_weights import Layer, read_layers
+from glmlight.engines.local.records import Capture
 
 log = logging.getLogger(__name__)
 
