@@ -438,7 +438,8 @@ def build(cfg: DictConfig | dict) -> Run:
     reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
     policy = build_policy(cfg, tokenizer, source=source, reward=reward)
     dm_kwargs = _datamodule_options(cfg, policy, tokenizer)
-    engine = build_engine(cfg, policy, tokenizer)  # the engine's own copy: the plain (or merged) model
+    # the engine's own copy (the plain or merged model); it must be able to return the replay records asked for
+    engine = build_engine(cfg, policy, tokenizer, replay=cfg.algo.replay)
     policy = with_lora(cfg, policy)
     module = algorithm(cfg.algo.name).module(
         cfg.algo, policy, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,

@@ -23,7 +23,7 @@ from glmlight.models.loading import load_causal_lm
 from glmlight.engines.base import SamplingParams
 from glmlight.engines.factory import build_server_engine
 from glmlight.engines.servers.http import HttpSettings
-from glmlight.engines.servers.launch import sglang_launch, vllm_launch
+from glmlight.engines.servers.launch import replay_parts, sglang_launch, vllm_launch
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.engines.servers.replay_codec import RecordLayout
 from glmlight.engines.servers.server_replay import ReplayRecordsInvalid
@@ -128,15 +128,15 @@ def test_vllm_index_replay_is_refused_before_any_server_is_reached(tmp_path):
         assert "\n" not in str(err.value) and f"algo.replay={mode}" in str(err.value)
     with pytest.raises(ConfigError, match="in-process vLLM engine"):
         build_server_engine(validate({"rollout": {"backend": "vllm", "server": {
-            "in_process": True, "model_path": str(tmp_path)}}, "algo": {"replay": "routing"}}))
+            "in_process": True, "model_path": str(tmp_path)}}}), replay="routing")
 
 
 def test_managed_launches_add_the_replay_flags(tmp_path, tokenizer):
     def cfg(backend, replay, **server):
         c = OmegaConf.create(OmegaConf.to_container(validate(
             {"rollout": {"backend": backend, "server": {"launch": True, "model_path": str(tmp_path), **server}},
-             "algo": {"replay": replay}, "trainer": {"default_root_dir": str(tmp_path)}}), resolve=True))
-        return c, server_settings(c)
+             "trainer": {"default_root_dir": str(tmp_path)}}), resolve=True))
+        return c, server_settings(c), replay_parts(replay)
 
     spec = sglang_launch(*cfg("sglang", "both"))
     assert "--enable-return-routed-experts" in spec.command and "--enable-return-indexer-topk" in spec.command
@@ -150,9 +150,8 @@ def test_managed_launches_add_the_replay_flags(tmp_path, tokenizer):
     assert "VLLM_USE_V2_MODEL_RUNNER" not in vllm_launch(*cfg("vllm_ascend", "routing")).env  # its own runner
     # a managed stand-in gets the flags on its command line and answers with the records
     c = launch_config(tmp_path, "sglang", [sys.executable, standin_script(tmp_path, "sglang")])
-    c.algo.replay = "both"
     model = load_causal_lm(None, tokenizer, preset="test", seed=0)
-    with build_server_engine(c, model) as eng:
+    with build_server_engine(c, model, replay="both") as eng:
         eng.capture_replay(routing=True, index=True)
         (g,) = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=3))
     assert g.routed_experts.shape[0] == len(PROMPTS[0]) + len(g.token_ids) - 1 and g.indexer_topk is not None

@@ -13,8 +13,10 @@ BACKENDS = ("sglang", "vllm", "vllm_ascend")
 WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
 
 
-def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
-    """The engine for `cfg.rollout.backend`; `cfg` is the whole validated config."""
+def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, *, replay: str = "none"):
+    """The engine for `cfg.rollout.backend`; `cfg` is the whole validated config. `replay`: the replay
+    records the run will ask the engine for ("none", "routing", "index", "both": the builder passes
+    `algo.replay`), which a server engine must be able to return."""
     r = cfg.rollout
     if r.get("engine"):
         return build_custom_engine(cfg, policy, tokenizer)
@@ -24,7 +26,7 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
         return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
                            seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile,
                            weight_format=r.weight_format, num_threads=r.num_threads)
-    return build_server_engine(cfg, policy)
+    return build_server_engine(cfg, policy, replay=replay)
 
 
 def build_custom_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any):
@@ -63,13 +65,15 @@ def engine_device(cfg: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None):
+def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None, *, replay: str = "none"):
     """A server client for `cfg.rollout.backend` (server engines work on token ids only and never
     re-tokenize, so they need no tokenizer). With `policy`, the client knows where the model's MoE
-    and DSA layers sit in the servers' replay records (`record_layout`)."""
+    and DSA layers sit in the servers' replay records (`record_layout`). `replay`: as for `build_engine`;
+    a managed server is started with what returns those records."""
     from glmlight.engines.servers.launch import replay_parts, vllm_index_refusal
 
     r, s = cfg.rollout, cfg.rollout.server
+    routing, index = replay_parts(replay)
     if r.backend not in BACKENDS:
         raise ConfigError(f"config error: rollout.backend={r.backend!r} is not a server backend; choose one of {list(BACKENDS)}")
     in_process = bool(s.in_process)
@@ -83,11 +87,11 @@ def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None):
                           "(the checkpoint directory the server loads)")
     if s.router and s.launch:
         raise ConfigError("config error: rollout.server.router and rollout.server.launch cannot both be set")
-    if r.backend != "sglang" and replay_parts(cfg)[1]:
-        raise ConfigError(f"config error: algo.replay={cfg.algo.replay} with rollout.backend={r.backend}: "
+    if r.backend != "sglang" and index:
+        raise ConfigError(f"config error: algo.replay={replay} with rollout.backend={r.backend}: "
                           f"{vllm_index_refusal('vLLM')}")
-    if in_process and any(replay_parts(cfg)):
-        raise ConfigError(f"config error: algo.replay={cfg.algo.replay}: the in-process vLLM engine "
+    if in_process and (routing or index):
+        raise ConfigError(f"config error: algo.replay={replay}: the in-process vLLM engine "
                           "(rollout.server.in_process) does not return replay records; use a vLLM server")
     try:
         import aiohttp  # noqa: F401
@@ -101,7 +105,7 @@ def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None):
     else:
         from glmlight.engines.servers.vllm import VLLMEngine as cls
     _check_weight_format(cfg, cls)
-    engine = cls.from_config(cfg)
+    engine = cls.from_config(cfg) if in_process else cls.from_config(cfg, replay=(routing, index))
     if policy is not None and hasattr(engine, "capture_replay"):
         from glmlight.engines.servers.replay_codec import RecordLayout
 

@@ -14,8 +14,9 @@ stopped when
 Every process of a managed server carries `GLMLIGHT_SERVER_ID=<id>` in its environment, so a
 leftover could be found (tests scan /proc for it).
 
-`sglang_launch` / `vllm_launch` build the command of a managed server from the config; with
-`algo.replay` on they add what the server needs to return the records (`replay_launch_options`).
+`sglang_launch` / `vllm_launch` build the command of a managed server from the config; for a run that
+asks for replay records (`replay`, which the caller decides) they add what the server needs to return
+them (`replay_launch_options`).
 """
 
 from __future__ import annotations
@@ -231,9 +232,8 @@ def log_path_for(cfg: Any, name: str, port: int) -> str:
     return os.path.join(root, f"{name}-server-{port}.log")
 
 
-def replay_parts(cfg: Any) -> tuple[bool, bool]:
-    """(routing, index) of the run's `algo.replay`."""
-    mode = str(getattr(cfg.algo, "replay", "none") or "none") if "algo" in cfg else "none"
+def replay_parts(mode: str) -> tuple[bool, bool]:
+    """(routing, index) of a replay mode: "none", "routing", "index" or "both" (a run's `algo.replay`)."""
     return mode in ("routing", "both"), mode in ("index", "both")
 
 
@@ -273,21 +273,23 @@ def vllm_index_refusal(name: str) -> str:
             "top-k output): use algo.replay=routing, rollout=sglang or the embedded engine (rollout=local)")
 
 
-def sglang_launch(cfg: Any, kw: dict[str, Any]) -> LaunchSpec:
-    """A managed SGLang server (`python -m sglang.launch_server`) for the run's config."""
+def sglang_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False, False)) -> LaunchSpec:
+    """A managed SGLang server (`python -m sglang.launch_server`) for the run's config; `replay`: (routing,
+    index), the replay records it must return."""
     s = cfg.rollout.server
     host, port = launch_target(s.urls)
     key = kw["http"].api_key_env and os.environ.get(kw["http"].api_key_env)
     base = list(s.launch_command or [s.launch_python or sys.executable, "-m", "sglang.launch_server"])
     cmd = base + ["--model-path", kw["model_path"], "--host", host, "--port", str(port)]
-    extra, env = replay_launch_options("sglang", *replay_parts(cfg), s.launch_args, dict(s.launch_env))
+    extra, env = replay_launch_options("sglang", *replay, s.launch_args, dict(s.launch_env))
     cmd += (["--api-key", key] if key else []) + list(s.launch_args) + extra
     return LaunchSpec("SGLang", cmd, host, port, log_path_for(cfg, "sglang", port), env=env,
                       secrets=(key,) if key else ())
 
 
-def vllm_launch(cfg: Any, kw: dict[str, Any]) -> LaunchSpec:
-    """A managed vLLM (or vLLM-Ascend) OpenAI-compatible server for the run's config."""
+def vllm_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False, False)) -> LaunchSpec:
+    """A managed vLLM (or vLLM-Ascend) OpenAI-compatible server for the run's config; `replay`: (routing,
+    index), the replay records it must return."""
     from glmlight.engines.servers.vllm_wire import ASCEND_OPTIONS, EXTENSION
 
     s, ascend = cfg.rollout.server, cfg.rollout.backend == "vllm_ascend"
@@ -300,7 +302,7 @@ def vllm_launch(cfg: Any, kw: dict[str, Any]) -> LaunchSpec:
         cmd += ["--worker-extension-cls", EXTENSION]
     if "--logprobs-mode" not in s.launch_args:
         cmd += ["--logprobs-mode", "processed_logprobs"]
-    extra, env = replay_launch_options(cfg.rollout.backend, *replay_parts(cfg), s.launch_args, dict(s.launch_env))
+    extra, env = replay_launch_options(cfg.rollout.backend, *replay, s.launch_args, dict(s.launch_env))
     env.update({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": python_path_with_package(dict(s.launch_env))})
     key = kw["http"].api_key_env and os.environ.get(kw["http"].api_key_env)
     if key:

@@ -114,10 +114,11 @@ class SGLangEngine(ServerEngineBase):
         super().__init__(urls, **kwargs)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> SGLangEngine:
+    def from_config(cls, cfg: Any, replay: tuple[bool, bool] = (False, False)) -> SGLangEngine:
+        """The engine for the run's config; `replay`: (routing, index), what a managed server must return."""
         check_sampling(cfg.rollout.top_p, cfg.rollout.top_k)
         s, kw = cfg.rollout.server, server_settings(cfg)
-        launch = sglang_launch(cfg, kw) if s.launch else None
+        launch = sglang_launch(cfg, kw, replay) if s.launch else None
         return cls(launch=launch, sync_backend=s.sync_backend or "nccl", sync_master_address=s.sync_master_address,
                    check_logprobs=bool(s.check_logprobs), **kw)
 

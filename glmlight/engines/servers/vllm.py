@@ -94,10 +94,11 @@ class VLLMEngine(ServerEngineBase):
         super().__init__(urls, **kwargs)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> VLLMEngine:
+    def from_config(cls, cfg: Any, replay: tuple[bool, bool] = (False, False)) -> VLLMEngine:
+        """The engine for the run's config; `replay`: (routing, index), what a managed server must return."""
         s, kw = cfg.rollout.server, server_settings(cfg)
         ascend = cfg.rollout.backend == "vllm_ascend"
-        launch = vllm_launch(cfg, kw) if s.launch else None
+        launch = vllm_launch(cfg, kw, replay) if s.launch else None
         backend = s.sync_backend or (ASCEND_OPTIONS["sync_backend"] if ascend else "nccl")
         return cls(launch=launch, ascend=ascend, sync_backend=backend, sync_master_address=s.sync_master_address,
                    check_logprobs=bool(s.check_logprobs), **kw)
