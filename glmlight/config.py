@@ -8,6 +8,7 @@ Every knob has a typed default here; the YAML files only choose among them.
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
@@ -21,6 +22,8 @@ from glmlight.ranges import SEED, Range, check_ranges, field_range, ranges  # no
 from glmlight.registry import algorithm
 from glmlight.rollout_config import (  # noqa: F401 - re-exported
     AgentConfig, GatewayConfig, RewardOptions, RolloutConfig, ServerConfig, TaskConfig)
+
+log = logging.getLogger("glmlight")
 
 # ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
 OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default'}", replace=True)
@@ -36,7 +39,7 @@ class WarmStartConfig:
     # Learning-rate schedule: linear warm-up, then constant, cosine decay to min_lr_ratio * lr, or wsd (constant,
     # then cosine decay over the last decay_steps). A decayed rate ends the run where its result no longer
     # depends on the machine's floating-point rounding.
-    schedule: str = "cosine"  # constant | cosine | wsd
+    lr_schedule: str = "cosine"  # constant | cosine | wsd
     warmup_steps: int = 5
     decay_steps: int = 0  # wsd only
     min_lr_ratio: float = 0.0
@@ -274,10 +277,85 @@ def _suggest(key: str, parent_type: Any) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+# Renamed keys, old -> new: the old name still works for one release (compose rewrites it in the overrides,
+# compose and validate in the config) with one line logged. `*` is any key at that level.
+RENAMED = {
+    "rollout.server.max_retries": "rollout.server.request_retries",
+    "rollout.server.retry_backoff_s": "rollout.server.request_retry_backoff_s",
+    "model.warm_start.schedule": "model.warm_start.lr_schedule",
+    "algo.teachers.*.warm_start.schedule": "algo.teachers.*.warm_start.lr_schedule",
+}
+# Renamed constructor arguments of a callback (an entry of `callbacks` whose _target_ names the class).
+RENAMED_ARGS = {"TruncatedIS": {"clip_low": "low", "clip_high": "high"}}
+
+
+def _renamed(key: str) -> str | None:
+    """The new name of dotted `key` when it is an old one (RENAMED), else None."""
+    parts = key.split(".")
+    for old, new in RENAMED.items():
+        pattern = old.split(".")
+        if len(pattern) == len(parts) and all(p in ("*", k) for p, k in zip(pattern, parts)):
+            return ".".join(parts[:-1] + [new.rsplit(".", 1)[1]])
+    return None
+
+
+def _deprecated(old: str, new: str, logged: set[str]) -> None:
+    if old not in logged:
+        logged.add(old)
+        log.warning("config: %s is deprecated; use %s", old, new)
+
+
+def rename_overrides(overrides: list[str], logged: set[str]) -> list[str]:
+    """Hydra overrides with every old key name (RENAMED) replaced by the new one."""
+    out = []
+    for o in overrides:
+        prefix = o[:len(o) - len(o.lstrip("+~"))]
+        key, eq, value = o[len(prefix):].partition("=")
+        new = _renamed(key)
+        if new is not None:
+            _deprecated(key, new, logged)
+            o = f"{prefix}{new}{eq}{value}"
+        out.append(o)
+    return out
+
+
+def rename_keys(cfg: DictConfig, logged: set[str]) -> None:
+    """Move every old key (RENAMED, and RENAMED_ARGS in callbacks entries) of `cfg` to its new name, in place."""
+    from omegaconf import open_dict
+
+    def move(node: Any, path: str, old: str, new: str) -> None:
+        with open_dict(node):
+            if new in node:
+                raise ConfigError(f"config error: both {path}{old} and its new name {path}{new} are set")
+            node[new] = node.pop(old)
+        _deprecated(f"{path}{old}", f"{path}{new}", logged)
+
+    def walk(node: Any, pattern: list[str], path: str) -> None:
+        head, rest = pattern[0], pattern[1:]
+        for key in (list(node.keys()) if head == "*" else [head] if head in node else []):
+            if not rest:
+                new = _renamed(f"{path}{key}")
+                if new is not None:
+                    move(node, path, key, new.rsplit(".", 1)[1])
+            elif OmegaConf.is_dict(node[key]):
+                walk(node[key], rest, f"{path}{key}.")
+
+    for old in RENAMED:
+        walk(cfg, old.split("."), "")
+    callbacks = cfg.get("callbacks")
+    for name in list(callbacks or ()):
+        entry = callbacks[name]
+        target = entry.get("_target_") if OmegaConf.is_dict(entry) else None
+        for old, new in RENAMED_ARGS.get(str(target).rsplit(".", 1)[-1], {}).items():
+            if old in entry:
+                move(entry, f"callbacks.{name}.", old, new)
+
+
 def validate(cfg: DictConfig | dict) -> DictConfig:
     """Merge `cfg` into the typed schema; raise ConfigError with one line naming the bad key."""
     if isinstance(cfg, dict):
         cfg = OmegaConf.create(cfg)
+    rename_keys(cfg, set())
     schema = _schema_for(cfg)
     try:
         merged = OmegaConf.merge(schema, cfg)
@@ -346,7 +424,7 @@ CHOICES = {
     "model.forward": ("auto", "glmlight", "transformers"),
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),
-    "model.warm_start.schedule": ("constant", "cosine", "wsd"),
+    "model.warm_start.lr_schedule": ("constant", "cosine", "wsd"),
     "model.warm_start.data": ("auto", "labels", "expert"),
     "model.dtype": tuple(DTYPES),
     "rollout.dtype": tuple(DTYPES),
@@ -389,6 +467,10 @@ def _check_choices(cfg: DictConfig) -> None:
 def format_config_error(e: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error, naming the key."""
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+    context = e.__context__
+    if isinstance(context, ConfigKeyError) and context.full_key and _renamed(context.full_key):
+        # an old name in a YAML file (compose renames the overrides, validate a config's keys)
+        return f"config error: unknown key '{context.full_key}'; it is now '{_renamed(context.full_key)}'"
     full_key = getattr(cause, "full_key", None)
     msg = str(getattr(cause, "msg", None) or cause).strip()
     if full_key and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):

@@ -18,8 +18,8 @@ class ServerConfig:
     api_key_env: Optional[str] = None  # name of the environment variable holding the API key
     max_in_flight: int = 64
     request_timeout_s: float = 600.0
-    max_retries: int = 3
-    retry_backoff_s: float = 0.5
+    request_retries: int = 3  # a request's retries after connection errors, timeouts and 5xx answers; never 4xx
+    request_retry_backoff_s: float = 0.5  # the wait before the first retry, doubling per retry
     weight_sync: str = "disk"  # disk | tensor | distributed
     weight_sync_dir: str = ".cache/glmlight/weights"
     launch: bool = False  # start the server as a managed child process
@@ -40,7 +40,7 @@ class ServerConfig:
     check_logprobs: bool = True  # at start: refuse a server whose log-probs are not those of the sampled distribution
 
 
-ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", max_retries=">= 0", retry_backoff_s=">= 0",
+ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", request_retries=">= 0", request_retry_backoff_s=">= 0",
        launch_timeout_s="> 0", update_retries=">= 0", launch_restarts=">= 0")
 
 
