@@ -16,8 +16,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from glmlight.data.chat_tasks import QUESTIONS
 from glmlight.dtypes import DTYPES
 from glmlight.errors import ConfigError
+from glmlight.gateway.tool_format import FORMATS as TOOL_FORMATS
 from glmlight.ranges import SEED, Range, check_ranges, field_range, ranges  # noqa: F401 - Range, field_range re-exported
 from glmlight.registry import algorithm
 from glmlight.rollout_config import (  # noqa: F401 - re-exported
@@ -406,12 +408,15 @@ def _first_line(s: str) -> str:
     return s.strip().splitlines()[0] if s else s
 
 
+# The values each key may take, checked by validate: the one list of them. The code that acts on a key checks
+# against this list too (rollout factory, algo.replay, reward executor, weight format), or the list is taken from
+# the registry that implements the values (dtypes, chat questions, tool-call formats).
 CHOICES = {
     "rollout.backend": ("local", "sglang", "vllm", "vllm_ascend"),
     "rollout.mode": ("sync", "async"),
     "rollout.overlong": ("none", "mask", "soft_penalty"),
     "task.source": ("synthetic", "chat", "running_sum", "jsonl", "hf"),
-    "task.question": ("arithmetic", "sort", "reverse", "count_letter"),
+    "task.question": QUESTIONS,
     "rollout.on_weight_update": ("continue", "abort"),
     "rollout.server.weight_sync": ("disk", "tensor", "distributed"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "constant"),
@@ -432,7 +437,7 @@ CHOICES = {
     "logger.mode": ("offline", "online", "disabled"),
     "task.reward_options.executor": ("thread", "process"),
     "task.agent.gateway.reward": ("task", "agent"),
-    "task.agent.gateway.tool_format": ("auto", "line", "hermes", "glm"),
+    "task.agent.gateway.tool_format": ("auto", *TOOL_FORMATS),
 }
 
 
