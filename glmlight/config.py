@@ -63,7 +63,9 @@ ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1", mix_batch_siz
 
 @dataclass
 class LoRAConfig:
-    """LoRA adapters on the policy (peft); rank 0 = none (full fine-tuning)."""
+    """LoRA adapters on the policy (peft); rank 0 = none (full fine-tuning). Only the adapters train; the
+    frozen base is the reference model (algo.kl_coef > 0) and the engine receives merged weights
+    (docs/models.md)."""
 
     rank: int = 0
     alpha: float = 16.0  # the adapters' scale is alpha / rank
@@ -180,7 +182,9 @@ class TrainerConfig:
     accelerator: str = "cpu"
     devices: Any = 1
     num_nodes: int = 1
-    strategy: str = "auto"  # auto | ddp | deepspeed | fsdp (or any Lightning strategy name)
+    # auto | ddp | fsdp (FSDP2, sharded) | deepspeed (or any Lightning strategy name); with trainer.devices=N
+    # (README "Scale-out")
+    strategy: str = "auto"
     zero_stage: int = 2  # strategy=deepspeed: ZeRO stage
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     precision: str = "32-true"
@@ -217,7 +221,9 @@ class EvalSetConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation (callbacks.HeldOutEval -> RolloutDataModule.evaluate)."""
+    """Held-out evaluation (callbacks.HeldOutEval -> RolloutDataModule.evaluate), at the start and every
+    every_n_steps RL steps: k sampled answers per prompt at the rollout temperature (pass@1, unbiased pass@k,
+    maj@k) and one greedy answer, on the task's held-out set ("heldout") and every set named under sets."""
 
     every_n_steps: int = 10  # at the start and every this many RL steps; 0 = off
     k: int = 8  # sampled answers per prompt at the rollout temperature (pass@1, pass@k, maj@k); 0 = none
@@ -225,7 +231,8 @@ class EvalConfig:
     pass_threshold: float = 1.0  # an answer is correct when its reward reaches this
     seed: int = 0  # evaluation's own seed stream: the same seeds at every evaluation, none of training's
     # More held-out sets, each reported under eval/<name>/...; the task's own held-out set is "heldout".
-    # Each entry is an EvalSetConfig (checked by validate: +eval.sets.NAME.path=... works from the CLI).
+    # Each entry is an EvalSetConfig (checked by validate: +eval.sets.NAME.path=... works from the CLI),
+    # e.g. sets: {gsm: {path: data/gsm_test.jsonl, num_prompts: 200}}.
     sets: dict[str, Any] = field(default_factory=dict)
 
 
@@ -235,7 +242,8 @@ ranges(EvalSetConfig, num_prompts=">= 1")
 
 @dataclass
 class ExportConfig:
-    """The trained policy as a Hugging Face checkpoint at the end of fit (LoRA merged; safetensors)."""
+    """The trained policy and tokenizer as a Hugging Face checkpoint at the end of fit (LoRA merged;
+    safetensors, written atomically); scripts/export.py CKPT OUT does the same for any checkpoint."""
 
     enabled: bool = True
     dir: Optional[str] = None  # default: <trainer.default_root_dir>/hf
