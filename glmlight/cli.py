@@ -57,8 +57,9 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | None 
 
 def cross_group_settings(root: str, choices: dict[str, str]) -> list[str]:
     """One line for each chosen group option that sets keys outside its own group or chooses another
-    group's option (e.g. algo=sao sets rollout.mode): no group changes another's settings unseen. An
-    `experiment` is a whole recipe and sets what it likes."""
+    group's option (e.g. algo=sao sets rollout.mode; model_algo=tiny_sao, a setting of a combination of two
+    choices, sets model.warm_start): no group changes another's settings unseen. An `experiment` is a whole
+    recipe and sets what it likes."""
     import yaml
 
     out = []

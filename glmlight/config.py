@@ -35,7 +35,7 @@ OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default
 class WarmStartConfig:
     """A short supervised warm start on the task's reference answers, cached on disk."""
 
-    steps: int = 0
+    steps: int = 20  # 0 = none (model=hf and model=smollm2: a pretrained model)
     lr: float = 3e-3
     batch_size: int = 64  # prompts (or expert episodes) per step
     # Learning-rate schedule: linear warm-up, then constant, cosine decay to min_lr_ratio * lr, or wsd (constant,
@@ -122,7 +122,7 @@ class AlgoConfig:
     """Fields every algorithm shares: the optimizer and the loss assembly."""
 
     name: str = "grpo"
-    lr: float = 1e-3
+    lr: float = 5e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
@@ -178,7 +178,7 @@ class FSDPConfig:
 class TrainerConfig:
     """Lightning Trainer arguments. max_steps counts RL steps (rollout batches)."""
 
-    max_steps: int = 100
+    max_steps: int = 50
     accelerator: str = "cpu"
     devices: Any = 1
     num_nodes: int = 1
@@ -191,8 +191,8 @@ class TrainerConfig:
     log_every_n_steps: int = 1
     enable_progress_bar: bool = True
     deterministic: bool = False
-    default_root_dir: str = "runs/default"
-    checkpoint_every_n_steps: int = 0  # 0 = only at the end
+    default_root_dir: str = "${run_dir:${run_name}}"  # runs/<run_name>, or runs/default
+    checkpoint_every_n_steps: int = 20  # 0 = only at the end
     resume: Optional[str] = None  # a checkpoint path, or "last"
 
 

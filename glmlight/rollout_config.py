@@ -74,8 +74,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_new_tokens: int = 16
-    rollout_batch_size: int = 16  # prompts per training step
+    max_new_tokens: int = 6
+    rollout_batch_size: int = 32  # prompts per training step
     n_samples_per_prompt: int = 8  # group size
     over_sample: float = 1.0  # draw this many times rollout_batch_size prompts per round
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
