@@ -75,7 +75,7 @@ def server_config(backend: str, python: str, model_path: str, root: str, **serve
         pytest.skip(f"no {backend} server flags for GLMLIGHT_REAL_DEVICE={DEVICE}")
     flags = flags + shlex.split(os.environ.get(f"GLMLIGHT_{backend.upper()}_ARGS", ""))
     srv = {"launch": True, "launch_python": python, "launch_args": flags, "launch_env": ENV_VARS.get((backend, DEVICE), {}),
-           "launch_timeout_s": 600, "request_timeout_s": 120, "max_retries": 2, "retry_backoff_s": 0.2,
+           "launch_timeout_s": 600, "request_timeout_s": 120, "request_retries": 2, "request_retry_backoff_s": 0.2,
            "weight_sync_dir": os.path.join(root, "weights"), "sync_backend": "gloo", "api_key_env": None, **server}
     return validate({"rollout": {"backend": backend, "server": srv}, "model": {"path": model_path},
                      "trainer": {"default_root_dir": root}})
