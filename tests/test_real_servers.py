@@ -131,7 +131,7 @@ def test_seeded_requests_whose_prompts_fill_more_than_one_step(real):
     ps = [filler + p for p in _prompts(real.tok, 8)]
     sps = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=100 + i) for i in range(len(ps))]
     gens = real.engine.generate(ps, sps)
-    assert [len(g.token_ids) for g in gens] == [8] * len(ps)
+    assert all(g.finish_reason in ("stop", "length") and 1 <= len(g.token_ids) <= 8 for g in gens)
     worst = max(max_diff(g.logprobs, trainer_logprobs(real.models[0], p, g.token_ids, 1.0)) for p, g in zip(ps, gens))
     print(f"\n{real.backend}: 8 seeded requests of {len(ps[0])} prompt tokens: max |lp - trainer| = {worst:.2e}")
     assert worst <= TOL
