@@ -183,7 +183,7 @@ class TrainerConfig:
     devices: Any = 1
     num_nodes: int = 1
     # auto | ddp | fsdp (FSDP2, sharded) | deepspeed (or any Lightning strategy name); with trainer.devices=N
-    # (README "Scale-out")
+    # (docs/scaleout.md)
     strategy: str = "auto"
     zero_stage: int = 2  # strategy=deepspeed: ZeRO stage
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
