@@ -46,22 +46,22 @@ class IcePop(Correction):
 
 
 class TruncatedIS(Correction):
-    """Truncated importance sampling (Yao et al. 2025; slime --use-tis): weight clamp(k, clip_low, clip_high).
+    """Truncated importance sampling (Yao et al. 2025; slime --use-tis): weight clamp(k, low, high).
 
     Args:
-        clip_low, clip_high: the clamp; no token is removed.
+        low, high: the clamp; no token is removed.
     """
 
     name = "tis"
     removes_from_denominator = False
 
-    def __init__(self, clip_low: float = 0.0, clip_high: float = 2.0):
-        self.clip_low, self.clip_high = clip_low, clip_high
+    def __init__(self, low: float = 0.0, high: float = 2.0):
+        self.low, self.high = low, high
 
     @override
     def compute(self, batch: Experience) -> ops.CorrectionResult:
         return ops.truncated_is(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
-                                self.clip_low, self.clip_high)
+                                self.low, self.high)
 
 
 class MaskedIS(Correction):

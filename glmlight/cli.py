@@ -30,6 +30,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | None 
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from glmlight.config import rename_keys, rename_overrides
     from glmlight.registry import discover
 
     discover()
@@ -38,23 +39,27 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | None 
         from glmlight.errors import ConfigError
 
         raise ConfigError(f"config error: no train.yaml in {root}; pass config_dir= (a copy of glmlight's conf/)")
+    logged: set[str] = set()  # deprecated names, each logged once
+    overrides = rename_overrides(list(overrides), logged)
     with initialize_config_dir(config_dir=root, version_base="1.3"):
         try:
-            cfg = hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+            cfg = hydra_compose(config_name="train", overrides=overrides, return_hydra_config=True)
         except (AssertionError, TypeError, ValueError) as e:  # OmegaConf's own faults on an impossible override
-            raise _override_error(list(overrides), hydra_compose, e) from None
+            raise _override_error(overrides, hydra_compose, e) from None
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/") and v is not None}
     for line in cross_group_settings(root, choices):
         log.info(line)
     with open_dict(cfg):
         del cfg["hydra"]
+    rename_keys(cfg, logged)
     return cfg
 
 
 def cross_group_settings(root: str, choices: dict[str, str]) -> list[str]:
     """One line for each chosen group option that sets keys outside its own group or chooses another
-    group's option (e.g. algo=sao sets rollout.mode): no group changes another's settings unseen. An
-    `experiment` is a whole recipe and sets what it likes."""
+    group's option (e.g. algo=sao sets rollout.mode; model_algo=tiny_sao, a setting of a combination of two
+    choices, sets model.warm_start): no group changes another's settings unseen. An `experiment` is a whole
+    recipe and sets what it likes."""
     import yaml
 
     out = []

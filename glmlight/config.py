@@ -8,6 +8,7 @@ Every knob has a typed default here; the YAML files only choose among them.
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
@@ -15,12 +16,16 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from glmlight.data.chat_tasks import QUESTIONS
 from glmlight.dtypes import DTYPES
 from glmlight.errors import ConfigError
+from glmlight.gateway.tool_format import FORMATS as TOOL_FORMATS
 from glmlight.ranges import SEED, Range, check_ranges, field_range, ranges  # noqa: F401 - Range, field_range re-exported
 from glmlight.registry import algorithm
 from glmlight.rollout_config import (  # noqa: F401 - re-exported
     AgentConfig, GatewayConfig, RewardOptions, RolloutConfig, ServerConfig, TaskConfig)
+
+log = logging.getLogger("glmlight")
 
 # ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
 OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default'}", replace=True)
@@ -30,13 +35,13 @@ OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default
 class WarmStartConfig:
     """A short supervised warm start on the task's reference answers, cached on disk."""
 
-    steps: int = 0
+    steps: int = 20  # 0 = none (model=hf and model=smollm2: a pretrained model)
     lr: float = 3e-3
     batch_size: int = 64  # prompts (or expert episodes) per step
     # Learning-rate schedule: linear warm-up, then constant, cosine decay to min_lr_ratio * lr, or wsd (constant,
     # then cosine decay over the last decay_steps). A decayed rate ends the run where its result no longer
     # depends on the machine's floating-point rounding.
-    schedule: str = "cosine"  # constant | cosine | wsd
+    lr_schedule: str = "cosine"  # constant | cosine | wsd
     warmup_steps: int = 5
     decay_steps: int = 0  # wsd only
     min_lr_ratio: float = 0.0
@@ -58,7 +63,9 @@ ranges(WarmStartConfig, steps=">= 0", lr="> 0", batch_size=">= 1", mix_batch_siz
 
 @dataclass
 class LoRAConfig:
-    """LoRA adapters on the policy (peft); rank 0 = none (full fine-tuning)."""
+    """LoRA adapters on the policy (peft); rank 0 = none (full fine-tuning). Only the adapters train; the
+    frozen base is the reference model (algo.kl_coef > 0) and the engine receives merged weights
+    (docs/models.md)."""
 
     rank: int = 0
     alpha: float = 16.0  # the adapters' scale is alpha / rank
@@ -115,7 +122,7 @@ class AlgoConfig:
     """Fields every algorithm shares: the optimizer and the loss assembly."""
 
     name: str = "grpo"
-    lr: float = 1e-3
+    lr: float = 5e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
@@ -171,19 +178,21 @@ class FSDPConfig:
 class TrainerConfig:
     """Lightning Trainer arguments. max_steps counts RL steps (rollout batches)."""
 
-    max_steps: int = 100
+    max_steps: int = 50
     accelerator: str = "cpu"
     devices: Any = 1
     num_nodes: int = 1
-    strategy: str = "auto"  # auto | ddp | deepspeed | fsdp (or any Lightning strategy name)
+    # auto | ddp | fsdp (FSDP2, sharded) | deepspeed (or any Lightning strategy name); with trainer.devices=N
+    # (docs/scaleout.md)
+    strategy: str = "auto"
     zero_stage: int = 2  # strategy=deepspeed: ZeRO stage
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     precision: str = "32-true"
     log_every_n_steps: int = 1
     enable_progress_bar: bool = True
     deterministic: bool = False
-    default_root_dir: str = "runs/default"
-    checkpoint_every_n_steps: int = 0  # 0 = only at the end
+    default_root_dir: str = "${run_dir:${run_name}}"  # runs/<run_name>, or runs/default
+    checkpoint_every_n_steps: int = 20  # 0 = only at the end
     resume: Optional[str] = None  # a checkpoint path, or "last"
 
 
@@ -212,7 +221,9 @@ class EvalSetConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation (callbacks.HeldOutEval -> RolloutDataModule.evaluate)."""
+    """Held-out evaluation (callbacks.HeldOutEval -> RolloutDataModule.evaluate), at the start and every
+    every_n_steps RL steps: k sampled answers per prompt at the rollout temperature (pass@1, unbiased pass@k,
+    maj@k) and one greedy answer, on the task's held-out set ("heldout") and every set named under sets."""
 
     every_n_steps: int = 10  # at the start and every this many RL steps; 0 = off
     k: int = 8  # sampled answers per prompt at the rollout temperature (pass@1, pass@k, maj@k); 0 = none
@@ -220,7 +231,8 @@ class EvalConfig:
     pass_threshold: float = 1.0  # an answer is correct when its reward reaches this
     seed: int = 0  # evaluation's own seed stream: the same seeds at every evaluation, none of training's
     # More held-out sets, each reported under eval/<name>/...; the task's own held-out set is "heldout".
-    # Each entry is an EvalSetConfig (checked by validate: +eval.sets.NAME.path=... works from the CLI).
+    # Each entry is an EvalSetConfig (checked by validate: +eval.sets.NAME.path=... works from the CLI),
+    # e.g. sets: {gsm: {path: data/gsm_test.jsonl, num_prompts: 200}}.
     sets: dict[str, Any] = field(default_factory=dict)
 
 
@@ -230,7 +242,8 @@ ranges(EvalSetConfig, num_prompts=">= 1")
 
 @dataclass
 class ExportConfig:
-    """The trained policy as a Hugging Face checkpoint at the end of fit (LoRA merged; safetensors)."""
+    """The trained policy and tokenizer as a Hugging Face checkpoint at the end of fit (LoRA merged;
+    safetensors, written atomically); scripts/export.py CKPT OUT does the same for any checkpoint."""
 
     enabled: bool = True
     dir: Optional[str] = None  # default: <trainer.default_root_dir>/hf
@@ -274,10 +287,85 @@ def _suggest(key: str, parent_type: Any) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+# Renamed keys, old -> new: the old name still works for one release (compose rewrites it in the overrides,
+# compose and validate in the config) with one line logged. `*` is any key at that level.
+RENAMED = {
+    "rollout.server.max_retries": "rollout.server.request_retries",
+    "rollout.server.retry_backoff_s": "rollout.server.request_retry_backoff_s",
+    "model.warm_start.schedule": "model.warm_start.lr_schedule",
+    "algo.teachers.*.warm_start.schedule": "algo.teachers.*.warm_start.lr_schedule",
+}
+# Renamed constructor arguments of a callback (an entry of `callbacks` whose _target_ names the class).
+RENAMED_ARGS = {"TruncatedIS": {"clip_low": "low", "clip_high": "high"}}
+
+
+def _renamed(key: str) -> str | None:
+    """The new name of dotted `key` when it is an old one (RENAMED), else None."""
+    parts = key.split(".")
+    for old, new in RENAMED.items():
+        pattern = old.split(".")
+        if len(pattern) == len(parts) and all(p in ("*", k) for p, k in zip(pattern, parts)):
+            return ".".join(parts[:-1] + [new.rsplit(".", 1)[1]])
+    return None
+
+
+def _deprecated(old: str, new: str, logged: set[str]) -> None:
+    if old not in logged:
+        logged.add(old)
+        log.warning("config: %s is deprecated; use %s", old, new)
+
+
+def rename_overrides(overrides: list[str], logged: set[str]) -> list[str]:
+    """Hydra overrides with every old key name (RENAMED) replaced by the new one."""
+    out = []
+    for o in overrides:
+        prefix = o[:len(o) - len(o.lstrip("+~"))]
+        key, eq, value = o[len(prefix):].partition("=")
+        new = _renamed(key)
+        if new is not None:
+            _deprecated(key, new, logged)
+            o = f"{prefix}{new}{eq}{value}"
+        out.append(o)
+    return out
+
+
+def rename_keys(cfg: DictConfig, logged: set[str]) -> None:
+    """Move every old key (RENAMED, and RENAMED_ARGS in callbacks entries) of `cfg` to its new name, in place."""
+    from omegaconf import open_dict
+
+    def move(node: Any, path: str, old: str, new: str) -> None:
+        with open_dict(node):
+            if new in node:
+                raise ConfigError(f"config error: both {path}{old} and its new name {path}{new} are set")
+            node[new] = node.pop(old)
+        _deprecated(f"{path}{old}", f"{path}{new}", logged)
+
+    def walk(node: Any, pattern: list[str], path: str) -> None:
+        head, rest = pattern[0], pattern[1:]
+        for key in (list(node.keys()) if head == "*" else [head] if head in node else []):
+            if not rest:
+                new = _renamed(f"{path}{key}")
+                if new is not None:
+                    move(node, path, key, new.rsplit(".", 1)[1])
+            elif OmegaConf.is_dict(node[key]):
+                walk(node[key], rest, f"{path}{key}.")
+
+    for old in RENAMED:
+        walk(cfg, old.split("."), "")
+    callbacks = cfg.get("callbacks")
+    for name in list(callbacks or ()):
+        entry = callbacks[name]
+        target = entry.get("_target_") if OmegaConf.is_dict(entry) else None
+        for old, new in RENAMED_ARGS.get(str(target).rsplit(".", 1)[-1], {}).items():
+            if old in entry:
+                move(entry, f"callbacks.{name}.", old, new)
+
+
 def validate(cfg: DictConfig | dict) -> DictConfig:
     """Merge `cfg` into the typed schema; raise ConfigError with one line naming the bad key."""
     if isinstance(cfg, dict):
         cfg = OmegaConf.create(cfg)
+    rename_keys(cfg, set())
     schema = _schema_for(cfg)
     try:
         merged = OmegaConf.merge(schema, cfg)
@@ -328,12 +416,15 @@ def _first_line(s: str) -> str:
     return s.strip().splitlines()[0] if s else s
 
 
+# The values each key may take, checked by validate: the one list of them. The code that acts on a key checks
+# against this list too (rollout factory, algo.replay, reward executor, weight format), or the list is taken from
+# the registry that implements the values (dtypes, chat questions, tool-call formats).
 CHOICES = {
     "rollout.backend": ("local", "sglang", "vllm", "vllm_ascend"),
     "rollout.mode": ("sync", "async"),
     "rollout.overlong": ("none", "mask", "soft_penalty"),
     "task.source": ("synthetic", "chat", "running_sum", "jsonl", "hf"),
-    "task.question": ("arithmetic", "sort", "reverse", "count_letter"),
+    "task.question": QUESTIONS,
     "rollout.on_weight_update": ("continue", "abort"),
     "rollout.server.weight_sync": ("disk", "tensor", "distributed"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "constant"),
@@ -346,7 +437,7 @@ CHOICES = {
     "model.forward": ("auto", "glmlight", "transformers"),
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),
-    "model.warm_start.schedule": ("constant", "cosine", "wsd"),
+    "model.warm_start.lr_schedule": ("constant", "cosine", "wsd"),
     "model.warm_start.data": ("auto", "labels", "expert"),
     "model.dtype": tuple(DTYPES),
     "rollout.dtype": tuple(DTYPES),
@@ -354,7 +445,7 @@ CHOICES = {
     "logger.mode": ("offline", "online", "disabled"),
     "task.reward_options.executor": ("thread", "process"),
     "task.agent.gateway.reward": ("task", "agent"),
-    "task.agent.gateway.tool_format": ("auto", "line", "hermes", "glm"),
+    "task.agent.gateway.tool_format": ("auto", *TOOL_FORMATS),
 }
 
 
@@ -389,6 +480,10 @@ def _check_choices(cfg: DictConfig) -> None:
 def format_config_error(e: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error, naming the key."""
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+    context = e.__context__
+    if isinstance(context, ConfigKeyError) and context.full_key and _renamed(context.full_key):
+        # an old name in a YAML file (compose renames the overrides, validate a config's keys)
+        return f"config error: unknown key '{context.full_key}'; it is now '{_renamed(context.full_key)}'"
     full_key = getattr(cause, "full_key", None)
     msg = str(getattr(cause, "msg", None) or cause).strip()
     if full_key and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):

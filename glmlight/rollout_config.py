@@ -13,21 +13,29 @@ from glmlight.ranges import SEED, ranges
 class ServerConfig:
     """Rollout servers (rollout.backend = sglang | vllm | vllm_ascend)."""
 
-    urls: list[str] = field(default_factory=list)  # one or more servers, or one router URL
-    router: bool = False  # urls[0] is a router (sglang-router): send everything there
-    api_key_env: Optional[str] = None  # name of the environment variable holding the API key
-    max_in_flight: int = 64
-    request_timeout_s: float = 600.0
-    max_retries: int = 3
-    retry_backoff_s: float = 0.5
-    weight_sync: str = "disk"  # disk | tensor | distributed
+    urls: list[str] = field(default_factory=list)  # one or more servers (requests go to the least busy one), or a router
+    # urls[0] is a router (sglang-router; generation only): send generation there; list the workers after it so
+    # weight sync can reach them
+    router: bool = False
+    # the name of the environment variable holding the API key (sent as Bearer); None or unset: no key. vLLM
+    # checks it on /v1, /v2, /inference, /cohere only
+    api_key_env: Optional[str] = None
+    max_in_flight: int = 64  # concurrent requests from this process
+    request_timeout_s: float = 600.0  # per attempt
+    request_retries: int = 3  # a request's retries after connection errors, timeouts and 5xx answers; never 4xx
+    request_retry_backoff_s: float = 0.5  # the wait before the first retry, doubling per retry
+    # disk: safetensors under weight_sync_dir (a filesystem the servers see); tensor: CUDA IPC / named shared
+    # memory (SGLang: trainer and server on one host) or safetensors bytes over HTTP (vLLM); distributed: a
+    # broadcast from the trainer's rank 0 (NCCL; HCCL on vllm_ascend; gloo). SGLang >= 0.5.21 runs tensor and
+    # distributed in a /begin_weight_update session.
+    weight_sync: str = "disk"
     weight_sync_dir: str = ".cache/glmlight/weights"
     launch: bool = False  # start the server as a managed child process
-    launch_args: list[str] = field(default_factory=list)
+    launch_args: list[str] = field(default_factory=list)  # extra server flags, e.g. [--tp-size, "8"]
     launch_command: Optional[list[str]] = None  # replaces `python -m sglang.launch_server` / the vLLM server
     launch_python: Optional[str] = None  # the interpreter of a managed server (its own environment); default: ours
-    launch_env: dict[str, str] = field(default_factory=dict)  # extra environment of a managed server
-    launch_timeout_s: float = 900.0
+    launch_env: dict[str, str] = field(default_factory=dict)  # extra environment, e.g. {VLLM_CPU_KVCACHE_SPACE: "1"}
+    launch_timeout_s: float = 900.0  # also bounds the readiness wait for servers started elsewhere
     launch_restarts: int = 3  # a managed server that exits is started again this many times (then the run stops)
     launch_log_dir: Optional[str] = None
     model_path: Optional[str] = None  # the path the server loads (default: model.path)
@@ -40,7 +48,7 @@ class ServerConfig:
     check_logprobs: bool = True  # at start: refuse a server whose log-probs are not those of the sampled distribution
 
 
-ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", max_retries=">= 0", retry_backoff_s=">= 0",
+ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", request_retries=">= 0", request_retry_backoff_s=">= 0",
        launch_timeout_s="> 0", update_retries=">= 0", launch_restarts=">= 0")
 
 
@@ -48,7 +56,7 @@ ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", max_retries=
 class RolloutConfig:
     backend: str = "local"  # local | sglang | vllm | vllm_ascend
     # An engine of your own: {_target_: pkg.make_engine, ...}, called as make_engine(cfg=, policy=, tokenizer=,
-    # **kwargs) and returning a RolloutEngine (glmlight/rollout/base.py); replaces `backend`.
+    # **kwargs) and returning a RolloutEngine (glmlight/engines/base.py); replaces `backend`.
     engine: Any = None
     mode: str = "sync"  # sync | async
     dtype: str = "float32"  # the engine's own weight copy (e.g. bfloat16 while training runs in fp32)
@@ -57,15 +65,17 @@ class RolloutConfig:
     # Servers: start them with an FP8 checkpoint (scripts/export.py --fp8); the sync sends that layout.
     weight_format: str = "auto"
     device: Optional[str] = None  # embedded engine device; None = the trainer's device
-    compile: bool = False  # embedded engine, GLM-5 and dense Llama-family models: torch.compile the decode step
+    # embedded engine, GLM-5 and dense Llama-family models: torch.compile the decode step. Pays for long
+    # generations (the first steps wait for the compile, ~10-30 s on CPU, which needs a C++ compiler)
+    compile: bool = False
     # embedded engine: intra-op CPU threads of its decode thread (None: torch's setting). 1 suits small models,
     # whose decode steps are many small ops; a model whose steps are big matmuls gains from more
     num_threads: Optional[int] = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_new_tokens: int = 16
-    rollout_batch_size: int = 16  # prompts per training step
+    max_new_tokens: int = 6
+    rollout_batch_size: int = 32  # prompts per training step
     n_samples_per_prompt: int = 8  # group size
     over_sample: float = 1.0  # draw this many times rollout_batch_size prompts per round
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill

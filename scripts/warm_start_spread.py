@@ -4,7 +4,7 @@ kernel sets (ATEN_CPU_CAPABILITY: default, avx2, avx512) and thread counts, each
 private cache), then the held-out evaluation of the warm-started policy (before any RL step).
 
     python scripts/warm_start_spread.py                                   # the default run's warm start
-    python scripts/warm_start_spread.py --kernels default,avx2 --threads 1,2 -- model.warm_start.schedule=constant
+    python scripts/warm_start_spread.py --kernels default,avx2 --threads 1,2 -- model.warm_start.lr_schedule=constant
     python scripts/warm_start_spread.py -- task=calculator_agent
 
 Prints one JSON line per setting (kernel set, threads, greedy pass rate, pass@1, final loss, seconds)

@@ -158,8 +158,8 @@ def launch_config(tmp_path: Any, backend: str, command: list[str], **server: Any
 
     from glmlight.config import validate
 
-    srv = {"launch": True, "launch_timeout_s": 900, "request_timeout_s": 120, "max_retries": 2,
-           "retry_backoff_s": 0.05, "weight_sync_dir": str(tmp_path / "weights"), "model_path": str(tmp_path), **server}
+    srv = {"launch": True, "launch_timeout_s": 900, "request_timeout_s": 120, "request_retries": 2,
+           "request_retry_backoff_s": 0.05, "weight_sync_dir": str(tmp_path / "weights"), "model_path": str(tmp_path), **server}
     cfg = validate({"rollout": {"backend": backend, "server": srv}, "trainer": {"default_root_dir": str(tmp_path)}})
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain["rollout"]["server"]["launch_command"] = command

@@ -30,7 +30,11 @@ DEVICE = os.environ.get("GLMLIGHT_REAL_DEVICE", "cpu")
 
 # Server flags per backend and device: float32 (the trainer's dtype), no graph capture.
 FLAGS = {
-    ("vllm", "cpu"): ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0"],
+    # vLLM's CPU build: no chunked prefill. A seeded request whose prefill is split across steps makes the CPU
+    # worker rewind its torch.Generator's offset, which CPU generators do not have, and the server dies
+    # (vllm 0.32.0, v1/worker/gpu_model_runner.py, _bookkeeping_sync: "CPU Generator does not use offset").
+    ("vllm", "cpu"): ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
+                      "--no-enable-chunked-prefill"],
     # float32 attention on CUDA: vLLM's Triton backend (FlashAttention and FlashInfer take 16-bit only),
     # SGLang's triton backend; SGLang honours per-request seeds only in deterministic mode
     ("vllm", "cuda"): ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
@@ -75,7 +79,7 @@ def server_config(backend: str, python: str, model_path: str, root: str, **serve
         pytest.skip(f"no {backend} server flags for GLMLIGHT_REAL_DEVICE={DEVICE}")
     flags = flags + shlex.split(os.environ.get(f"GLMLIGHT_{backend.upper()}_ARGS", ""))
     srv = {"launch": True, "launch_python": python, "launch_args": flags, "launch_env": ENV_VARS.get((backend, DEVICE), {}),
-           "launch_timeout_s": 600, "request_timeout_s": 120, "max_retries": 2, "retry_backoff_s": 0.2,
+           "launch_timeout_s": 600, "request_timeout_s": 120, "request_retries": 2, "request_retry_backoff_s": 0.2,
            "weight_sync_dir": os.path.join(root, "weights"), "sync_backend": "gloo", "api_key_env": None, **server}
     return validate({"rollout": {"backend": backend, "server": srv}, "model": {"path": model_path},
                      "trainer": {"default_root_dir": root}})

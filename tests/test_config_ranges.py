@@ -90,7 +90,7 @@ def test_every_numeric_key_has_a_range_and_a_value_outside_it_is_one_line(algo, 
 def test_the_schema_walk_covers_the_keys_people_set_most():
     keys = {c.values[1] for c in CASES}
     assert {"rollout.temperature", "rollout.top_p", "algo.lr", "algo.eps_low", "algo.betas", "algo.gamma",
-            "task.reward_options.timeout_s", "rollout.server.max_retries", "algo.segment_alpha",
+            "task.reward_options.timeout_s", "rollout.server.request_retries", "algo.segment_alpha",
             "algo.orm_coef", "model.warm_start.lr", "trainer.max_steps"} <= keys
 
 

@@ -151,7 +151,7 @@ def test_callback_state_round_trips_through_checkpoint(tmp_path):
 def test_consistency_demo_logs_real_mismatch(tmp_path):
     import csv
 
-    run = _build(tmp_path, "callbacks=consistency", "trainer.max_steps=2", "~callbacks.held_out_eval",
+    run = _build(tmp_path, "experiment=consistency", "trainer.max_steps=2", "~callbacks.held_out_eval",
                  "~callbacks.sample_table", "callbacks.mismatch.probe_every_n_steps=1",
                  "callbacks.index_agreement.every_n_steps=1", "callbacks.routing_agreement.every_n_steps=1",
                  "rollout.max_new_tokens=12")
@@ -188,7 +188,7 @@ def test_the_greedy_probe_generates_under_the_generation_lock(tmp_path):
 
 
 def test_max_mismatch_kl_stops_the_run(tmp_path):
-    run = _build(tmp_path, "callbacks=consistency", "trainer.max_steps=2", "~callbacks.held_out_eval",
+    run = _build(tmp_path, "experiment=consistency", "trainer.max_steps=2", "~callbacks.held_out_eval",
                  "~callbacks.sample_table", "callbacks.mismatch.max_mismatch_kl=1e-12")
     with pytest.raises(RuntimeError, match="exceeds max_mismatch_kl"):
         run.fit()

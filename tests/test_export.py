@@ -56,7 +56,7 @@ def _run(tmp_path, *extra):
 
 
 @pytest.mark.parametrize("extra", [[], ["model.lora.rank=4"],
-                                   # the model options callbacks=consistency sets: every path builds the same policy
+                                   # the model options experiment=consistency sets: every path builds the same policy
                                    ["model.n_routed_experts=16", "model.num_experts_per_tok=4", "model.index_topk=4"]])
 def test_fit_exports_a_checkpoint_transformers_loads_with_the_trainers_logprobs(tmp_path, tokenizer, extra):
     run = _run(tmp_path, *extra)

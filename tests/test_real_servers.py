@@ -120,6 +120,23 @@ def test_seeds(real):
     assert c[0].token_ids != a[0].token_ids
 
 
+def test_seeded_requests_whose_prompts_fill_more_than_one_step(real):
+    """Seeded requests whose prompts together exceed a step's token budget (here 8 x ~900 tokens): with chunked
+    prefill vLLM's CPU build splits a prefill across steps and its worker dies rewinding the request's CPU
+    generator (vllm 0.32.0 v1/worker/gpu_model_runner.py _bookkeeping_sync), as a GRPO evaluation of 576
+    requests did; the CPU flags (tests/real_servers.FLAGS, docs/servers.md) turn chunked prefill off. Every
+    answer arrives, and its log-probs are the trainer's."""
+    _serving(real, 0)
+    filler = real.tok("1+2=3 " * 200, add_special_tokens=False)["input_ids"][:880]
+    ps = [filler + p for p in _prompts(real.tok, 8)]
+    sps = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=100 + i) for i in range(len(ps))]
+    gens = real.engine.generate(ps, sps)
+    assert all(g.finish_reason in ("stop", "length") and 1 <= len(g.token_ids) <= 8 for g in gens)
+    worst = max(max_diff(g.logprobs, trainer_logprobs(real.models[0], p, g.token_ids, 1.0)) for p, g in zip(ps, gens))
+    print(f"\n{real.backend}: 8 seeded requests of {len(ps[0])} prompt tokens: max |lp - trainer| = {worst:.2e}")
+    assert worst <= TOL
+
+
 def test_scoring_equals_trainer_forward(real):
     _serving(real, 0)
     ps = _prompts(real.tok, 3)

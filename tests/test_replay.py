@@ -398,12 +398,12 @@ def test_datamodule_checkpoint_keeps_queued_records(tmp_path, tokenizer):
 
 @pytest.mark.slow
 def test_demo_model_replay_brings_old_logprobs_closer(tmp_path):
-    """The consistency demonstration's model (callbacks=consistency: tiny GLM-5, 16 experts, top-4,
+    """The consistency demonstration's model (experiment=consistency: tiny GLM-5, 16 experts, top-4,
     index_topk 4, warm-started; bf16 engine, fp32 trainer): the same 256 rollouts scored by the trainer
     with replay off and on. Replay removes the discrete part of the mismatch: the engine's and the
     trainer's choices agree exactly, and the tokens whose context held a differing choice come as
     close to the engine as the others."""
-    run = glmlight.build(compose(["callbacks=consistency", "logger=none", f"trainer.default_root_dir={tmp_path}"]))
+    run = glmlight.build(compose(["experiment=consistency", "logger=none", f"trainer.default_root_dir={tmp_path}"]))
     model, dm = run.module.policy.eval(), run.datamodule
     prompts = [dm.encode(p) for p in dm.draw_prompts(256)]
     with LocalEngine(model, dtype="bfloat16") as engine:

@@ -85,7 +85,7 @@ def test_server_restart_soak_accounting_adds_up(tmp_path, tokenizer):
     run = glmlight.build(compose(overrides_for_tests(
         tmp_path, "algo=sao", "rollout=sglang", "rollout.mode=async", f"rollout.server.urls=[{urls}]",
         "rollout.server.api_key_env=null", f"rollout.server.weight_sync_dir={tmp_path}/weights",
-        "rollout.server.request_timeout_s=20", "rollout.server.max_retries=4", "rollout.server.retry_backoff_s=0.1",
+        "rollout.server.request_timeout_s=20", "rollout.server.request_retries=4", "rollout.server.request_retry_backoff_s=0.1",
         "trainer.max_steps=30", "rollout.rollout_batch_size=8", "rollout.engine_retries=2",
         "rollout.engine_retry_backoff_s=0.1", "~callbacks.held_out_eval", "~callbacks.sample_table")))
     trained = _TrainedIds()

@@ -69,7 +69,7 @@ class TeacherConfig:
     # The built-in teacher (neither path nor engine): tiny GLM-5 preset, init seed, warm start on the task.
     preset: str = "tiny"
     seed: int = 0
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    warm_start: WarmStartConfig = field(default_factory=lambda: WarmStartConfig(steps=0))  # none unless given
 
 
 @dataclass

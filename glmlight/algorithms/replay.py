@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from glmlight.config import CHOICES
 from glmlight.data.groups import pad_or_drop_group
 from glmlight.errors import ConfigError
 from glmlight.models.glm5.replay import Replay, index_shape, routing_shape
@@ -29,15 +30,11 @@ from glmlight.sample import Experience, Sample
 
 log = logging.getLogger(__name__)
 
-MODES = {"none": (False, False), "routing": (True, False), "index": (False, True), "both": (True, True)}
-
-
 def parts(mode: str) -> tuple[bool, bool]:
-    """(routing, index) of an `algo.replay` value."""
-    try:
-        return MODES[mode]
-    except KeyError:
-        raise ConfigError(f"config error: algo.replay={mode!r} is not one of {list(MODES)}") from None
+    """(routing, index) of an `algo.replay` value (its values: glmlight.config.CHOICES)."""
+    if mode not in CHOICES["algo.replay"]:
+        raise ConfigError(f"config error: algo.replay={mode!r} is not one of {list(CHOICES['algo.replay'])}")
+    return mode in ("routing", "both"), mode in ("index", "both")
 
 
 def check_model(policy: torch.nn.Module, mode: str) -> None:

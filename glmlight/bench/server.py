@@ -73,7 +73,8 @@ def bench_server(s: Sizes, device: str) -> list[dict[str, Any]]:
 
     root = tempfile.mkdtemp(prefix="glmlight-bench-server-")
     ckpt = build_tiny_checkpoint(os.path.join(root, "tiny-llama"), "llama", seed=0)
-    flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0"]
+    flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
+             "--no-enable-chunked-prefill"]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"} if device == "cpu" else {}
     cfg = _config(s, ckpt, root, flags, env)
     tok = build_char_tokenizer()

@@ -120,7 +120,8 @@ class _Server:
         from glmlight.engines.servers.base import sampling_fields
 
         self.root = tempfile.mkdtemp(prefix="glmlight-bench-smollm2-")
-        flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0"]
+        flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
+             "--no-enable-chunked-prefill"]
         env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1"}
         self.engine = build_server_engine(_config(Sizes(), ckpt, self.root, flags, env))
         url, model = self.engine.urls[0], self.engine.served_model

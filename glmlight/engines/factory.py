@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
+from glmlight.config import CHOICES
 from glmlight.errors import ConfigError
 
-BACKENDS = ("sglang", "vllm", "vllm_ascend")
-WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
+BACKENDS = tuple(b for b in CHOICES["rollout.backend"] if b != "local")  # the server backends
+WEIGHT_SYNC_MODES = CHOICES["rollout.server.weight_sync"]
 
 
 def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, *, replay: str = "none"):

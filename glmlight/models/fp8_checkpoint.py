@@ -24,6 +24,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from glmlight.config import CHOICES
 from glmlight.errors import ConfigError
 from glmlight.models.fp8 import fp8_splits, quantize_split
 from glmlight.ops.quant import BLOCK, quantize_fp8_block
@@ -108,7 +109,8 @@ def to_server_weights(named: Iterable[tuple[str, torch.Tensor]], weight_format: 
     if weight_format == "auto":
         return named
     if weight_format != "fp8":
-        raise ConfigError(f"config error: rollout.weight_format={weight_format!r} is not one of ['auto', 'fp8']")
+        raise ConfigError(f"config error: rollout.weight_format={weight_format!r} is not one of "
+                          f"{list(CHOICES['rollout.weight_format'])}")
     if not model_path:
         raise ConfigError("config error: rollout.weight_format=fp8 needs rollout.server.model_path (or model.path): "
                           "the FP8 checkpoint the server runs")

@@ -60,7 +60,7 @@ def warm_start_key(model: torch.nn.Module, cfg: WarmStartConfig, task_identity: 
     config = model.config.to_dict()
     config.pop("transformers_version", None)
     blob = json.dumps({"model": config, "task": task_identity, "steps": cfg.steps, "lr": cfg.lr,
-                       "batch_size": cfg.batch_size, "schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps,
+                       "batch_size": cfg.batch_size, "schedule": cfg.lr_schedule, "warmup_steps": cfg.warmup_steps,
                        "min_lr_ratio": cfg.min_lr_ratio, "decay_steps": cfg.decay_steps, "data": data_fingerprint,
                        "init": _param_fingerprint(model),
                        **({"mix_batch_size": list(cfg.mix_batch_size)} if cfg.mix_batch_size else {})},
@@ -86,9 +86,9 @@ def lr_factor(cfg: WarmStartConfig, step: int) -> float:
     """The learning-rate multiplier of `step` (0-based): linear warm-up, then constant or cosine decay."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
+    if cfg.lr_schedule == "constant":
         return 1.0
-    start = cfg.warmup_steps if cfg.schedule == "cosine" else max(cfg.warmup_steps, cfg.steps - cfg.decay_steps)
+    start = cfg.warmup_steps if cfg.lr_schedule == "cosine" else max(cfg.warmup_steps, cfg.steps - cfg.decay_steps)
     if step < start:  # wsd: constant until the last decay_steps
         return 1.0
     progress = min(1.0, (step - start) / max(cfg.steps - start, 1))
@@ -149,7 +149,7 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: Prompt
     os.replace(tmp, path)
     with open(path[: -len(".safetensors")] + ".json", "w") as f:
         json.dump({"task": task_identity, "steps": cfg.steps, "lr": cfg.lr, "batch_size": cfg.batch_size,
-                   "mix_batch_size": sizes, "schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps,
+                   "mix_batch_size": sizes, "schedule": cfg.lr_schedule, "warmup_steps": cfg.warmup_steps,
                    "min_lr_ratio": cfg.min_lr_ratio,
                    "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
                    "seconds": round(time.perf_counter() - t0, 1), "torch_cpu_capability": _cpu_capability(),

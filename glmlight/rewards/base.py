@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Awaitable, Callable, Union
 
-from glmlight.config import RewardOptions
+from glmlight.config import CHOICES, RewardOptions
 from glmlight.errors import ConfigError
 from glmlight.rewards.workers import ProcessWorkers, RewardError, ThreadWorkers, call_reward, unpack
 from glmlight.sample import Sample, Status
@@ -57,9 +57,9 @@ def reward_options(options: RewardOptions | Mapping[str, Any] | None) -> RewardO
             options = RewardOptions(**dict(options))
         except TypeError as e:
             raise ConfigError(f"config error: task.reward_options: {e}") from None
-    if options.executor not in ("thread", "process"):
+    if options.executor not in CHOICES["task.reward_options.executor"]:
         raise ConfigError(f"config error: task.reward_options.executor={options.executor!r} is not one of "
-                          "['thread', 'process']")
+                          f"{list(CHOICES['task.reward_options.executor'])}")
     if not options.timeout_s > 0:
         raise ConfigError(f"config error: task.reward_options.timeout_s must be > 0, got {options.timeout_s!r}")
     if isinstance(options.max_concurrency, bool) or not isinstance(options.max_concurrency, int) \

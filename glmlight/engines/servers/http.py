@@ -142,8 +142,8 @@ class HttpSettings:
     @classmethod
     def from_config(cls, server: Any) -> HttpSettings:
         return cls(api_key_env=server.api_key_env, max_in_flight=server.max_in_flight,
-                   timeout_s=server.request_timeout_s, max_retries=server.max_retries,
-                   backoff_s=server.retry_backoff_s)
+                   timeout_s=server.request_timeout_s, max_retries=server.request_retries,
+                   backoff_s=server.request_retry_backoff_s)
 
 
 class ServerUnavailable(EngineError):
