@@ -2,7 +2,7 @@
 # The real-server check on a CUDA machine, in about ten minutes:
 #   1. installs vLLM and SGLang from the package registry, each in its own virtual environment
 #      (in parallel; reused when already there), and a trainer environment with glmlight;
-#   2. runs tests/test_real_servers.py against a real vLLM and a real SGLang server, each started by
+#   2. runs tests/integration/servers/test_real_servers.py against a real vLLM and a real SGLang server, each started by
 #      glmlight's managed launch on 127.0.0.1 with a tiny Llama built locally (float32);
 #   3. runs scripts/bench.py --device cuda --quick (engine, GRPO, FLOP/s and the vLLM client row).
 #
@@ -63,7 +63,7 @@ export GLMLIGHT_REAL_DEVICE=cuda PYTHONPATH=$REPO WANDB_MODE=disabled
 
 stamp "real-server tests (vLLM: ${GLMLIGHT_VLLM_PYTHON:-none}, SGLang: ${GLMLIGHT_SGLANG_PYTHON:-none})"
 # --basetemp keeps the server logs (<tmp>/real-*/vllm-server-*.log) under OUT
-timeout 420 "$TRAINER" -m pytest -q -rs tests/test_real_servers.py -p no:cacheprovider --durations=0 -s \
+timeout 420 "$TRAINER" -m pytest -q -rs tests/integration/servers/test_real_servers.py -p no:cacheprovider --durations=0 -s \
   --basetemp="$OUT/pytest" 2>&1 | tee "$OUT/pytest.log" || status=1
 
 stamp "benchmarks on the GPU"

