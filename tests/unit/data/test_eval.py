@@ -21,6 +21,7 @@ from glmlight.rewards.verifiers import ExactMatch
 from glmlight.engines.base import SamplingParams
 from glmlight.engines.local.engine import LocalEngine
 from tests.conftest import overrides_for_tests
+from tests.unit.data.test_data import _datamodule
 
 
 # ----------------------------------------------------------------- the estimators, by hand
@@ -86,6 +87,14 @@ def test_evaluation_is_fixed_and_touches_no_training_stream(tokenizer, tiny_mode
     assert a["eval/heldout/prompts"] == 4.0
     assert 0.0 <= a["eval/heldout/pass@1"] <= a["eval/heldout/pass@2"] <= a["eval/heldout/pass@4"] <= 1.0
     assert a["eval/tokens"] == a["eval/heldout/tokens"] > 0
+
+
+def test_evaluate_is_fixed(tokenizer, tiny_model):
+    dm = _datamodule(tokenizer, tiny_model, ExactMatch())
+    a, b = dm.evaluate(), dm.evaluate()
+    a = {k: v for k, v in a.items() if not k.endswith("seconds")}
+    b = {k: v for k, v in b.items() if not k.endswith("seconds")}
+    assert a == b and set(a) >= {"eval/heldout/greedy/pass_rate", "eval/heldout/pass@1", "eval/heldout/response_length"}
 
 
 def test_seeded_engine_gives_every_request_its_own_seed(tokenizer, tiny_model):

@@ -1,4 +1,5 @@
-"""GAE family against hand-computed numbers and against GAE on compacted sequences."""
+"""GAE family against hand-computed numbers and against GAE on compacted sequences, and CompactionRL's
+advantages (cross-trajectory GAE over a trajectory's segments, per-turn rewards, normalisation) by hand."""
 
 import math
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from glmlight.algorithms.compaction import CompactionConfig, CompactionRL
 from glmlight.ops.gae import (
     adaptive_lambda,
     cross_trajectory_gae,
@@ -16,6 +18,7 @@ from glmlight.ops.gae import (
     segment_lambda,
     skip_observation_gae,
 )
+from glmlight.sample import Experience, Sample
 
 
 def t(rows):
@@ -152,3 +155,66 @@ def test_explained_variance():
     assert_close(explained_variance(values, returns, mask), torch.tensor(2 / 3))
     assert_close(explained_variance(returns, returns, mask), torch.tensor(1.0))
     assert torch.isnan(explained_variance(values, t([[2.0, 2.0, 2.0, 5.0]]), mask))
+
+
+# ------------------------------------------------------------------------------------------ CompactionRL's advantages
+def _segment(n_actions, rollout_id, segment, reward=1.0, turn_rewards=None):
+    return Sample(prompt_ids=[1], response_ids=[2] * n_actions, loss_mask=[1] * n_actions,
+                  rollout_logprobs=[-1.0] * n_actions, versions=[0] * n_actions, reward=reward,
+                  rollout_id=rollout_id, segment=segment,
+                  metadata={} if turn_rewards is None else {"turn_rewards": turn_rewards})
+
+
+def test_turn_rewards_credit_each_turn_and_carry_the_rest_to_the_summary(tiny_model):
+    # One trajectory, R = 1 paid turn by turn: segment 0 (2 tokens: a turn paid 0.25 at 0, then a 1-token
+    # summary at 1), segment 1 (3 tokens, one turn paid 0.75 at 2). V = 0, γ = 1, λ0 = 2/3, λ1 = 7/9.
+    # reward_placement=turns: r(seg 0) = [0.25, 0.75] (the summary token carries what segment 1 earns),
+    # r(seg 1) = [0, 0, 0.75]. Local GAE with V = 0: seg 1 [λ1²·0.75, λ1·0.75, 0.75]; seg 0 [0.25 + λ0·0.75, 0.75],
+    # scaled by (γλ0)^3 = 8/27 as before. With "terminal" the 0.25 would reach segment 0's first token
+    # only through λ0 (λ0·1 = 2/3, against 0.25 + 0.5 = 0.75 here).
+    cfg = CompactionConfig(whiten_advantages=False, critic_freeze_attention=False, reward_placement="turns")
+    module = CompactionRL(cfg, tiny_model)
+    exp = Experience.collate([_segment(3, 7, 1, turn_rewards=[[2, 0.75]]), _segment(2, 7, 0, turn_rewards=[[0, 0.25]])],
+                             pad_token_id=0)
+    exp.values = torch.zeros_like(exp.loss_mask)
+    module.compute_advantages(exp)
+    l0, l1 = 2 / 3, 7 / 9
+    assert_close(exp.advantages, torch.tensor([[l1 * l1 * 0.75, l1 * 0.75, 0.75],
+                                               [(0.25 + l0 * 0.75) * 8 / 27, 0.75 * 8 / 27, 0.0]]))
+    # the critic's targets (λ = 1): the reward still to come at every token
+    assert_close(exp.returns, torch.tensor([[0.75, 0.75, 0.75], [1.0, 0.75, 0.0]]))
+
+
+def test_compaction_cross_trajectory_gae_by_hand(tokenizer, tiny_model):
+    # One trajectory: segment 0 with L0 = 2 action tokens, segment 1 with L1 = 3; V = 0, γ = 1, R = 1.
+    # λ0 = 1 − 1/(1.5·2) = 2/3, λ1 = 1 − 1/(1.5·3) = 7/9.
+    # Segment 1 (last): local GAE = [λ1², λ1, 1]; N_after = 0.
+    # Segment 0: local GAE = [λ0, 1], scaled by (γ·λ0)^N_after, N_after = 3 -> (2/3)³ = 8/27.
+    cfg = CompactionConfig(whiten_advantages=False, critic_freeze_attention=False)
+    module = CompactionRL(cfg, tiny_model)
+    exp = Experience.collate([_segment(3, 7, 1), _segment(2, 7, 0)], pad_token_id=0)
+    exp.values = torch.zeros_like(exp.loss_mask)
+    module.compute_advantages(exp)
+    l0, l1 = 2 / 3, 7 / 9
+    assert_close(exp.advantages, torch.tensor([[l1 * l1, l1, 1.0], [l0 * 8 / 27, 8 / 27, 0.0]]))
+
+
+def test_normalisation_keeps_the_cross_trajectory_discount(tiny_model):
+    # 4 trajectories x 2 segments x 100 action tokens, 3 succeed (R = 1), V = 0. The first segment of a
+    # success is discounted by (γλ)^100 ≈ 0.51; whitening that centres the batch made its early tokens
+    # negative (below the batch mean). Normalisation must keep them positive and keep the discount.
+    cfg = CompactionConfig(whiten_advantages=True, critic_freeze_attention=False)
+    module = CompactionRL(cfg, tiny_model)
+    segs = [_segment(100, r, s, reward=1.0 if r < 3 else 0.0) for r in range(4) for s in (0, 1)]
+    exp = Experience.collate(segs, pad_token_id=0)
+    exp.values = torch.zeros_like(exp.loss_mask)
+    module.compute_advantages(exp)
+    adv = exp.advantages
+    first_success = [i for i, s in enumerate(segs) if s.rollout_id == 0 and s.segment == 0][0]
+    last_success = [i for i, s in enumerate(segs) if s.rollout_id == 0 and s.segment == 1][0]
+    assert adv[first_success, 0] > 0  # the earliest token of a successful trajectory
+    assert (adv[[i for i, s in enumerate(segs) if s.rollout_id < 3]] > 0).all()
+    assert (adv[[i for i, s in enumerate(segs) if s.rollout_id == 3]] == 0).all()
+    lam = 1 - 1 / (1.5 * 100)
+    # the discount between the same position of the two segments is (γλ)^N_after, N_after = 100
+    assert_close(adv[first_success, 50] / adv[last_success, 50], torch.tensor(lam ** 100), rtol=1e-4, atol=0)

@@ -1,7 +1,10 @@
-"""General-RL rewards: mixed weights, a local reward model, a remote endpoint, a generative judge."""
+"""Rewards: scoring (failures counted, not raised; async rewards), building one from its target, and the
+general-RL rewards: mixed weights, a local reward model, a remote endpoint, a generative judge. The
+verifiers: test_verifiers.py; timeouts and concurrency: test_reward_timeouts.py."""
 
 import json
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -12,8 +15,10 @@ from glmlight.rewards import build_reward, score_samples
 from glmlight.rewards.judge import GenerativeJudge, parse_judge_score
 from glmlight.rewards.mixed import MixedReward, RewardComponentError
 from glmlight.rewards.reward_model import RemoteRewardModel, SequenceClassifierReward
+from glmlight.rewards.verifiers import NumericMatch
 from glmlight.sample import Sample, Status
 from tests.conftest import encode
+from tests.unit.rewards.test_verifiers import _s
 
 
 def _sample(tokenizer, question="3+4=", completion="7", label="7", rollout_id=0):
@@ -24,6 +29,39 @@ def _sample(tokenizer, question="3+4=", completion="7", label="7", rollout_id=0)
 
 def failing_reward(sample):
     raise RuntimeError("verifier crashed")
+
+
+# ------------------------------------------------------------------------------------------ scoring and building
+def test_reward_failures_are_counted_not_raised():
+    def flaky(sample):
+        if sample.metadata["label"] == "boom":
+            raise RuntimeError("verifier crashed")
+        return 1.0
+
+    samples = [_s("1", "1"), _s("2", "boom"), _s("3", "nan")]
+    samples[2].metadata["label"] = "1"
+    counts = score_samples(flaky, samples)
+    assert counts == Counter(scored=2, failed=1)
+    assert samples[1].status is Status.FAILED and "verifier crashed" in samples[1].metadata["reward_error"]
+    nan = score_samples(lambda s: float("nan"), [_s("1", "1")])
+    assert nan["failed"] == 1
+
+
+def test_async_reward():
+    async def reward(sample):
+        return 0.5, {"why": "async"}
+
+    samples = [_s("1", "1"), _s("2", "2")]
+    assert score_samples(reward, samples)["scored"] == 2
+    assert [s.reward for s in samples] == [0.5, 0.5]
+    assert samples[0].metadata["reward_info"] == {"why": "async"}
+
+
+def test_build_reward_from_target():
+    assert isinstance(build_reward({"_target_": "glmlight.rewards.verifiers.NumericMatch", "rel_tol": 0.1}),
+                      NumericMatch)
+    fn = build_reward({"_target_": "tests.conftest.digit_fraction_reward"})
+    assert fn(_s("a1", "x")) == 0.5
 
 
 # ------------------------------------------------------------------------------------------ MixedReward
