@@ -28,7 +28,8 @@ def _student(history, key="eval/heldout/greedy/pass_rate"):
     return [(step, m[key]) for step, m in history if key in m]
 
 
-# ----------------------------------------------------------------- fast: variance after the warm start
+# ----------------------------------------------------------------- variance after the warm start
+@pytest.mark.slow  # a warm start each (about 1 min together): a precondition of the agent learning runs below
 @pytest.mark.parametrize("task,extra", [("calculator_agent", ["task.max_operand=9"]),
                                         ("running_sum", ["model.warm_start.steps=20", "task.num_steps=4"])])
 def test_agent_groups_have_reward_variance_after_the_warm_start(tmp_path, task, extra):

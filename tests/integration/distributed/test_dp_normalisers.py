@@ -16,7 +16,8 @@ def _two_process(tmp_path, strategy: str) -> None:
     assert out.returncode == 0, out.stderr[-4000:]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])  # ddp (slow): the
+# default run keeps FSDP here and DDP in tests/integration/distributed/test_scale_out.py
 def test_two_ranks_train_like_one_process_on_the_union(tmp_path, strategy):
     _two_process(tmp_path, strategy)
     problems, gaps = [], {}
