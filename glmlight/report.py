@@ -178,3 +178,38 @@ def draw(rows: dict[int, dict[str, Any]], path: str, title: str) -> None:
     fig.suptitle(f"glmlight run: {title}  ({max(rows) if rows else 0} RL steps)", fontsize=12)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+
+
+COMPARE_KEYS = ("eval/heldout/pass@1", "eval/heldout/greedy/pass_rate", "rollout/reward_mean")
+
+
+def draw_comparison(run_dirs: list[str], path: str, keys: tuple[str, ...] = COMPARE_KEYS,
+                    labels: list[str] | None = None) -> None:
+    """One panel per metric, one curve per run (e.g. the same recipe on two engines); a metric no run
+    logged is an error that names it, a run without it is left out of that panel."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    labels = labels or [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
+    runs = [read_metrics(d)[0] for d in run_dirs]
+    fig = Figure(figsize=(5.2 * len(keys), 3.6))
+    for ax, key in zip(fig.subplots(1, len(keys), squeeze=False).flat, keys):
+        drawn = 0
+        for i, (rows, label) in enumerate(zip(runs, labels)):
+            xs, ys = series(rows, key)
+            if xs:
+                ax.plot(xs, ys, ("-", "--", "-.", ":")[i % 4], color=f"C{i % 10}", marker="o" if len(xs) <= 25 else None,
+                        markersize=3, linewidth=1.2, label=label)
+                drawn += 1
+        if not drawn:
+            raise ValueError(f"no run in {run_dirs} logged {key!r}")
+        ax.set_title(key.replace("greedy/pass_rate", "greedy"), fontsize=10)
+        ax.set_xlabel("RL step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)

@@ -5,6 +5,8 @@ this command redraws them, for instance while a run is going or after a resume.
 
     python scripts/report.py runs/default
     python scripts/report.py runs/default --print      # also print the headline figures
+    python scripts/report.py runs/a --compare runs/b --out ab.png [--labels A B] [--keys K ...]
+                                                         # runs side by side, one panel per metric
 
 The PNG needs matplotlib: pip install matplotlib.
 """
@@ -19,8 +21,23 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="the run directory, e.g. runs/default")
     parser.add_argument("--print", action="store_true", help="print the last value of the main metrics")
+    parser.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="draw these runs beside run_dir (needs --out)")
+    parser.add_argument("--out", help="the comparison's PNG path")
+    parser.add_argument("--labels", nargs="+", help="one legend label per run (run_dir first)")
+    parser.add_argument("--keys", nargs="+", help="the metrics to compare (default: held-out pass@1, greedy, reward)")
     args = parser.parse_args(argv)
-    from glmlight.report import summarize, read_metrics, write_report
+    from glmlight.report import COMPARE_KEYS, draw_comparison, read_metrics, summarize, write_report
+
+    if args.compare:
+        if not args.out:
+            parser.error("--compare needs --out PATH")
+        try:
+            draw_comparison([args.run_dir, *args.compare], args.out, tuple(args.keys or COMPARE_KEYS), args.labels)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(args.out)
+        return 0
 
     try:
         paths = write_report(args.run_dir)

@@ -73,6 +73,20 @@ def test_report_reads_a_killed_run_and_later_lines_win(tmp_path):
     assert script.main([str(tmp_path / "nowhere")]) == 2
 
 
+def test_two_runs_side_by_side(tmp_path, capsys):
+    for name, values in (("a", [0.1, 0.5]), ("b", [0.2, 0.4])):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            f.write("".join(json.dumps({"rl_step": 5 * i, "eval/heldout/pass@1": v}) + "\n" for i, v in enumerate(values)))
+    script = load_script("report")
+    out = tmp_path / "ab.png"
+    args = [str(tmp_path / "a"), "--compare", str(tmp_path / "b"), "--out", str(out), "--keys", "eval/heldout/pass@1"]
+    assert script.main(args) == 0 and out.stat().st_size > 1000
+    assert script.main(args[:-1] + ["eval/nothing"]) == 2  # no run logged it: one line, named
+    assert "no run in" in capsys.readouterr().err
+    assert script.main(args + ["--labels", "only-one"]) == 2
+
+
 def test_samples_table_and_the_samples_command(tmp_path, capsys):
     """Trained rows carry reward info, versions and the corrections' token counts; dynamic sampling drops
     the zero-variance groups, which appear with their drop reason."""
