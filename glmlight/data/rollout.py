@@ -224,16 +224,21 @@ class RolloutDataModule(pl.LightningDataModule):
         args = (engine, self.tokenizer, self.env_factory, params, self.max_turns, self.cfg.max_context)
         loop = CompactingAgentLoop(*args, **self.compaction) if self.compaction else AgentLoop(*args)
         episodes = loop.run(prompts, n)
-        samples = []
-        for k in range(len(prompts)):
-            group_id = ids.new_group_id()
-            first = ids.take_rollout_ids(n)
-            for j in range(n):
-                ep = episodes[k * n + j]
-                samples.extend(episode_to_samples(ep, group_id, first + j))
+        for ep in episodes:
+            counts["compactions"] += len(ep.segments)
+        return [s for t in self._trajectories(episodes, n, counts, ids) for s in t]
+
+    @staticmethod
+    def _trajectories(episodes: list[Any], n: int, counts: Counter, ids: Any) -> list[list[Sample]]:
+        """Each episode's samples, in order: the episodes of one prompt (n of them, consecutive) share a
+        new group id and take consecutive rollout ids."""
+        out = []
+        for k in range(0, len(episodes), n):
+            group_id, first = ids.new_group_id(), ids.take_rollout_ids(n)
+            for j, ep in enumerate(episodes[k:k + n]):
+                out.append(episode_to_samples(ep, group_id, first + j))
                 counts["agent_turns"] += ep.turns
-                counts["compactions"] += len(ep.segments)
-        return samples
+        return out
 
     def _gateway_episodes(self, prompts: list[Prompt], n: int, counts: Counter, engine: RolloutEngine,
                           params: Callable[[int], SamplingParams], ids: Any) -> list[Sample]:
@@ -243,14 +248,7 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout = GatewayRollout(engine, self.tokenizer, self.gateway, params, self.max_turns, self.cfg.max_context,
                                  counts)
         episodes = rollout.run(prompts, n)
-        trajectories = []
-        for k in range(len(prompts)):
-            group_id = ids.new_group_id()
-            first = ids.take_rollout_ids(n)
-            for j in range(n):
-                ep = episodes[k * n + j].ep
-                trajectories.append(episode_to_samples(ep, group_id, first + j))
-                counts["agent_turns"] += ep.turns
+        trajectories = self._trajectories([e.ep for e in episodes], n, counts, ids)
         score_episodes(episodes, trajectories, self.reward_fn, self.gateway.reward, counts)
         return [s for t in trajectories for s in t]
 
