@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from glmlight.engines.local.glm_runner import DECODE_WINDOW, _dynamic, _map_tensors
+from glmlight.engines.local.rows import DECODE_WINDOW, RowCache, _dynamic, _map_tensors
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
 
 
-class DenseRunner:
+class DenseRunner(RowCache):
     """Per-row cached decoding of a dense Llama-family model (see the module docstring)."""
 
     can_merge = True
@@ -183,49 +183,18 @@ class DenseRunner:
         if capacity > self._rope_len:
             self._rope_table(capacity)
 
-    def _ensure(self, rows: int, length: int) -> None:
-        if rows > self.rows_cap or length > self.capacity:
-            self._alloc(self.rows_cap if rows <= self.rows_cap else max(rows, 2 * self.rows_cap),
-                        self.capacity if length <= self.capacity else max(length, 2 * self.capacity))
-
-    def reset(self) -> None:
-        self.n, self._max_len = 0, 0
-        self.lens = self.lens[:0]
-
-    @torch.inference_mode()
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (indices into the running batch, in this order); only rows that change
-        place are copied."""
-        k = len(rows)
-        if k == 0:
-            self.reset()
-            return
-        moved = [(dst, src) for dst, src in enumerate(rows) if dst != src]
-        if moved:
-            dst = torch.tensor([d for d, _ in moved], device=self.device)
-            src = torch.tensor([s for _, s in moved], device=self.device)
-            T = self._max_len
-            for l in range(len(self.layers)):
-                self.K[l][dst, :, :T] = self.K[l][src, :, :T]
-                self.V[l][dst, :, :T] = self.V[l][src, :, :T]
-        self.lens = self.lens[torch.tensor(rows, device=self.device)]
-        self.n = k
-        self._max_len = int(self.lens.max())
+    def _move_rows(self, dst: torch.Tensor, src: torch.Tensor, T: int) -> None:
+        for l in range(len(self.layers)):
+            self.K[l][dst, :, :T] = self.K[l][src, :, :T]
+            self.V[l][dst, :, :T] = self.V[l][src, :, :T]
 
     # ----------------------------------------------------------------- forward
     @torch.inference_mode()
     def admit(self, prompts: list[list[int]]) -> torch.Tensor:
         """Prefill `prompts` into new rows at the end of the batch; logits of their last tokens [m, V]."""
-        m, S = len(prompts), max(len(p) for p in prompts)
-        self._ensure(self.n + m, max(S, self._max_len) + 1)
-        ids = torch.zeros(m, S, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        lens = torch.tensor([len(p) for p in prompts], device=self.device)
-        logits = self._prefill(ids.to(self.device), self.n, lens - 1)
-        self.lens = torch.cat([self.lens, lens])
-        self.n += m
-        self._max_len = max(self._max_len, S)
+        ids, lens = self._pad_prompts(prompts)
+        logits = self._prefill(ids, self.n, lens - 1)
+        self._admitted(lens)
         return logits
 
     @torch.inference_mode()

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,11 +56,11 @@ from glmlight.models.glm5.moe import moe_forward, moe_forward_routed
 from glmlight.ops.dsa import topk_mask, topk_recent
 from glmlight.engines.local.glm_weights import Layer, read_layers
 from glmlight.engines.local.records import Capture
+from glmlight.engines.local.rows import DECODE_WINDOW, RowCache, _dynamic, _map_tensors  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
 ABSORB_MAX_GROWTH = 1.5
-DECODE_WINDOW = 64  # compiled decode steps attend over cache positions [0, T), T a multiple of this
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -83,20 +83,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat([x[..., h:], x[..., :h]], dim=-1) * sin
 
 
-def _dynamic(t: torch.Tensor, *dims: int) -> torch.Tensor:
-    """Marks dims of t as varying, so that a compiled decode step is traced for any size of them
-    (sizes 0 and 1 still get graphs of their own)."""
-    for d in dims:
-        torch._dynamo.maybe_mark_dynamic(t, d)
-    return t
-
-
-def _map_tensors(fn: partial, f: Callable[[torch.Tensor], torch.Tensor]) -> partial:
-    """`fn` with f applied to its tensor keyword arguments."""
-    return partial(fn.func, *fn.args, **{k: f(v) if isinstance(v, torch.Tensor) else v for k, v in fn.keywords.items()})
-
-
-class GlmDsaRunner:
+class GlmDsaRunner(RowCache):
     """Per-row cached decoding of a GlmMoeDsaForCausalLM (see the module docstring)."""
 
     can_merge = True
@@ -179,52 +166,23 @@ class GlmDsaRunner:
             self._rope_table(capacity)
         self._alloc_capture(rows, capacity, n, T)
 
-    def _ensure(self, rows: int, length: int) -> None:
-        if rows > self.rows_cap or length > self.capacity:  # grow what is short (at least 2x), keep the rest
-            self._alloc(self.rows_cap if rows <= self.rows_cap else max(rows, 2 * self.rows_cap),
-                        self.capacity if length <= self.capacity else max(length, 2 * self.capacity))
-
-    def reset(self) -> None:
-        self.n, self._max_len = 0, 0
-        self.lens = self.lens[:0]
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (indices into the running batch, in this order). Only rows that
-        change place are copied, so the engine fills holes with rows from the tail."""
-        k = len(rows)
-        if k == 0:
-            self.reset()
-            return
-        moved = [(dst, src) for dst, src in enumerate(rows) if dst != src]
-        if moved:
-            dst = torch.tensor([d for d, _ in moved], device=self.device)
-            src = torch.tensor([s for _, s in moved], device=self.device)
-            T = self._max_len
-            for l in range(len(self.layers)):
-                self.C[l][dst, :T] = self.C[l][src, :T]
-                if self.IK[l] is not None:
-                    self.IK[l][dst, :T] = self.IK[l][src, :T]
-            if self.capture is not None:
-                self.capture.move(dst, src, T)
-        self.lens = self.lens[torch.tensor(rows, device=self.device)]
-        self.n = k
-        self._max_len = int(self.lens.max())
+    def _move_rows(self, dst: torch.Tensor, src: torch.Tensor, T: int) -> None:
+        for l in range(len(self.layers)):
+            self.C[l][dst, :T] = self.C[l][src, :T]
+            if self.IK[l] is not None:
+                self.IK[l][dst, :T] = self.IK[l][src, :T]
+        if self.capture is not None:
+            self.capture.move(dst, src, T)
 
     # ----------------------------------------------------------------- forward
     @torch.inference_mode()
     def admit(self, prompts: list[list[int]]) -> torch.Tensor:
         """Prefill `prompts` into new rows at the end of the batch; logits of their last tokens [m, V]."""
-        m, S = len(prompts), max(len(p) for p in prompts)
-        self._ensure(self.n + m, max(S, self._max_len) + 1)
-        ids = torch.zeros(m, S, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        ids, lens = self._pad_prompts(prompts)
+        m, S = ids.shape
         pos = torch.arange(S, device=self.device).expand(m, S)
-        logits = self._forward(ids.to(self.device), pos, lens, self.n, self._positions[:S], lens - 1)
-        self.lens = torch.cat([self.lens, lens])
-        self.n += m
-        self._max_len = max(self._max_len, S)
+        logits = self._forward(ids, pos, lens, self.n, self._positions[:S], lens - 1)
+        self._admitted(lens)
         return logits
 
     @torch.inference_mode()

@@ -1,0 +1,84 @@
+"""What the embedded engine's fast runners (GLM-5 `glm_runner`, Llama family `dense_runner`) share: a
+running batch of rows, each with its own cached length, kept in preallocated per-layer caches that grow
+by doubling; rows are admitted at the end and compacted in place as others finish."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+
+DECODE_WINDOW = 64  # compiled decode steps attend over cache positions [0, T), T a multiple of this
+
+
+def _dynamic(t: torch.Tensor, *dims: int) -> torch.Tensor:
+    """Marks dims of t as varying, so that a compiled decode step is traced for any size of them
+    (sizes 0 and 1 still get graphs of their own)."""
+    for d in dims:
+        torch._dynamo.maybe_mark_dynamic(t, d)
+    return t
+
+
+def _map_tensors(fn: partial, f: Callable[[torch.Tensor], torch.Tensor]) -> partial:
+    """`fn` with f applied to its tensor keyword arguments."""
+    return partial(fn.func, *fn.args, **{k: f(v) if isinstance(v, torch.Tensor) else v for k, v in fn.keywords.items()})
+
+
+class RowCache:
+    """Row bookkeeping of a runner: `n` running rows, their cached lengths `lens` and the longest
+    `_max_len`, in caches of `rows_cap` rows x `capacity` positions. A runner defines `_alloc(rows,
+    capacity)` (new caches holding the running rows) and `_move_rows(dst, src, T)` (copy cache rows)."""
+
+    device: torch.device
+    n: int
+    lens: torch.Tensor
+    _max_len: int
+    rows_cap: int
+    capacity: int
+
+    def _alloc(self, rows: int, capacity: int) -> None:
+        raise NotImplementedError
+
+    def _move_rows(self, dst: torch.Tensor, src: torch.Tensor, T: int) -> None:
+        raise NotImplementedError
+
+    def _ensure(self, rows: int, length: int) -> None:
+        if rows > self.rows_cap or length > self.capacity:  # grow what is short (at least 2x), keep the rest
+            self._alloc(self.rows_cap if rows <= self.rows_cap else max(rows, 2 * self.rows_cap),
+                        self.capacity if length <= self.capacity else max(length, 2 * self.capacity))
+
+    def reset(self) -> None:
+        self.n, self._max_len = 0, 0
+        self.lens = self.lens[:0]
+
+    @torch.inference_mode()
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices into the running batch, in this order). Only rows that
+        change place are copied, so the engine fills holes with rows from the tail."""
+        if not rows:
+            self.reset()
+            return
+        moved = [(dst, src) for dst, src in enumerate(rows) if dst != src]
+        if moved:
+            dst = torch.tensor([d for d, _ in moved], device=self.device)
+            src = torch.tensor([s for _, s in moved], device=self.device)
+            self._move_rows(dst, src, self._max_len)
+        self.lens = self.lens[torch.tensor(rows, device=self.device)]
+        self.n = len(rows)
+        self._max_len = int(self.lens.max())
+
+    def _pad_prompts(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for `prompts` as new rows; their ids right-padded with 0 [m, S] and lengths [m]."""
+        m, S = len(prompts), max(len(p) for p in prompts)
+        self._ensure(self.n + m, max(S, self._max_len) + 1)
+        ids = torch.zeros(m, S, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        return ids.to(self.device), torch.tensor([len(p) for p in prompts], device=self.device)
+
+    def _admitted(self, lens: torch.Tensor) -> None:
+        """The rows of `lens` were prefilled at the end of the batch."""
+        self.lens = torch.cat([self.lens, lens])
+        self.n += len(lens)
+        self._max_len = max(self._max_len, int(lens.max()))
