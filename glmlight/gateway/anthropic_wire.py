@@ -17,7 +17,8 @@ import json
 from typing import Any
 
 from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, Message, ToolCall, ToolSpec,
-                                       TurnRequest, TurnResult, WireError, bad_request)
+                                       TurnRequest, TurnResult, WireError, bad_request, number,
+                                       request_messages)
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -97,21 +98,8 @@ def _tools(tools: Any) -> list[ToolSpec]:
     return out
 
 
-def _number(body: dict, key: str, low: float, high: float) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high:
-        raise bad_request(f"{key} must be a number in [{low}, {high}], got {v!r}")
-    return float(v)
-
-
 def parse_request(body: Any) -> TurnRequest:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad_request("messages must be a non-empty list")
+    msgs = request_messages(body)
     max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise bad_request(f"max_tokens is required and must be a positive integer, got {max_tokens!r}")
@@ -129,7 +117,7 @@ def parse_request(body: Any) -> TurnRequest:
     top_k = body.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise bad_request(f"top_k must be a non-negative integer, got {top_k!r}")
-    top_p = _number(body, "top_p", 0.0, 1.0)
+    top_p = number(body, "top_p", 0.0, 1.0)
     if top_p == 0.0:
         raise bad_request("top_p must be in (0, 1]")
     if not isinstance(body.get("stream", False), bool):
@@ -142,7 +130,7 @@ def parse_request(body: Any) -> TurnRequest:
                                 for j, b in enumerate(_blocks(system, "system"))))]
     return TurnRequest(
         messages=head + [x for i, m in enumerate(msgs) for x in _messages(m, i)], tools=_tools(body.get("tools")),
-        tool_choice=kind or "auto", max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 1.0),
+        tool_choice=kind or "auto", max_tokens=max_tokens, temperature=number(body, "temperature", 0.0, 1.0),
         top_p=top_p, top_k=top_k, stop=stop, stream=bool(body.get("stream", False)),
         model=str(body.get("model") or ""))
 

@@ -30,6 +30,26 @@ def bad_request(message: str) -> WireError:
     return WireError(400, BAD_REQUEST, message)
 
 
+def number(body: dict, key: str, low: float, high: float) -> float | None:
+    """`body[key]` as a float in [low, high], None when absent; anything else is a 400 that names it."""
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high:
+        raise bad_request(f"{key} must be a number in [{low}, {high}], got {v!r}")
+    return float(v)
+
+
+def request_messages(body: Any) -> list[Any]:
+    """The `messages` list of a request body (both wires): a JSON object with a non-empty list."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("messages must be a non-empty list")
+    return msgs
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     name: str

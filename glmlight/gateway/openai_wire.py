@@ -17,7 +17,8 @@ import time
 from typing import Any
 
 from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, Message, ToolCall, ToolSpec,
-                                       TurnRequest, TurnResult, WireError, bad_request)
+                                       TurnRequest, TurnResult, WireError, bad_request, number,
+                                       request_messages)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -86,21 +87,8 @@ def _tools(tools: Any) -> list[ToolSpec]:
     return out
 
 
-def _number(body: dict, key: str, low: float, high: float) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high:
-        raise bad_request(f"{key} must be a number in [{low}, {high}], got {v!r}")
-    return float(v)
-
-
 def parse_request(body: Any) -> TurnRequest:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad_request("messages must be a non-empty list")
+    msgs = request_messages(body)
     if body.get("n") not in (None, 1):
         raise bad_request(f"n={body['n']!r} is not supported: the gateway samples one choice per request (n=1); "
                           "send one request per sample")
@@ -128,12 +116,12 @@ def parse_request(body: Any) -> TurnRequest:
     if not isinstance(body.get("stream", False), bool):
         raise bad_request("stream must be true or false")
     options = body.get("stream_options") or {}
-    top_p = _number(body, "top_p", 0.0, 1.0)
+    top_p = number(body, "top_p", 0.0, 1.0)
     if top_p == 0.0:
         raise bad_request("top_p must be in (0, 1]")
     return TurnRequest(
         messages=[_message(m, i) for i, m in enumerate(msgs)], tools=_tools(body.get("tools")),
-        tool_choice=choice or "auto", max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 2.0),
+        tool_choice=choice or "auto", max_tokens=max_tokens, temperature=number(body, "temperature", 0.0, 2.0),
         top_p=top_p, stop=stop, stream=bool(body.get("stream", False)), model=str(body.get("model") or ""),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")))
 

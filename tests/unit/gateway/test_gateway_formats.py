@@ -168,3 +168,23 @@ def test_gateway_config_errors_are_one_line(tmp_path, override, message):
         cfg.task.agent.env = {"_target_": "glmlight.agents.envs.CalculatorEnv"}
     with pytest.raises(ConfigError, match=message):
         glmlight.build(cfg)
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+@pytest.mark.parametrize("body, message", [
+    ([], "the request body must be a JSON object"),
+    ({"messages": []}, "messages must be a non-empty list"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 7},
+     "temperature must be a number in [0.0, {t}], got 7"),  # OpenAI's range is [0, 2], Anthropic's [0, 1]
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "top_p": True},
+     "top_p must be a number in [0.0, 1.0], got True"),
+])
+def test_both_wires_refuse_a_malformed_request_with_a_400_that_names_it(wire, body, message):
+    import importlib
+
+    from glmlight.gateway.messages import WireError
+
+    parse = importlib.import_module(f"glmlight.gateway.{wire}_wire").parse_request
+    with pytest.raises(WireError) as e:
+        parse(body)
+    assert e.value.status == 400 and e.value.message == message.format(t={"openai": 2.0, "anthropic": 1.0}[wire])
