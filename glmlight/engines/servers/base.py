@@ -354,6 +354,15 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
     def _before_close(self) -> None:
         """Hook: release protocol state (e.g. a weight-update process group)."""
 
+    def _destroy_group(self) -> None:
+        """Leave the weight-update process group (`self._group`, the distributed sync mode's), if joined."""
+        if getattr(self, "_group", None) is not None:
+            try:
+                torch.distributed.destroy_process_group(self._group)
+            except Exception:  # noqa: BLE001 - closing must not fail
+                pass
+            self._group = None
+
     def _run_all(self, hook: Any, urls: Sequence[str]) -> None:
         async def all_() -> None:
             await asyncio.gather(*(hook(u) for u in urls))

@@ -443,13 +443,5 @@ class SGLangEngine(ServerEngineBase):
         outcomes = await asyncio.gather(*(post(u) for u in urls), return_exceptions=True)
         return {u: o for u, o in zip(urls, outcomes) if isinstance(o, BaseException)}
 
-    def _destroy_group(self) -> None:
-        if self._group is not None:
-            try:
-                torch.distributed.destroy_process_group(self._group)
-            except Exception:  # noqa: BLE001 - closing must not fail
-                pass
-            self._group = None
-
     def _before_close(self) -> None:
         self._destroy_group()

@@ -349,16 +349,6 @@ class VLLMEngine(ServerEngineBase):
             self._raise_first({u: o for u, o in zip(urls, fut.result(self.confirm_timeout_s))
                                if isinstance(o, BaseException)})
 
-    def _destroy_group(self) -> None:
-        if self._group is not None:
-            import torch
-
-            try:
-                torch.distributed.destroy_process_group(self._group)
-            except Exception:  # noqa: BLE001 - closing must not fail
-                pass
-            self._group = None
-
     def _before_close(self) -> None:
         if self._group is not None:  # the servers' side too: groups would pile up in their workers
             try:
