@@ -16,10 +16,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from glmlight.data.chat_tasks import QUESTIONS
 from glmlight.dtypes import DTYPES
 from glmlight.errors import ConfigError
-from glmlight.gateway.tool_format import FORMATS as TOOL_FORMATS
 from glmlight.ranges import SEED, Range, check_ranges, field_range, ranges  # noqa: F401 - Range, field_range re-exported
 from glmlight.registry import algorithm
 from glmlight.rollout_config import (  # noqa: F401 - re-exported
@@ -424,7 +422,7 @@ CHOICES = {
     "rollout.mode": ("sync", "async"),
     "rollout.overlong": ("none", "mask", "soft_penalty"),
     "task.source": ("synthetic", "chat", "running_sum", "jsonl", "hf"),
-    "task.question": QUESTIONS,
+    "task.question": ("arithmetic", "sort", "reverse", "count_letter"),  # glmlight/data/chat_tasks.py
     "rollout.on_weight_update": ("continue", "abort"),
     "rollout.server.weight_sync": ("disk", "tensor", "distributed"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "constant"),
@@ -445,7 +443,7 @@ CHOICES = {
     "logger.mode": ("offline", "online", "disabled"),
     "task.reward_options.executor": ("thread", "process"),
     "task.agent.gateway.reward": ("task", "agent"),
-    "task.agent.gateway.tool_format": ("auto", *TOOL_FORMATS),
+    "task.agent.gateway.tool_format": ("auto", "line", "hermes", "glm"),  # glmlight/gateway/tool_format.py
 }
 
 

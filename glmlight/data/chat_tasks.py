@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import random
 
+from glmlight.config import CHOICES
 from glmlight.errors import DataError
 from glmlight.prompt import Prompt
 
-QUESTIONS = ("arithmetic", "sort", "reverse", "count_letter")
+QUESTIONS = CHOICES["task.question"]  # the kinds of question, named in the config's one list of allowed values
 
 WORDS = ("cat", "dog", "sun", "map", "cup", "hat", "pen", "box", "car", "egg", "fish", "tree", "book", "milk",
          "door", "lamp", "rain", "ship", "star", "bird", "frog", "cake", "ring", "rose")

@@ -129,3 +129,15 @@ def test_an_old_key_name_in_a_yaml_file_is_one_line_naming_the_new_one(tmp_path)
         compose(["model=old"], config_dir=str(conf))
     assert format_config_error(err.value) == ("config error: unknown key 'model.warm_start.schedule'; "
                                               "it is now 'model.warm_start.lr_schedule'")
+
+
+def test_the_allowed_names_match_what_implements_them():
+    """config.CHOICES is the one list of allowed values; the kinds of chat question and the gateway's tool-call
+    formats it names are exactly the implemented ones."""
+    from glmlight.config import CHOICES
+    from glmlight.data.chat_tasks import ChatQuestionTask
+    from glmlight.gateway.tool_format import FORMATS
+
+    assert CHOICES["task.agent.gateway.tool_format"] == ("auto", *FORMATS)
+    assert sorted(CHOICES["task.question"]) == sorted(n[1:] for n in vars(ChatQuestionTask)
+                                                       if n.startswith("_") and not n.startswith("__") and n != "_number")
