@@ -424,7 +424,7 @@ CHOICES = {
     "task.source": ("synthetic", "chat", "running_sum", "jsonl", "hf"),
     "task.question": ("arithmetic", "sort", "reverse", "count_letter"),  # glmlight/data/chat_tasks.py
     "rollout.on_weight_update": ("continue", "abort"),
-    "rollout.server.weight_sync": ("disk", "tensor", "distributed"),
+    "rollout.server.weight_sync": ("disk", "shm", "tensor", "distributed"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "constant"),
     "algo.policy_loss": ("ppo", "dis"),
     "algo.kl_estimator": ("k1", "k2", "k3"),

@@ -24,12 +24,14 @@ class ServerConfig:
     request_timeout_s: float = 600.0  # per attempt
     request_retries: int = 3  # a request's retries after connection errors, timeouts and 5xx answers; never 4xx
     request_retry_backoff_s: float = 0.5  # the wait before the first retry, doubling per retry
-    # disk: safetensors under weight_sync_dir (a filesystem the servers see); tensor: CUDA IPC / named shared
+    # disk: safetensors under weight_sync_dir (a filesystem the servers see); shm: servers on this host map
+    # safetensors the trainer writes into shared memory (two slots under shm_dir, overwritten in turn); tensor: CUDA IPC / named shared
     # memory (SGLang: trainer and server on one host) or safetensors bytes over HTTP (vLLM); distributed: a
     # broadcast from the trainer's rank 0 (NCCL; HCCL on vllm_ascend; gloo). SGLang >= 0.5.21 runs tensor and
     # distributed in a /begin_weight_update session.
     weight_sync: str = "disk"
     weight_sync_dir: str = ".cache/glmlight/weights"
+    shm_dir: str = "/dev/shm"  # weight_sync=shm: a shared-memory filesystem the servers (same host) see
     launch: bool = False  # start the server as a managed child process
     launch_args: list[str] = field(default_factory=list)  # extra server flags, e.g. [--tp-size, "8"]
     launch_command: Optional[list[str]] = None  # replaces `python -m sglang.launch_server` / the vLLM server

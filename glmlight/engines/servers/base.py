@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from glmlight.engines import transport as wt
 from glmlight.errors import EngineError
 from glmlight.engines.base import Generation, NamedTensors, SamplingParams, normalize_requests
 from glmlight.engines.servers.launch import LaunchSpec, ManagedServer
@@ -60,10 +61,13 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
     def __init__(self, urls: Sequence[str], *, router: bool = False, http: Any = None, launch: LaunchSpec | None = None,
                  ready_timeout_s: float = 900.0, version: int = 0, confirm_timeout_s: float | None = None,
                  poll_interval_s: float = 0.05, update_retries: int = 2, resync: bool = True,
-                 verify_updates: bool = True, weight_format: str = "auto", launch_restarts: int = 0):
+                 verify_updates: bool = True, weight_format: str = "auto", launch_restarts: int = 0,
+                 shm_dir: str = "/dev/shm"):
         from glmlight.engines.servers.http import HttpClient, HttpSettings, UrlPool
 
         self.weight_format = weight_format  # auto | fp8 (glmlight.models.fp8_checkpoint.to_server_weights)
+        self.shm_dir, self._slots = shm_dir, None  # weight_sync=shm: SharedMemorySlots, made at the first update
+        self.last_sync_seconds: dict[str, float] = {}  # the last update's stages, seconds (what the engine measured)
 
         self.launcher: ManagedServer | None = None
         self.launch_restarts, self.num_server_restarts = launch_restarts, 0
@@ -167,6 +171,7 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         self._check_usable()
         if (named_tensors is None) == (path is None):
             raise ValueError("update_weights needs exactly one of named_tensors or path")
+        self.last_sync_seconds = {}
         named = list(named_tensors) if named_tensors is not None else None
         if named is not None:
             self._check_shapes(named, version)
@@ -207,6 +212,8 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
         try:
             self._before_close()
         finally:
+            if self._slots is not None:
+                self._slots.close()
             self.http.close()
             if self.launcher is not None:
                 self.launcher.stop()
@@ -350,6 +357,16 @@ class ServerEngineBase(ReplayCapture, SuspectTracking):
 
     def _after_ready(self) -> None:
         """Hook: look up what the engine needs once the servers answer (model name, version)."""
+
+    def _write_shm(self, named: list, config_dir: str | None) -> str:
+        """weight_sync=shm: write `named` into the shared-memory slot the servers do not serve from; its
+        directory (the served one stays whole for a rollback)."""
+        if self._slots is None:
+            self._slots = wt.SharedMemorySlots(self.shm_dir, config_dir)
+        t = time.perf_counter()
+        path = self._slots.write(named, self._current.path)
+        self.last_sync_seconds["write"] = time.perf_counter() - t
+        return path
 
     def _before_close(self) -> None:
         """Hook: release protocol state (e.g. a weight-update process group)."""

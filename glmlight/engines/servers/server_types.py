@@ -56,6 +56,6 @@ def server_settings(cfg: Any) -> dict[str, Any]:
     s = cfg.rollout.server
     return dict(urls=list(s.urls), router=bool(s.router), http=HttpSettings.from_config(s),
                 ready_timeout_s=float(s.launch_timeout_s), weight_sync=s.weight_sync,
-                weight_sync_dir=s.weight_sync_dir, model_path=s.model_path or cfg.model.path,
+                weight_sync_dir=s.weight_sync_dir, shm_dir=s.shm_dir, model_path=s.model_path or cfg.model.path,
                 update_retries=int(s.update_retries), resync=bool(s.resync), verify_updates=bool(s.verify_updates),
                 weight_format=str(cfg.rollout.weight_format), launch_restarts=int(s.launch_restarts))

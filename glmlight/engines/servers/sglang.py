@@ -35,6 +35,8 @@ version → /continue_generation. Modes:
 - disk: a safetensors checkpoint in HF layout, written atomically to weight_sync_dir/v{version}/,
   then /update_weights_from_disk {model_path, weight_version} (SGLang restores its old weights
   itself when that load fails);
+- shm: the same request, the checkpoint written into one of two slots in shared memory
+  (`transport.SharedMemorySlots`, same host): no disk, and pages overwritten in place;
 - tensor: /update_weights_from_tensor, serialized_named_tensors = one entry per TP rank, each
   base64(ForkingPickler(list of (name, tensor))) as SGLang's MultiprocessingSerializer writes it
   and its SafeUnpickler reads it (srt/utils/common.py). CPU tensors travel as named shared-memory
@@ -255,11 +257,13 @@ class SGLangEngine(ServerEngineBase):
     def _push(self, urls: Sequence[str], named: list | None, path: str | None, version: int) -> Source:
         prev = self._previous()
         source = Source(version, str(version))
-        if self.weight_sync == "disk":
+        if self.weight_sync in ("disk", "shm"):
             try:
-                if named is not None or not os.path.isdir(path or ""):
+                config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None
+                if self.weight_sync == "shm":  # SGLang's loader reads the slot's file: in /dev/shm, a memcpy
+                    path = self._write_shm(named if named is not None else wt.map_checkpoint(path), config_dir)  # type: ignore[arg-type]
+                elif named is not None or not os.path.isdir(path or ""):
                     named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
-                    config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None
                     path = wt.write_hf_checkpoint(named, self.weight_sync_dir, version, config_dir=config_dir,
                                                   keep=self.keep_checkpoints)
             except OSError as e:
@@ -343,7 +347,7 @@ class SGLangEngine(ServerEngineBase):
         first = f"{next(iter(errors))}: {next(iter(errors.values()))}"
         if urls:
             try:
-                if prev.named is not None and self.weight_sync != "disk":
+                if prev.named is not None and self.weight_sync not in ("disk", "shm"):
                     self._push_tensors(urls, prev.named, prev.version, {u: self._tp_size(u) for u in urls})
                 else:
                     model_path = prev.path or self.model_path

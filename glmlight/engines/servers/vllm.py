@@ -27,6 +27,11 @@ adds both and puts glmlight on the server's PYTHONPATH):
     weight_versions and /weight_info report) → /reset_prefix_cache (checked: {"success": true})
     → confirm every worker's version → /resume
 
+weight_sync=shm writes the checkpoint into one of two shared-memory slots
+(`transport.SharedMemorySlots`) and glmlight_load_path maps it ({"map": true}): each byte is copied
+once by the trainer and once by the reload, on the same host. The commit reports what its stages
+took (`last_sync_seconds`).
+
 /collective_rpc passes string arguments only, so each call carries one JSON string. A 500 from it
 ("Call to collective_rpc method failed: ...": an unknown method, a failed load) is not retried.
 vLLM's API-key middleware guards /v1, /v2, /inference and /cohere paths only; the dev endpoints are
@@ -260,8 +265,13 @@ class VLLMEngine(ServerEngineBase):
             if isinstance(e, (EngineError, OSError, RuntimeError)):
                 raise UpdateFailed(f"staging failed: {e}") from None
             raise
-        errors = self._each(urls, "glmlight_commit", {"update_id": uid, "version": str(version), "buckets": buckets},
-                            attempts=1)
+        outcomes = self.http.run(self._rpc_all(urls, "glmlight_commit", {u: {
+            "update_id": uid, "version": str(version), "buckets": buckets} for u in urls}, attempts=1))
+        errors = {u: o for u, o in zip(urls, outcomes) if isinstance(o, BaseException)}
+        for o in outcomes:  # what the first server's first worker measured (staging, host copy, reload)
+            if not isinstance(o, BaseException) and o and isinstance(o[0].get("seconds"), dict):
+                self.last_sync_seconds.update({f"server_{k}": float(x) for k, x in o[0]["seconds"].items()})
+                break
         done = [u for u in urls if u not in errors]
         if errors:
             bad = self._each(done, "glmlight_revert", {"update_id": uid}, attempts=1)
@@ -280,10 +290,15 @@ class VLLMEngine(ServerEngineBase):
     def _stage(self, urls: Sequence[str], named: list | None, path: str | None, version: int, uid: str,
                source: Source) -> int:
         """Send the update to every server's workers (nothing is loaded yet); the number of buckets."""
+        config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None
+        if self.weight_sync == "shm":
+            named = named if named is not None else wt.map_checkpoint(path)  # type: ignore[arg-type]
+            source.path = self._write_shm(named, config_dir)
+            self._raise_first(self._each(urls, "glmlight_load_path", {"path": source.path, "update_id": uid, "map": True}))
+            return 1
         if self.weight_sync == "disk":
             if named is not None or not os.path.isdir(path or ""):
                 named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
-                config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None
                 path = wt.write_hf_checkpoint(named, self.weight_sync_dir, version, config_dir=config_dir,
                                               keep=self.keep_checkpoints)
             source.path = os.path.abspath(path)  # type: ignore[arg-type]

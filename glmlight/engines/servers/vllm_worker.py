@@ -42,6 +42,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,7 +50,8 @@ import torch
 from safetensors import safe_open
 
 from glmlight.dtypes import parse_dtype
-from glmlight.engines.transport import Named, decode_safetensors, init_custom_process_group, read_checkpoint, sync_device
+from glmlight.engines.transport import (Named, decode_safetensors, init_custom_process_group, map_checkpoint, read_checkpoint,
+                                       sync_device)
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +73,12 @@ class WeightLoaderExtension:
         return self._gl_stage(s, lambda: decode_safetensors(s["data"]))
 
     def glmlight_load_path(self, spec: str) -> dict:
-        """{"path": checkpoint dir or .safetensors file, "update_id"}: stage the checkpoint."""
+        """{"path": checkpoint dir or .safetensors file, "update_id", "map": bool}: stage the checkpoint
+        (`map`: as views of the files mapped into memory, for files in /dev/shm: the commit copies the
+        writer's pages straight into the model)."""
         s = json.loads(spec)
-        return self._gl_stage({**s, "bucket": 0}, lambda: read_checkpoint(s["path"]))
+        return self._gl_stage({**s, "bucket": 0},
+                              lambda: (map_checkpoint if s.get("map") else read_checkpoint)(s["path"]))
 
     def glmlight_init_group(self, spec: str) -> dict:
         """{master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s}: join the
@@ -132,7 +137,9 @@ class WeightLoaderExtension:
             raise RuntimeError(problem)
         self._gl_validate(named)
         self.__dict__.pop("_gl_backup", None)  # an older copy never released
+        t0 = time.perf_counter()
         backup = {"update_id": s["update_id"], "version": self._gl_version(), "state": self._gl_snapshot()}
+        t1 = time.perf_counter()
         try:
             loaded = self._gl_reload(named)
             if s.get("_fail_after_load"):  # fault injection (tests): fail once the weights are in
@@ -143,7 +150,10 @@ class WeightLoaderExtension:
             raise
         self.__dict__["_gl_backup"] = backup
         self.__dict__["_gl_version_value"] = str(s["version"])
-        return self._gl_state(applied=True, tensors=len(named), buckets=stage["buckets"], loaded=loaded)
+        seconds = {"stage": stage["seconds"], "snapshot": t1 - t0, "reload": time.perf_counter() - t1,
+                   **{f"reload_{k}": x for k, x in self.__dict__.pop("_gl_reload_seconds", {}).items()}}
+        return self._gl_state(applied=True, tensors=len(named), buckets=stage["buckets"], loaded=loaded,
+                              seconds=seconds)
 
     def glmlight_release(self, spec: str) -> dict:
         """{"update_id"}: forget the previous weights kept by that commit."""
@@ -179,11 +189,13 @@ class WeightLoaderExtension:
         stage = self.__dict__.get("_gl_staged")
         uid, bucket = s.get("update_id"), int(s.get("bucket", 0))
         if stage is None or stage["update_id"] != uid or bucket == 0:
-            stage = self.__dict__["_gl_staged"] = {"update_id": uid, "tensors": [], "buckets": 0}
+            stage = self.__dict__["_gl_staged"] = {"update_id": uid, "tensors": [], "buckets": 0, "seconds": 0.0}
         try:
             if bucket != stage["buckets"]:
                 raise RuntimeError(f"update {uid!r}: bucket {bucket} arrived, expected {stage['buckets']}")
+            t = time.perf_counter()
             named = receive()
+            stage["seconds"] += time.perf_counter() - t
         except BaseException:
             self.__dict__.pop("_gl_staged", None)  # a broken update is never committed
             raise
@@ -250,9 +262,13 @@ class WeightLoaderExtension:
         device = torch.device(self.device) if _on_ascend() else contextlib.nullcontext()  # type: ignore[attr-defined]
         with set_current_vllm_config(self.vllm_config), torch.no_grad(), device:  # type: ignore[attr-defined]
             kernels = _drop_cpu_moe_kernels(model)
+            t0 = time.perf_counter()
             initialize_layerwise_reload(model)
+            t1 = time.perf_counter()
             loaded = model.load_weights(weights=iter(named))
+            t2 = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
+            self.__dict__["_gl_reload_seconds"] = {"init": t1 - t0, "load": t2 - t1, "finalize": time.perf_counter() - t2}
             for qm, old in kernels:  # a MoE layer that was not reloaded keeps its kernel
                 if qm.moe_kernel is None:
                     qm.moe_kernel = old

@@ -324,7 +324,7 @@ def test_a_disk_update_whose_cache_flush_is_refused_is_not_rolled_back(real):
     assert max_diff(_scores(real, ps, comps)[0], want) <= TOL
 
 
-@pytest.mark.parametrize("mode,bucket_bytes", [("disk", None), ("tensor", 1), ("tensor", 1 << 28),
+@pytest.mark.parametrize("mode,bucket_bytes", [("disk", None), ("shm", None), ("tensor", 1), ("tensor", 1 << 28),
                                                ("distributed", 1), ("distributed", 1 << 28)])
 def test_weight_sync_serves_exactly_the_trainers_weights(real, mode, bucket_bytes):
     """bucket_bytes=1: one tensor per bucket, so vLLM's fused q/k/v and gate/up layers get their
@@ -348,6 +348,24 @@ def test_weight_sync_serves_exactly_the_trainers_weights(real, mode, bucket_byte
     assert worst <= TOL
     gens = eng.generate(ps, SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
     assert all(g.versions == [eng.version] * len(g.token_ids) for g in gens)
+
+
+def test_shm_updates_alternate_slots_and_each_serves_the_trainers_weights(real):
+    """Three weight_sync=shm updates in a row: the second goes into the other slot, the third
+    overwrites the first slot's file in place; after each the server scores as the trainer."""
+    eng = real.engine
+    eng.weight_sync = "shm"
+    ps = _prompts(real.tok, 2)
+    comps = [[(7 * i + 3 * j) % 90 + 5 for j in range(10)] for i in range(2)]
+    paths = []
+    for _ in range(3):
+        new = 2 if real.current != 2 else 1
+        eng.update_weights([(k, v.detach()) for k, v in real.models[new].state_dict().items()], version=eng.version + 1)
+        real.current = new
+        paths.append(eng._current.path)
+        want = [trainer_logprobs(real.models[new], p, c) for p, c in zip(ps, comps)]
+        assert max(max_diff(a, w) for a, w in zip(_scores(real, ps, comps), want)) <= TOL
+    assert paths[0] != paths[1] and paths[2] == paths[0] and paths[0].startswith(eng.shm_dir)
 
 
 def test_failed_update_leaves_the_previous_weights_serving(real):
