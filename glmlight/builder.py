@@ -360,7 +360,7 @@ def _warm_start_rows(cfg: DictConfig, tokenizer: Any, make_datamodule: Any) -> t
 def _datamodule_options(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
     agent = cfg.task.agent
     return dict(env_factory=build_env_factory(agent), max_turns=agent.max_turns, compaction=compaction_options(agent),
-                vocab_size=max(policy.config.vocab_size, len(tokenizer)), turn_max_new_tokens=agent.max_new_tokens,
+                observation_role=agent.observation_role, vocab_size=max(policy.config.vocab_size, len(tokenizer)), turn_max_new_tokens=agent.max_new_tokens,
                 agent_domains=list(agent.domains or ()), gateway=build_gateway(agent))
 
 

@@ -33,12 +33,11 @@ class CompactingAgentLoop(AgentLoop):
             raise ValueError(f"compaction threshold must be in [1, max_context), got {threshold}")
         self.threshold, self.keep_last_steps = threshold, keep_last_steps
         self.summary_max_tokens = summary_max_tokens
-        self.request_ids = encode_observation(self.tokenizer, summary_prompt, role="user") + self.gen_prompt
+        self.request_ids = encode_observation(self.tokenizer, summary_prompt, "user", self.closing) + self.gen_prompt
         self.resume_header = resume_header
         if threshold <= len(self.request_ids) + summary_max_tokens:
             raise ValueError(f"compaction threshold {threshold} leaves no room for the summary request "
                              f"({len(self.request_ids)} tokens) and summary ({summary_max_tokens} tokens)")
-        self.stop_ids = set(self.params(0).stop_token_ids)
 
     def before_turn(self, active: list[Episode]) -> None:
         due = [e for e in active if not e.done and e.awaiting_prompt

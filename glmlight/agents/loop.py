@@ -7,6 +7,14 @@ and appended (loss_mask 0, log-prob 0, version -1). Nothing already in the
 context is ever re-tokenized. Episodes of a batch advance turn by turn together,
 so each turn is one batched engine call.
 
+An observation's ids are what the template renders after an assistant turn
+(`glmlight.models.tokenizer.spliced_turns`): a default system prompt or BOS the template puts at
+the start of a conversation is not repeated. Before them comes what closes the sampled turn: the
+rest of the template's closing after the model's end token (ChatML's newline after `<|im_end|>`),
+or all of it for a turn cut by max_new_tokens. The observation's role is the environment's
+(`observation` by default, GLM's tool-result turn; `task.agent.observation_role`, e.g. `user` for
+a template without one).
+
 Replay records (`Sample.routed_experts` / `.indexer_topk`), when the engine returns them: each turn's
 records cover the whole context it ran; a position keeps the record of the turn that ran it first
 (what a prefix-caching server reports too), so an action's record is the one it was produced with.
@@ -22,7 +30,7 @@ import torch
 
 from glmlight.agents.env import Environment, step_result_problem
 from glmlight.errors import DataError
-from glmlight.models.tokenizer import encode_chat
+from glmlight.models.tokenizer import after_action, assistant_closing, encode_chat, spliced_turns
 from glmlight.prompt import Prompt
 from glmlight.engines.base import Generation, RolloutEngine, SamplingParams
 from glmlight.sample import Sample, Status
@@ -30,14 +38,12 @@ from glmlight.sample import Sample, Status
 log = logging.getLogger(__name__)
 
 
-def _strip_bos(tokenizer: Any, ids: list[int]) -> list[int]:
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return ids[1:] if bos is not None and ids and ids[0] == bos else ids
-
-
-def encode_observation(tokenizer: Any, text: str, role: str = "observation") -> list[int]:
-    """The ids of one observation (or user) turn, without the assistant's generation prompt."""
-    return _strip_bos(tokenizer, encode_chat(tokenizer, [{"role": role, "content": text}], add_generation_prompt=False))
+def encode_observation(tokenizer: Any, text: str, role: str = "observation",
+                       closing: list[int] | None = None) -> list[int]:
+    """The ids of one observation (or user) turn as the chat template renders it after an assistant turn,
+    without the assistant's generation prompt (`closing`: `assistant_closing(tokenizer)`, if known)."""
+    closing = assistant_closing(tokenizer) if closing is None else closing
+    return spliced_turns(tokenizer, [{"role": role, "content": text}], closing)
 
 
 def generation_prompt(tokenizer: Any) -> list[int]:
@@ -127,12 +133,16 @@ class Segment:
 
 class AgentLoop:
     def __init__(self, engine: RolloutEngine, tokenizer: Any, env_factory: Callable[[], Environment],
-                 params: Callable[[int], SamplingParams], max_turns: int = 4, max_context: int = 2048):
+                 params: Callable[[int], SamplingParams], max_turns: int = 4, max_context: int = 2048,
+                 observation_role: str = "observation"):
         """`params(context_len)` gives the sampling params of one turn (its max_new_tokens
         already bounded by the remaining context budget)."""
         self.engine, self.tokenizer, self.env_factory = engine, tokenizer, env_factory
         self.params, self.max_turns, self.max_context = params, max_turns, max_context
+        self.observation_role = observation_role
         self.gen_prompt = generation_prompt(tokenizer)
+        self.closing = assistant_closing(tokenizer)
+        self.stop_ids = set(self.params(0).stop_token_ids)
 
     def start(self, prompt: Prompt) -> Episode:
         env = self.env_factory()
@@ -202,7 +212,8 @@ class AgentLoop:
             ep.finish(Status.TRUNCATED)
         else:
             try:
-                obs = encode_observation(self.tokenizer, result.observation or "")
+                obs = after_action(self.closing, g.token_ids, self.stop_ids) + encode_observation(
+                    self.tokenizer, result.observation or "", self.observation_role, self.closing)
             except DataError as e:  # e.g. characters the tokenizer has no token for
                 ep.finish(Status.FAILED, f"step: observation: {e}")
                 log.warning("environment %s: observation cannot be encoded: %s", type(ep.env).__name__, e)

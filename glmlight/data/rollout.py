@@ -53,10 +53,10 @@ class RolloutDataModule(pl.LightningDataModule):
                  eval_sets: dict[str, PromptSource | evaluation.EvalSet] | None = None,
                  eval_cfg: EvalConfig | None = None, turn_max_new_tokens: int | None = None,
                  agent_domains: Iterable[str] = (), policy_version: Callable[[], int] = lambda: 0,
-                 gateway: Any = None):
+                 gateway: Any = None, observation_role: str = "observation"):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
-        self.env_factory, self.max_turns = env_factory, max_turns
+        self.env_factory, self.max_turns, self.observation_role = env_factory, max_turns, observation_role
         self.gateway = gateway  # glmlight.gateway.runner.GatewayOptions: episodes run the user's agent program
         self.agent_domains = frozenset(agent_domains)  # with env_factory: only these domains are episodes (empty: all)
         self.turn_max_new_tokens = turn_max_new_tokens  # agent turns: tokens per turn (None: cfg.max_new_tokens)
@@ -221,7 +221,8 @@ class RolloutDataModule(pl.LightningDataModule):
         params = lambda ctx: self.sampling_params(ctx, greedy, self.turn_max_new_tokens)  # noqa: E731
         if self.gateway is not None:
             return self._gateway_episodes(prompts, n, counts, engine, params, ids)
-        args = (engine, self.tokenizer, self.env_factory, params, self.max_turns, self.cfg.max_context)
+        args = (engine, self.tokenizer, self.env_factory, params, self.max_turns, self.cfg.max_context,
+                self.observation_role)
         loop = CompactingAgentLoop(*args, **self.compaction) if self.compaction else AgentLoop(*args)
         episodes = loop.run(prompts, n)
         for ep in episodes:

@@ -22,10 +22,9 @@ from typing import Any
 from glmlight.errors import ConfigError
 from glmlight.gateway.messages import Message, ToolSpec, bad_request
 from glmlight.gateway.tool_format import ToolFormat
-from glmlight.models.tokenizer import PromptEncodingError, encode_chat
+from glmlight.models.tokenizer import (SPLICE_BASE, PromptEncodingError, after_action, assistant_closing, encode_chat,
+                                       spliced_turns)
 
-_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-_BASE_LONGER = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "yz"}]
 _PROBE_TOOL = ToolSpec("probe", "a probe", {"type": "object", "properties": {"a": {"type": "string"}}})
 
 
@@ -33,8 +32,10 @@ class TurnCodec:
     def __init__(self, tokenizer: Any, fmt: ToolFormat, stop_ids: list[int]):
         self.tokenizer, self.fmt, self.stop_ids = tokenizer, fmt, set(stop_ids)
         self._lock = threading.Lock()  # a fast tokenizer is not safe to call from many threads at once
-        self.closing = _common_tail(self._encode(_BASE, False, []), self._encode(_BASE_LONGER, False, []))
-        self.renders_tools = self._encode(_BASE[:1], True, [_PROBE_TOOL]) != self._encode(_BASE[:1], True, [])
+        with self._lock:
+            self.closing = assistant_closing(tokenizer)
+        self.renders_tools = (self._encode(SPLICE_BASE[:1], True, [_PROBE_TOOL])
+                              != self._encode(SPLICE_BASE[:1], True, []))
         for probe in ([Message("user", "z")], [Message("tool", "z", tool_call_id="c")]):
             try:
                 self.extension(probe, [])
@@ -63,25 +64,14 @@ class TurnCodec:
         """The ids of `new` (the messages after an assistant turn) and of the next assistant turn's opening."""
         rendered = [self.fmt.template_message(m, tools) for m in new]
         try:
-            tail = _common_tail(self._encode(_BASE + rendered, True, tools),
-                                self._encode(_BASE_LONGER + rendered, True, tools))
+            with self._lock:
+                return spliced_turns(self.tokenizer, rendered, self.closing, True, [t.openai() for t in tools] or None)
         except PromptEncodingError as e:
+            if e.reason == "unsplicable_turn":
+                raise bad_request(str(e)) from None
             raise bad_request(f"the model's chat template cannot encode these messages: {e}") from None
-        if tail[: len(self.closing)] != self.closing:
-            raise bad_request("the model's chat template closes an assistant turn differently when more messages "
-                              "follow; these messages cannot be appended to the episode")
-        return tail[len(self.closing):]
 
     def after_action(self, action: list[int]) -> list[int]:
         """What closes a sampled turn: the rest of the template's closing after the model's own end token,
         or all of it when the turn did not end with one."""
-        ended = bool(action) and action[-1] in self.stop_ids
-        return self.closing[1:] if ended and self.closing else [] if ended else list(self.closing)
-
-
-def _common_tail(a: list[int], b: list[int]) -> list[int]:
-    """The longest common suffix of `a` and `b`."""
-    n = 0
-    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
-        n += 1
-    return a[len(a) - n:]
+        return after_action(self.closing, action, self.stop_ids)

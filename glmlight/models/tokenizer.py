@@ -93,3 +93,48 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
         if isinstance(i, int) and i != tokenizer.unk_token_id and i is not None:
             ids.add(i)
     return sorted(i for i in ids if i is not None)
+
+
+# Two renderings of one short conversation whose assistant texts differ: what they share at their end is
+# what the template puts after an assistant turn's text, and what it renders after that turn is the same
+# in both. Splicing a turn after an episode's ids renders it after this conversation, so that what the
+# template adds at the start of a conversation (a default system prompt, a BOS) is never repeated.
+SPLICE_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+SPLICE_BASE_LONGER = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "yz"}]
+
+
+def common_tail(a: list[int], b: list[int]) -> list[int]:
+    """The longest common suffix of `a` and `b`."""
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n:]
+
+
+def assistant_closing(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """What the chat template puts after an assistant turn's text: its end-of-turn token and what follows
+    it (ChatML: `<|im_end|>` and a newline)."""
+    return common_tail(encode_chat(tokenizer, SPLICE_BASE, False), encode_chat(tokenizer, SPLICE_BASE_LONGER, False))
+
+
+def spliced_turns(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], closing: list[int],
+                  add_generation_prompt: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The ids of `messages` as the template renders them after an assistant turn (and, with
+    `add_generation_prompt`, the next assistant turn's opening), less the assistant turn's `closing`.
+    PromptEncodingError when the template closes an assistant turn otherwise once more messages follow."""
+    tail = common_tail(encode_chat(tokenizer, SPLICE_BASE + messages, add_generation_prompt, tools),
+                       encode_chat(tokenizer, SPLICE_BASE_LONGER + messages, add_generation_prompt, tools))
+    if tail[: len(closing)] != closing:
+        raise PromptEncodingError("unsplicable_turn", "the model's chat template closes an assistant turn "
+                                  "differently when more messages follow; these messages cannot be appended "
+                                  "to the episode")
+    return tail[len(closing):]
+
+
+def after_action(closing: list[int], action: list[int], stop_ids: set[int]) -> list[int]:
+    """What closes a sampled assistant turn: the rest of the template's `closing` after the model's own end
+    token, or all of it when the turn did not end with one (cut by max_new_tokens or a stop string), so
+    that the next turn starts where the template starts one."""
+    ended = bool(action) and action[-1] in stop_ids
+    return closing[1:] if ended and closing else [] if ended else list(closing)
+

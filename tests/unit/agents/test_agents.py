@@ -13,7 +13,8 @@ from glmlight.agents.envs import CalculatorEnv, RunningSumEnv, RunningSumTask, s
 from glmlight.config import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, Prompt
-from glmlight.engines.base import SamplingParams
+from glmlight.engines.base import Generation, SamplingParams
+from glmlight.models.tokenizer import encode_chat
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Status
 from tests.conftest import overrides_for_tests
@@ -57,13 +58,58 @@ def test_episode_ids_are_engine_outputs_and_observation_encodings(tokenizer, tin
     for t in range(3):
         action = engine.generate([expected], _greedy(0))[0]
         expected += action.token_ids
-        if t < 2:
-            expected += encode_observation(tokenizer, f"obs {t + 1}") + generation_prompt(tokenizer)
+        if t < 2:  # a turn cut by max_new_tokens is closed as the template closes one (<eos>)
+            expected += [tokenizer.eos_token_id] + encode_observation(tokenizer, f"obs {t + 1}")
+            expected += generation_prompt(tokenizer)
     assert ep.prompt_ids + ep.response_ids == expected
-    obs = encode_observation(tokenizer, "obs 1") + generation_prompt(tokenizer)
+    obs = [tokenizer.eos_token_id] + encode_observation(tokenizer, "obs 1") + generation_prompt(tokenizer)
     assert ep.loss_mask.count(0) == 2 * len(obs)  # two observation turns, masked out
     assert all(lp == 0.0 and v == -1 for lp, v, m in zip(ep.logprobs, ep.versions, ep.loss_mask) if m == 0)
     assert all(v == 0 for v, m in zip(ep.versions, ep.loss_mask) if m == 1)
+
+
+class ScriptedEngine:
+    """Answers each call with the next scripted token ids."""
+
+    def __init__(self, answers):
+        self.answers, self.version = list(answers), 0
+
+    def generate(self, prompts, params):
+        ids = self.answers.pop(0)
+        return [Generation(ids, [-0.5] * len(ids), "stop", [0] * len(ids))]
+
+
+# ChatML as SmolLM2's template renders it: a default system prompt when the conversation has none, each
+# turn closed by <eos> (its <|im_end|>) and a newline.
+CHATML_WITH_DEFAULT_SYSTEM = (
+    "{% if messages[0].role != 'system' %}<|system|>You help.<eos>\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<eos>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("role", ["observation", "user"])
+def test_spliced_turns_are_the_templates_rendering_of_the_whole_conversation(tokenizer, role):
+    """With a template that opens every conversation with a default system prompt and follows each turn's
+    end token with a newline: an episode (a turn the model ended with <eos>, one cut by max_new_tokens,
+    a final answer) is exactly the template's rendering of the whole conversation, the model's ids
+    untouched. Before, each observation carried the default system prompt again and no newline."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CHATML_WITH_DEFAULT_SYSTEM
+    eos = tok.eos_token_id
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    actions = [ids("calc: 2*3") + [eos], ids("calc: 6+"), ids("answer: 6") + [eos]]
+    params = lambda n: SamplingParams(max_new_tokens=8, stop_token_ids=[eos])  # noqa: E731
+    loop = AgentLoop(ScriptedEngine(actions), tok, lambda: ScriptedEnv(turns=3), params, max_turns=5,
+                     observation_role=role)
+    ep = loop.run([_prompt()])[0]
+    assert ep.status is Status.COMPLETED and ep.turns == 3
+    whole = [{"role": "user", "content": "2*3="}, {"role": "assistant", "content": "calc: 2*3"},
+             {"role": role, "content": "obs 1"}, {"role": "assistant", "content": "calc: 6+"},
+             {"role": role, "content": "obs 2"}, {"role": "assistant", "content": "answer: 6"}]
+    assert ep.context + ids("\n") == encode_chat(tok, whole, add_generation_prompt=False)
+    assert [t for t, m in zip(ep.response_ids, ep.loss_mask) if m] == [t for a in actions for t in a]
 
 
 def test_env_crash_fails_the_sample_and_is_counted(tokenizer, tiny_model):
