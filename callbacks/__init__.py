@@ -35,6 +35,7 @@ else:
     from .evaluation import HeldOutEval
     from .index_agreement import IndexAgreement
     from .mismatch import MismatchMonitor
+    from .retokenization import RetokenizationCheck
     from .routing_agreement import RoutingAgreement
     from .sample_logging import SampleTable
     from .version_gate import PolicyVersionGate
