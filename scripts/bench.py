@@ -12,7 +12,8 @@ grpo    whole GRPO steps of a glmlight run vs TRL's GRPOTrainer on identical wor
         Baseline: trl==1.16.0, which works with transformers 5.24 (pip install -e '.[bench]').
         "sync" is on-policy like TRL; "async" overlaps the next rollout with the update (2 threads);
         both with rollout.compile=true (the compile falls in the untimed first step). Also prints a
-        per-step time breakdown of every run.
+        per-step time breakdown of every run, and each glmlight step against its bound from its own
+        parts: sync <= 1.10 x (rollout + update), async <= 1.10 x (max(rollout, update) + weight sync).
 flops   achieved FLOP/s of a GRPO training step of the ~50M `small` preset vs a large fp32
         torch.matmul. Target >= 75% (FLOPs counted as in `train_step_flops`).
 sync    seconds per GB of a weight push into the embedded engine vs memcpy of the same bytes

@@ -200,6 +200,27 @@ def median_parts(split: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(p[k] for p in split) for k in split[0]} if split else {}
 
 
+def bound_rows(parts: dict[str, list[dict[str, float]]], step: dict[str, float]) -> list[dict[str, Any]]:
+    """Each glmlight step against what it cannot be faster than, from the medians of its own parts:
+    sync, the rollout (generation and reward) plus the update (old log-probs, advantages, optimizer
+    steps); async, the longer of the two (they overlap) plus the weight sync, which neither hides.
+    Ratio = bound / step; the target, a step at most 10% over its bound, is a ratio >= 1 / 1.10."""
+    rows = []
+    for v in ("sync", "async"):
+        med = median_parts(parts.get(v, []))
+        if not med:
+            continue
+        rollout, update = med["rollout"] + med["reward"], med["old logprobs+adv"] + med["update"]
+        bound = rollout + update if v == "sync" else max(rollout, update) + med["weight sync"]
+        over = {k: med[k] for k in ("collate+wait", "logging+loop", "weight sync") if v == "sync" or k != "weight sync"}
+        note = (f"{v}: rollout {rollout:.3f} s, update {update:.3f} s, weight sync {med['weight sync']:.3f} s, step "
+                f"{step[v]:.3f} s (median of steps; parts' medians); the rest: "
+                + ", ".join(f"{k} {x:.3f} s" for k, x in over.items()))
+        what = "rollout + update" if v == "sync" else "max(rollout, update) + weight sync"
+        rows.append(row(f"GRPO step, {v}: ({what}) / step", "s", bound, step[v], round(1 / 1.10, 3), note))
+    return rows
+
+
 def print_breakdown(parts: dict[str, list[dict[str, float]]]) -> None:
     """Median seconds per part of a step, one line per run."""
     print("\nper-step time breakdown (s, medians over the timed steps; async: rollout and reward overlap "
@@ -246,6 +267,7 @@ def bench_grpo(s: Sizes, device: str, rounds: int = 1, variants: tuple[str, ...]
         trl += f"; other TRL options: {other}"
     for r in rows:
         r["note"] += f" (TRL completions/s: {trl}; {rounds} alternating runs x {s.steps} timed steps, medians)"
+    rows += bound_rows(parts, step)
     if rows:  # the medians of each run's parts, for --json
         rows[0]["breakdown"] = {name: median_parts(split) for name, split in parts.items()}
     if breakdown:
