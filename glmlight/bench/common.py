@@ -38,12 +38,13 @@ class Sizes:
     smol_prompts: int = 32  # smollm2: chat prompts decoded together
     smol_tokens: int = 64  # smollm2: new tokens per prompt
     smol_reps: int = 2  # smollm2: timed rounds per side (alternating)
+    delta_steps: int = 4  # delta: RL steps of the SmolLM2 recipe whose weight changes are counted
 
 
 QUICK = Sizes(batch=16, prompt=16, new_tokens=64, reps=2, group=4, prompts=2, completion=32, steps=2,
               flops_batch=2, flops_seq=128, flops_steps=1, matmul_n=2048, server_prompts=16, server_tokens=64,
               server_reps=2, sync_preset="tiny", sync_reps=2,
-              sync_hidden=256, sync_layers=2, smol_prompts=8, smol_tokens=16, smol_reps=1)
+              sync_hidden=256, sync_layers=2, smol_prompts=8, smol_tokens=16, smol_reps=1, delta_steps=2)
 TARGETS = {"engine": 3.0, "grpo_sync": 3.0, "grpo_async": 4.0, "flops": 0.75, "server": 0.9, "server_engine": None,
            "sync_memcpy": 0.5, "smollm2": 5.0}
 

@@ -14,6 +14,8 @@ import tempfile
 import time
 from typing import Any
 
+import torch
+
 from glmlight.bench.common import Sizes, row
 from glmlight.bench.weightsync import copy_seconds, twins
 
@@ -85,3 +87,47 @@ def bench_server_sync(s: Sizes, device: str) -> list[dict[str, Any]]:
     for r in rows:
         print(f"serversync: {r['figure']}: {r['glmlight']:.3f} vs {r['baseline']:.3f} GB/s", file=sys.stderr)
     return rows
+
+
+def bench_weight_delta(s: Sizes, device: str) -> list[dict[str, Any]]:
+    """What fraction of the engine's weights a training step changes, on the real model: the SmolLM2 recipe
+    (experiment=smollm2_grpo, `s.delta_steps` RL steps), the weights compared at every sync with those
+    of the sync before, in bfloat16 (what a bf16 server holds, and what a delta sync would send) and in
+    float32. slime and verl send only changed bytes; this says whether that would pay here."""
+    import lightning.pytorch as pl
+
+    import glmlight
+    from glmlight import compose
+
+    changed: list[dict[str, float]] = []
+
+    class Delta(pl.Callback):  # after WeightSync (appended last): the weights the engine just got
+        def __init__(self) -> None:
+            self.prev: dict[str, torch.Tensor] | None = None
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            self.prev = {k: v.detach().float().clone() for k, v in module.policy.state_dict().items()}
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+            now = {k: v.detach().float().clone() for k, v in module.policy.state_dict().items()}
+            if self.prev is not None:
+                n = sum(v.numel() for v in now.values())
+                bf16 = sum(int((now[k].bfloat16() != self.prev[k].bfloat16()).sum()) for k in now)
+                fp32 = sum(int((now[k] != self.prev[k]).sum()) for k in now)
+                changed.append({"bf16": bf16 / n, "fp32": fp32 / n})
+            self.prev = now
+
+    with tempfile.TemporaryDirectory() as root:
+        run = glmlight.build(compose(["experiment=smollm2_grpo", f"trainer.max_steps={s.delta_steps}", "logger=none",
+                                      "eval.every_n_steps=0", "~callbacks.sample_table", "export.enabled=false",
+                                      f"trainer.default_root_dir={root}", "trainer.enable_progress_bar=false"]))
+        run.trainer.callbacks.append(Delta())
+        run.fit()
+    bf16 = statistics.median(c["bf16"] for c in changed)
+    fp32 = statistics.median(c["fp32"] for c in changed)
+    per_step = {k: ", ".join(f"{c[k]:.3f}" for c in changed) for k in ("bf16", "fp32")}
+    note = (f"SmolLM2 recipe (GRPO, lr 2e-5, Adam), {len(changed)} steps compared; per step, fraction of elements "
+            f"changed: bf16 {per_step['bf16']}; fp32 {per_step['fp32']}")
+    print(f"delta: {note}", file=sys.stderr)
+    return [row("weights changed per step, bf16 (fraction of elements; baseline: all)", "fraction", bf16, 1.0, None, note),
+            row("weights changed per step, fp32 (fraction of elements; baseline: all)", "fraction", fp32, 1.0, None, note)]
