@@ -39,6 +39,14 @@ def _map_checkout_callbacks() -> None:
 
 _map_checkout_callbacks()
 
+# Idle intra-op threads sleep instead of spinning (GNU OpenMP, which this CPU build of torch uses, spins
+# for a while by default): beside another CPU-bound process the default run took 1.6x its quiet time with
+# spinning threads and 1.0x with sleeping ones, with no cost on a quiet machine (docs/performance.md).
+# OpenMP reads the variable when torch loads it, so it only takes effect if glmlight is imported first;
+# set OMP_WAIT_POLICY=ACTIVE to keep spinning.
+if "torch" not in _sys.modules:
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from glmlight.sample import Experience, Sample, Status  # noqa: E402
 
 __version__ = "0.1.0"
