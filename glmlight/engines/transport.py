@@ -63,15 +63,13 @@ def buckets(named: Named, max_bytes: int) -> Iterator[Named]:
 
 
 def write_hf_checkpoint(named: Iterable[tuple[str, torch.Tensor]], root: str, version: int, *,
-                        config_dir: str | None = None, max_shard_bytes: int = 5 * 2**30, keep: int = 2,
-                        mapped: bool = False) -> str:
+                        config_dir: str | None = None, max_shard_bytes: int = 5 * 2**30, keep: int = 2) -> str:
     """Write `root/v{version}/` atomically and return its absolute path.
 
     Files are written into a temporary directory (each file to a temp name, then
     os.replace), which is then renamed to `v{version}`; a reader never sees a partial
     checkpoint. One shard is `model.safetensors`; more are `model-0000i-of-0000N.safetensors`
     with `model.safetensors.index.json`. Older `v*` directories beyond `keep` are removed.
-    `mapped`: each file written through a memory map (`write_mapped_safetensors`), the same bytes.
     """
     root = os.path.abspath(root)
     final = os.path.join(root, f"v{version}")
@@ -84,10 +82,7 @@ def write_hf_checkpoint(named: Iterable[tuple[str, torch.Tensor]], root: str, ve
     weight_map, total = {}, 0
     for fname, shard in zip(names, shards):
         part = os.path.join(tmp, fname + ".part")
-        if mapped:
-            write_mapped_safetensors(shard, part)
-        else:
-            save_file(dict(shard), part, metadata={"format": "pt"})
+        save_file(dict(shard), part, metadata={"format": "pt"})
         os.replace(part, os.path.join(tmp, fname))
         for name, t in shard:
             weight_map[name] = fname
