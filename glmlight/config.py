@@ -8,7 +8,6 @@ Every knob has a typed default here; the YAML files only choose among them.
 from __future__ import annotations
 
 import difflib
-import logging
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
@@ -16,14 +15,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from glmlight.dtypes import DTYPES
 from glmlight.errors import ConfigError
 from glmlight.ranges import SEED, Range, check_ranges, field_range, ranges  # noqa: F401 - Range, field_range re-exported
 from glmlight.registry import algorithm
+from glmlight.renames import (  # noqa: F401 - re-exported
+    RENAMED, RENAMED_ARGS, _deprecated, _renamed, rename_keys, rename_overrides)
 from glmlight.rollout_config import (  # noqa: F401 - re-exported
     AgentConfig, GatewayConfig, RewardOptions, RolloutConfig, ServerConfig, TaskConfig)
-
-log = logging.getLogger("glmlight")
+from glmlight.rules import CHOICES, check_rules  # noqa: F401 - CHOICES re-exported
 
 # ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
 OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default'}", replace=True)
@@ -285,80 +284,6 @@ def _suggest(key: str, parent_type: Any) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-# Renamed keys, old -> new: the old name still works for one release (compose rewrites it in the overrides,
-# compose and validate in the config) with one line logged. `*` is any key at that level.
-RENAMED = {
-    "rollout.server.max_retries": "rollout.server.request_retries",
-    "rollout.server.retry_backoff_s": "rollout.server.request_retry_backoff_s",
-    "model.warm_start.schedule": "model.warm_start.lr_schedule",
-    "algo.teachers.*.warm_start.schedule": "algo.teachers.*.warm_start.lr_schedule",
-}
-# Renamed constructor arguments of a callback (an entry of `callbacks` whose _target_ names the class).
-RENAMED_ARGS = {"TruncatedIS": {"clip_low": "low", "clip_high": "high"}}
-
-
-def _renamed(key: str) -> str | None:
-    """The new name of dotted `key` when it is an old one (RENAMED), else None."""
-    parts = key.split(".")
-    for old, new in RENAMED.items():
-        pattern = old.split(".")
-        if len(pattern) == len(parts) and all(p in ("*", k) for p, k in zip(pattern, parts)):
-            return ".".join(parts[:-1] + [new.rsplit(".", 1)[1]])
-    return None
-
-
-def _deprecated(old: str, new: str, logged: set[str]) -> None:
-    if old not in logged:
-        logged.add(old)
-        log.warning("config: %s is deprecated; use %s", old, new)
-
-
-def rename_overrides(overrides: list[str], logged: set[str]) -> list[str]:
-    """Hydra overrides with every old key name (RENAMED) replaced by the new one."""
-    out = []
-    for o in overrides:
-        prefix = o[:len(o) - len(o.lstrip("+~"))]
-        key, eq, value = o[len(prefix):].partition("=")
-        new = _renamed(key)
-        if new is not None:
-            _deprecated(key, new, logged)
-            o = f"{prefix}{new}{eq}{value}"
-        out.append(o)
-    return out
-
-
-def rename_keys(cfg: DictConfig, logged: set[str]) -> None:
-    """Move every old key (RENAMED, and RENAMED_ARGS in callbacks entries) of `cfg` to its new name, in place."""
-    from omegaconf import open_dict
-
-    def move(node: Any, path: str, old: str, new: str) -> None:
-        with open_dict(node):
-            if new in node:
-                raise ConfigError(f"config error: both {path}{old} and its new name {path}{new} are set")
-            node[new] = node.pop(old)
-        _deprecated(f"{path}{old}", f"{path}{new}", logged)
-
-    def walk(node: Any, pattern: list[str], path: str) -> None:
-        head, rest = pattern[0], pattern[1:]
-        for key in (list(node.keys()) if head == "*" else [head] if head in node else []):
-            if not rest:
-                new = _renamed(f"{path}{key}")
-                if new is not None:
-                    move(node, path, key, new.rsplit(".", 1)[1])
-            elif OmegaConf.is_dict(node[key]):
-                walk(node[key], rest, f"{path}{key}.")
-
-    for old in RENAMED:
-        walk(cfg, old.split("."), "")
-    callbacks = cfg.get("callbacks")
-    for name in list(callbacks or ()):
-        entry = callbacks[name]
-        target = entry.get("_target_") if OmegaConf.is_dict(entry) else None
-        for old, new in RENAMED_ARGS.get(str(target).rsplit(".", 1)[-1], {}).items():
-            if old in entry:
-                move(entry, f"callbacks.{name}.", old, new)
-
-
 def validate(cfg: DictConfig | dict) -> DictConfig:
     """Merge `cfg` into the typed schema; raise ConfigError with one line naming the bad key."""
     if isinstance(cfg, dict):
@@ -375,7 +300,7 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
     except OmegaConfBaseException as e:
         return _raise(f"config error: {getattr(e, 'full_key', '')}: {_first_line(str(e))}")
     check_ranges(merged)
-    _check_choices(merged)
+    check_rules(merged)
     _check_eval_sets(merged)
     OmegaConf.set_readonly(merged, False)
     return merged
@@ -412,67 +337,6 @@ def _raise(msg: str):
 
 def _first_line(s: str) -> str:
     return s.strip().splitlines()[0] if s else s
-
-
-# The values each key may take, checked by validate: the one list of them. The code that acts on a key checks
-# against this list too (rollout factory, algo.replay, reward executor, weight format), or the list is taken from
-# the registry that implements the values (dtypes, chat questions, tool-call formats).
-CHOICES = {
-    "rollout.backend": ("local", "sglang", "vllm", "vllm_ascend"),
-    "rollout.mode": ("sync", "async"),
-    "rollout.overlong": ("none", "mask", "soft_penalty"),
-    "task.source": ("synthetic", "chat", "running_sum", "jsonl", "hf"),
-    "task.question": ("arithmetic", "sort", "reverse", "count_letter"),  # glmlight/data/chat_tasks.py
-    "rollout.on_weight_update": ("continue", "abort"),
-    "rollout.server.weight_sync": ("disk", "shm", "tensor", "distributed"),
-    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "constant"),
-    "algo.policy_loss": ("ppo", "dis"),
-    "algo.kl_estimator": ("k1", "k2", "k3"),
-    "algo.old_logprobs": ("auto", "forward", "update"),
-    "algo.replay": ("none", "routing", "index", "both"),
-    "algo.reward_placement": ("terminal", "turns"),
-    "algo.distill_loss": ("sampled", "full"),
-    "model.forward": ("auto", "glmlight", "transformers"),
-    "algo.lr_schedule": ("constant", "cosine", "linear"),
-    "logger.name": ("wandb", "csv", "none"),
-    "model.warm_start.lr_schedule": ("constant", "cosine", "wsd"),
-    "model.warm_start.data": ("auto", "labels", "expert"),
-    "model.dtype": tuple(DTYPES),
-    "rollout.dtype": tuple(DTYPES),
-    "rollout.weight_format": ("auto", "fp8"),
-    "logger.mode": ("offline", "online", "disabled"),
-    "task.reward_options.executor": ("thread", "process"),
-    "task.agent.gateway.reward": ("task", "agent"),
-    "task.agent.gateway.tool_format": ("auto", "line", "hermes", "glm"),  # glmlight/gateway/tool_format.py
-}
-
-
-def _check_choices(cfg: DictConfig) -> None:
-    for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value not in allowed:
-            raise ConfigError(f"config error: {key}={value!r} is not one of {list(allowed)}")
-    strategy = OmegaConf.select(cfg, "trainer.strategy")
-    if (OmegaConf.select(cfg, "model.lora.rank") or 0) > 0 and strategy in ("fsdp", "deepspeed"):
-        raise ConfigError(f"config error: model.lora with trainer.strategy={strategy} is not supported (LoRA trains "
-                          "a few adapters: use trainer.strategy=ddp or auto)")
-    if OmegaConf.select(cfg, "rollout.compile") and OmegaConf.select(cfg, "rollout.backend") != "local":
-        raise ConfigError(f"config error: rollout.compile is for the embedded engine (rollout=local); "
-                          f"{OmegaConf.select(cfg, 'rollout.backend')} servers capture their own graphs")
-    if OmegaConf.select(cfg, "algo.dual_clip_c") is not None and OmegaConf.select(cfg, "algo.policy_loss") == "dis":
-        raise ConfigError("config error: algo.dual_clip_c applies to algo.policy_loss=ppo; DIS bounds the ratio with "
-                          "its trust window instead (algo.dis_eps_low / algo.dis_eps_high)")
-    if OmegaConf.select(cfg, "algo.old_logprobs") == "update" and (
-            OmegaConf.select(cfg, "algo.ppo_epochs") > 1 or OmegaConf.select(cfg, "algo.num_minibatches") > 1):
-        raise ConfigError("config error: algo.old_logprobs=update needs ppo_epochs=1 and num_minibatches=1 (every "
-                          "token trained once, at θ_old); use forward or auto")
-    betas = OmegaConf.select(cfg, "algo.betas")
-    if betas is not None and len(betas) != 2:
-        raise ConfigError(f"config error: algo.betas must be two numbers [beta1, beta2], got {list(betas)}")
-    mix, sizes = (OmegaConf.select(cfg, f"model.warm_start.{k}") or [] for k in ("mix", "mix_batch_size"))
-    if sizes and len(sizes) != len(mix):
-        raise ConfigError(f"config error: model.warm_start.mix_batch_size has {len(sizes)} entries for "
-                          f"{len(mix)} model.warm_start.mix tasks: give one per task, or none")
 
 
 def format_config_error(e: BaseException) -> str:
