@@ -1,0 +1,117 @@
+"""A built run: the one home of what happens around `Trainer.fit` — the run's config saved beside
+it, the resume checkpoint, the export of the trained policy, the run report, and closing the
+engine and servers however the run ends. `glmlight.builder.build` returns a `Run`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from omegaconf import DictConfig, OmegaConf
+
+from glmlight.checkpoint import verified_resume_path
+from glmlight.errors import ConfigError
+
+if TYPE_CHECKING:
+    from glmlight.data.rollout import RolloutDataModule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    trainer: pl.Trainer
+    module: pl.LightningModule
+    datamodule: RolloutDataModule
+    cfg: DictConfig
+
+    def fit(self, close: bool = True) -> None:
+        """Train. However it ends (done, an error, Ctrl-C, SIGTERM), the run report is written and the run
+        is closed afterwards — the engine stopped, servers glmlight started terminated — unless
+        `close=False` (then call `close()` yourself, or use `with run:`)."""
+        try:
+            if self.trainer.is_global_zero:
+                save_run_config(self.cfg, self.trainer.default_root_dir)
+            ckpt_path = _resume_path(self.cfg)
+            if ckpt_path and not getattr(self.datamodule.engine, "seeded_sampling", True):
+                log.warning("resuming from %s: the rollout engine ignores per-request seeds (an SGLang server without "
+                            "--enable-deterministic-inference), so the samples from here on differ from the "
+                            "interrupted run's; steps, weights, optimizer and prompt stream resume exactly", ckpt_path)
+            self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=ckpt_path, weights_only=True)
+            if self.cfg.export.enabled and not self.trainer.interrupted:
+                self.export()
+        finally:
+            try:
+                if self.cfg.logger.report and self.trainer.is_global_zero:
+                    write_run_report(self.trainer.default_root_dir)
+            finally:
+                if close:
+                    self.close()
+
+    def export(self, out: str | None = None) -> str | None:
+        """The policy (LoRA merged) and tokenizer as a Hugging Face checkpoint: export.dir, default
+        <trainer.default_root_dir>/hf (`glmlight.models.export`), written by rank 0. Call it on every
+        rank: sharded weights (FSDP2, ZeRO-3) are gathered first, a collective. Returns the path on
+        rank 0, None elsewhere."""
+        from glmlight.models.export import export_hf
+        from glmlight.sharding import full_weights, is_sharded
+
+        policy = self.module.policy
+        state = {n: t.cpu() for n, t in full_weights(policy)} if is_sharded(policy) else None
+        if not self.trainer.is_global_zero:
+            return None
+        out = out or self.cfg.export.dir or os.path.join(self.trainer.default_root_dir, "hf")
+        path = export_hf(policy, self.datamodule.tokenizer, out, state_dict=state)
+        log.info("exported the policy to %s", path)
+        return path
+
+    def close(self) -> None:
+        """Stop the rollout producer, close the engine (and the servers it launched) and the module's
+        own engines (OPD's teachers: Lightning skips the module's teardown when fit raises); idempotent."""
+        try:
+            self.datamodule.close()
+        finally:
+            self.module.teardown("fit")
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def write_run_report(root: str) -> None:
+    """report.png and summary.json of the run in `root` (glmlight.report); a failure is a warning."""
+    from glmlight.report import write_report
+
+    try:
+        paths = write_report(root)
+        log.info("run report: %s", ", ".join(paths.values()))
+    except FileNotFoundError:
+        pass  # nothing was logged
+    except Exception as e:  # noqa: BLE001 - the report must never hide the run's own outcome
+        log.warning("run report not written: %s: %s", type(e).__name__, e)
+
+
+def save_run_config(cfg: DictConfig, root: str) -> str:
+    """The resolved config, stored with the run (it names env variables, never holds their values)."""
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, "config.yaml")
+    OmegaConf.save(cfg, path, resolve=True)
+    return path
+
+
+def _resume_path(cfg: DictConfig) -> str | None:
+    resume = cfg.trainer.resume
+    if resume in (None, ""):
+        return None
+    if resume == "last":
+        path = os.path.join(cfg.trainer.default_root_dir, "checkpoints", "last.ckpt")
+        return verified_resume_path(path) if os.path.exists(path) else None
+    if not os.path.exists(resume):
+        raise ConfigError(f"config error: trainer.resume={resume!r} does not exist")
+    return verified_resume_path(resume)
