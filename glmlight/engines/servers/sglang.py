@@ -61,14 +61,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from glmlight.dtypes import dtype_name
 from glmlight.errors import EngineError
 from glmlight.engines import transport as wt
 from glmlight.engines.base import SamplingParams
 from glmlight.engines.servers.http import Rejected, get_field
-from glmlight.engines.servers.launch import free_port, local_ip_towards, sglang_launch
+from glmlight.engines.servers.launch import sglang_launch
 from glmlight.engines.servers.replay_codec import decode_sglang_indexer_topk, decode_sglang_routed_experts
 from glmlight.engines.servers.server_checks import check_logprob_definition
 from glmlight.engines.servers.server_replay import ReplayField
@@ -76,13 +73,17 @@ from glmlight.engines.servers.base import (Answer, FleetFailed, ServerEngineBase
                                       server_settings)
 from glmlight.engines.servers.sglang_wire import (FINISH_REASONS, FilteredLogprobsMissing, attempt_rid, check_sampling,  # noqa: F401
                                          pairs, parse_generate_answer, serialize_named_tensors, single)
+from glmlight.engines.servers.sglang_tensor_sync import TensorSync
 
 log = logging.getLogger(__name__)
 # sglang 0.5.23's reply to a disk update whose weights loaded but whose cache flush was refused
 FLUSH_REFUSED_AFTER_LOAD = "Weights were updated, but the cache was not flushed"
 
 
-class SGLangEngine(ServerEngineBase):
+class SGLangEngine(TensorSync, ServerEngineBase):
+    """See the module docstring; the tensor and distributed weight sync: `TensorSync`
+    (sglang_tensor_sync.py)."""
+
     name = "SGLang"
     health_path = "/health_generate"
     # top-k and top-p over the same un-renormalised distribution (glmlight/ops/logprobs.py `joint_kept`)
@@ -317,31 +318,6 @@ class SGLangEngine(ServerEngineBase):
                 left[url] = e
         return left
 
-    def _push_tensors(self, urls: Sequence[str], named: list, version: int, tp: dict[str, int]) -> None:
-        parts = list(wt.buckets(named, self.bucket_bytes)) or [[]]
-        self._begin(urls)
-        try:
-            for i, bucket in enumerate(parts):
-                label = {"weight_version": str(version)} if i == len(parts) - 1 else {}
-                if self.weight_sync == "tensor":
-                    payloads, keep = {}, []
-                    for u in urls:
-                        data, alive = serialize_named_tensors(bucket)
-                        payloads[u], keep = [data] * tp[u], keep + [alive]
-                    errors = self._post_each(urls, "/update_weights_from_tensor", lambda u: {
-                        "serialized_named_tensors": payloads[u], "flush_cache": False, **label},
-                        attempts=1)  # a shared-memory handle is opened once: never resend the same payload
-                    del keep
-                elif self.weight_sync == "distributed":
-                    errors = self._broadcast_bucket(urls, bucket, label)
-                else:
-                    raise EngineError(f"unknown rollout.server.weight_sync {self.weight_sync!r}")
-                if errors:
-                    url, e = next(iter(errors.items()))
-                    raise EngineError(f"SGLang server at {url}: {e}")
-        finally:
-            self._end(urls)
-
     def _revert(self, urls: Sequence[str], prev: Source, errors: dict[str, Exception]) -> None:
         """Put `urls` back on the previous weights, then raise UpdateFailed (FleetFailed if that fails)."""
         first = f"{next(iter(errors))}: {next(iter(errors.values()))}"
@@ -364,20 +340,6 @@ class SGLangEngine(ServerEngineBase):
                                   f"on the previous weights ({e}); servers now serve different weights") from None
         raise UpdateFailed(f"update failed on {first}")
 
-    def _begin(self, urls: Sequence[str]) -> None:
-        for u in urls:
-            if self._sessions.get(u, True):
-                body = self.http.run(self.http.request("/begin_weight_update", {}, url=u, allow_404=True))
-                self._sessions[u] = body is not None
-
-    def _end(self, urls: Sequence[str]) -> None:
-        for u in urls:
-            if self._sessions.get(u):
-                try:
-                    self.http.run(self.http.request("/end_weight_update", {}, url=u))
-                except EngineError as e:
-                    log.warning("SGLang server at %s: /end_weight_update failed: %s", u, e)
-
     def _post_each(self, urls: Sequence[str], path: str, payload_for: Any, attempts: int | None = None
                    ) -> dict[str, Exception]:
         async def post(url: str) -> None:
@@ -389,63 +351,3 @@ class SGLangEngine(ServerEngineBase):
             return await asyncio.gather(*(post(u) for u in urls), return_exceptions=True)
 
         return {u: o for u, o in zip(urls, self.http.run(all_())) if isinstance(o, BaseException)}
-
-    def _tp_size(self, url: str) -> int:
-        if url not in self._tp_sizes:
-            self._tp_sizes[url] = int((self._server_info(url) or {}).get("tp_size", 1))
-        return self._tp_sizes[url]
-
-    def _resync_urls(self, url: str) -> list[str]:
-        if self.weight_sync != "distributed":
-            return [url]
-        if self._group is not None:  # the restarted server lost its group: build it again with every server
-            self._post_each(self._sync_urls(), "/destroy_weights_update_group", lambda u: {"group_name": self._group_name},
-                            attempts=1)
-            self._destroy_group()
-            self._group_name = f"glmlight-{uuid.uuid4().hex[:12]}"
-        return self._sync_urls()
-
-    def _ensure_group(self, urls: Sequence[str]) -> None:
-        if self._group is not None:
-            return
-        sizes = [self._tp_size(u) for u in urls]
-        world = 1 + sum(sizes)
-        offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
-        addr = self.sync_master_address or local_ip_towards(urls[0])
-        port = free_port("")
-        bodies = {u: {"master_address": addr, "master_port": port, "rank_offset": off, "world_size": world,
-                      "group_name": self._group_name, "backend": self.sync_backend} for u, off in zip(urls, offsets)}
-        fut = self.http.submit(self._post_async(urls, "/init_weights_update_group", bodies))
-        try:
-            self._group = wt.init_custom_process_group(self.sync_backend, f"tcp://{addr}:{port}", world, 0,
-                                                       self._group_name, timeout_s=self.confirm_timeout_s)
-        finally:
-            errors = fut.result(self.confirm_timeout_s)
-        if errors:
-            raise EngineError(f"SGLang server at {next(iter(errors))}: {next(iter(errors.values()))}")
-
-    def _broadcast_bucket(self, urls: Sequence[str], bucket: list, label: dict) -> dict[str, Exception]:
-        self._ensure_group(urls)
-        meta = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket], "group_name": self._group_name,
-                "flush_cache": False, **label}
-        fut = self.http.submit(self._post_async(urls, "/update_weights_from_distributed", {u: meta for u in urls}))
-        try:
-            device = wt.sync_device(self.sync_backend)
-            for _, t in bucket:
-                torch.distributed.broadcast(t.detach().to(device).contiguous(), src=0, group=self._group)
-        finally:
-            errors = fut.result(self.confirm_timeout_s)
-        return errors
-
-    async def _post_async(self, urls: Sequence[str], path: str, bodies: dict[str, Any]) -> dict[str, Exception]:
-        async def post(url: str) -> None:  # one attempt: a retry would wait for a broadcast that never comes
-            body = await self.http.request(path, bodies[url], url=url, attempts=1)
-            if isinstance(body, dict) and body.get("success") is False:
-                raise EngineError(f"SGLang server at {url} could not {path}: {body.get('message', '')}")
-
-        outcomes = await asyncio.gather(*(post(u) for u in urls), return_exceptions=True)
-        return {u: o for u, o in zip(urls, outcomes) if isinstance(o, BaseException)}
-
-    def _before_close(self) -> None:
-        self._destroy_group()
