@@ -27,12 +27,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from glmlight.agents.compaction import CompactingAgentLoop
-from glmlight.agents.loop import AgentLoop, episode_to_samples
+from glmlight.agents.loop import AgentLoop
 from glmlight.config import EvalConfig, RolloutConfig
 from glmlight.data import evaluation
+from glmlight.data.rollout_groups import answer_samples, episode_trajectories, filter_groups
 from glmlight.data.rollout_stats import outcome, rollout_stats  # noqa: F401 - outcome re-exported
 from glmlight.data.shaping import apply_overlong
-from glmlight.data.groups import pad_or_drop_group, tag_dropped
+from glmlight.data.groups import tag_dropped
 from glmlight.data.producer import AsyncProducer
 from glmlight.data.sources import Prompt, PromptSource
 from glmlight.data.stream import PromptStream
@@ -195,24 +196,7 @@ class RolloutDataModule(pl.LightningDataModule):
         flat_ids = [ids for _, ids in todo for _ in range(n)]
         gens = generate_with_retries(engine, flat_ids, [self.sampling_params(len(ids), greedy) for ids in flat_ids],
                                      counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s, self.vocab_size)
-        samples = []
-        for k, (prompt, ids) in enumerate(todo):
-            group_id = id_source.new_group_id()
-            first = id_source.take_rollout_ids(n)
-            for j in range(n):
-                g = gens[k * n + j]
-                meta = {"label": prompt.label, "domain": prompt.domain, **prompt.metadata}
-                if g is None:  # the engine failed (after retries) or answered garbage
-                    samples.append(Sample(prompt_ids=list(ids), status=Status.FAILED, group_id=group_id,
-                                          rollout_id=first + j, metadata={**meta, "engine_error": True}))
-                    continue
-                s = Sample(prompt_ids=list(ids), response_ids=list(g.token_ids), loss_mask=[1] * len(g.token_ids),
-                           rollout_logprobs=list(g.logprobs), versions=list(g.versions), status=g.status,
-                           group_id=group_id, rollout_id=first + j, metadata=meta,
-                           routed_experts=g.routed_experts, indexer_topk=g.indexer_topk)  # replay records, if any
-                s.metadata["completion_text"] = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
-                samples.append(s)
-        return samples
+        return answer_samples(todo, gens, n, id_source, self.tokenizer)
 
     def _episodes(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool, engine: RolloutEngine,
                   ids: Any) -> list[Sample]:
@@ -227,19 +211,7 @@ class RolloutDataModule(pl.LightningDataModule):
         episodes = loop.run(prompts, n)
         for ep in episodes:
             counts["compactions"] += len(ep.segments)
-        return [s for t in self._trajectories(episodes, n, counts, ids) for s in t]
-
-    @staticmethod
-    def _trajectories(episodes: list[Any], n: int, counts: Counter, ids: Any) -> list[list[Sample]]:
-        """Each episode's samples, in order: the episodes of one prompt (n of them, consecutive) share a
-        new group id and take consecutive rollout ids."""
-        out = []
-        for k in range(0, len(episodes), n):
-            group_id, first = ids.new_group_id(), ids.take_rollout_ids(n)
-            for j, ep in enumerate(episodes[k:k + n]):
-                out.append(episode_to_samples(ep, group_id, first + j))
-                counts["agent_turns"] += ep.turns
-        return out
+        return [s for t in episode_trajectories(episodes, n, counts, ids) for s in t]
 
     def _gateway_episodes(self, prompts: list[Prompt], n: int, counts: Counter, engine: RolloutEngine,
                           params: Callable[[int], SamplingParams], ids: Any) -> list[Sample]:
@@ -249,35 +221,12 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout = GatewayRollout(engine, self.tokenizer, self.gateway, params, self.max_turns, self.cfg.max_context,
                                  counts)
         episodes = rollout.run(prompts, n)
-        trajectories = self._trajectories([e.ep for e in episodes], n, counts, ids)
+        trajectories = episode_trajectories([e.ep for e in episodes], n, counts, ids)
         score_episodes(episodes, trajectories, self.reward_fn, self.gateway.reward, counts)
         return [s for t in trajectories for s in t]
 
     def _filter_groups(self, samples: list[Sample], counts: Counter) -> list[list[Sample]]:
-        groups: dict[int, list[Sample]] = {}
-        for s in samples:
-            groups.setdefault(s.group_id, []).append(s)
-        kept = []
-        for group in groups.values():
-            if any(s.status is Status.ABORTED for s in group):
-                # A weight update aborted this group's generation: its prompt is generated again.
-                counts["dropped/aborted"] += len(group)
-                tag_dropped(group, "aborted")
-                self.stream.requeue(group[0].metadata["prompt_index"])
-                continue
-            group = pad_or_drop_group(group, lambda t: t[0].status is not Status.FAILED, counts, "failed",
-                                      lambda t: "reward_timeout" if t[0].metadata.get("reward_timeout")
-                                      else t[0].metadata.get("failure", "failed"))
-            if group is None:
-                continue
-            # DAPO dynamic sampling keeps a group only if its verifier outcomes differ (0 < #correct < G):
-            # judged on the outcome, before length shaping, so lengths alone never make a group "vary".
-            if self.cfg.dynamic_sampling and len(group) > 1 and len({outcome(s) for s in group}) == 1:
-                counts["dropped/zero_variance_group"] += len(group)
-                tag_dropped(group, "zero_variance_group")
-                continue
-            kept.append(group)
-        return kept
+        return filter_groups(samples, counts, self.cfg.dynamic_sampling, self.stream.requeue)
 
     def next_experience(self) -> Experience:
         """One training batch: exactly rollout_batch_size groups (fewer only if refills run out)."""
