@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from glmlight.engines.local.rows import DECODE_WINDOW, RowCache, _dynamic, _map_tensors
+from glmlight.engines.local.rows import DECODE_WINDOW, RowCache, _dynamic, _map_tensors, compile_decode, head_weights
 
 log = logging.getLogger(__name__)
 
@@ -126,18 +126,15 @@ class DenseRunner(RowCache):
         self._max_len = 0
         self.rows_cap = self.capacity = 0
         self._alloc(rows, capacity)
-        options = {"cpp_wrapper": True} if self.device.type == "cpu" else None
         self.compiled = compile
-        self._decode = torch.compile(self._decode_window, options=options) if compile else None
+        self._decode = compile_decode(self._decode_window, self.device, compile)
 
     # ----------------------------------------------------------------- weights
     @torch.inference_mode()
     def refresh(self) -> None:
         """(Re)read the weights from the model; call after every weight update."""
         m = self.model.model
-        self.embed = m.embed_tokens.weight
-        self.final_norm, self.eps = m.norm.weight, m.norm.variance_epsilon
-        self.lm_head = self.model.lm_head.weight
+        self.embed, self.final_norm, self.eps, self.lm_head = head_weights(self.model)
         layers = []
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp

@@ -56,7 +56,8 @@ from glmlight.models.glm5.moe import moe_forward, moe_forward_routed
 from glmlight.ops.dsa import topk_mask, topk_recent
 from glmlight.engines.local.glm_weights import Layer, read_layers
 from glmlight.engines.local.records import Capture
-from glmlight.engines.local.rows import DECODE_WINDOW, RowCache, _dynamic, _map_tensors  # noqa: F401 - re-exported
+from glmlight.engines.local.rows import (DECODE_WINDOW, RowCache, _dynamic, _map_tensors,  # noqa: F401 - re-exported
+                                         compile_decode, head_weights)
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +111,6 @@ class GlmDsaRunner(RowCache):
         self._max_len = 0
         self.rows_cap = self.capacity = 0
         self._alloc(rows, capacity)
-        # On CPU the step's host code is generated as C++ too (`cpp_wrapper`): about a tenth of a
-        # decode step at small batches went to the Python wrapper calling the kernels.
-        options = {"cpp_wrapper": True} if self.device.type == "cpu" else None
         if compile and any(Ly.moe and Ly.experts is None for Ly in self.layers):
             # Experts too large for the dense all-experts form route with data-dependent shapes, a graph
             # break inside the layer loop: the step would run eagerly after a failed compile, plus per-layer
@@ -121,7 +119,7 @@ class GlmDsaRunner(RowCache):
                         "dense MoE; decoding eagerly")
             compile = False
         self.compiled = compile
-        self._decode = torch.compile(self._decode_window, options=options) if compile else None
+        self._decode = compile_decode(self._decode_window, self.device, compile)
 
     # ----------------------------------------------------------------- weights
     # Every tensor the runner owns is made, and used, in inference mode: a compiled decode step
@@ -129,10 +127,7 @@ class GlmDsaRunner(RowCache):
     @torch.inference_mode()
     def refresh(self) -> None:
         """(Re)read the weights from the model; call after every weight update."""
-        m = self.model.model
-        self.embed = m.embed_tokens.weight
-        self.final_norm, self.final_eps = m.norm.weight, m.norm.variance_epsilon
-        self.lm_head = self.model.lm_head.weight
+        self.embed, self.final_norm, self.final_eps, self.lm_head = head_weights(self.model)
         self.eps = self.cfg.rms_norm_eps
         self.layers = read_layers(self.model, absorb_q=self.absorb_q, absorb_o=self.absorb_o)
         self._rope_table(max(self._rope_len, 256))
