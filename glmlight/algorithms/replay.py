@@ -31,7 +31,7 @@ from glmlight.sample import Experience, Sample
 log = logging.getLogger(__name__)
 
 def parts(mode: str) -> tuple[bool, bool]:
-    """(routing, index) of an `algo.replay` value (its values: glmlight.config.CHOICES)."""
+    """(routing, index) of an `algo.replay` value (its values: glmlight.rules.CHOICES)."""
     if mode not in CHOICES["algo.replay"]:
         raise ConfigError(f"config error: algo.replay={mode!r} is not one of {list(CHOICES['algo.replay'])}")
     return mode in ("routing", "both"), mode in ("index", "both")
