@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from omegaconf import OmegaConf
@@ -21,8 +21,18 @@ from glmlight.errors import ConfigError, EngineError
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.sample import Experience
 
-if TYPE_CHECKING:
-    from glmlight.algorithms.opd import OPD
+
+class Student(Protocol):
+    """What a teacher uses of the module it teaches (OPD): where the student's tensors live, its
+    row-wise batching and forward, and the temperature the teacher's log-probs are taken at."""
+
+    device: torch.device
+    teacher_temperature: float
+
+    def per_row(self, exp: Experience, fn: Callable[[Experience], torch.Tensor]) -> torch.Tensor: ...
+
+    def forward_logits(self, model: torch.nn.Module, exp: Experience, capture: dict | None = None,
+                       replay: bool | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -49,7 +59,7 @@ class ModelTeacher:
         self.model.requires_grad_(False)
 
     @torch.no_grad()
-    def logprobs(self, module: OPD, exp: Experience) -> torch.Tensor:
+    def logprobs(self, module: Student, exp: Experience) -> torch.Tensor:
         if next(self.model.parameters()).device != module.device:
             self.model.to(module.device)
         # the policy's micro-batches (algo.micro_batch_size or the token budget); the teacher's own routing
@@ -77,7 +87,7 @@ class EngineTeacher:
         self.engine = engine
         self.temperature = temperature
 
-    def logprobs(self, module: OPD, exp: Experience) -> torch.Tensor:
+    def logprobs(self, module: Student, exp: Experience) -> torch.Tensor:
         prompts = [list(s.prompt_ids) for s in exp.samples]
         completions = [list(s.response_ids) for s in exp.samples]
         kwargs = {"temperature": self.temperature} if self.takes_temperature else {}
