@@ -65,10 +65,16 @@ def safe_eval(expr: str) -> int:
 
 class CalculatorEnv:
     """`calc: <expr>` returns the exact value (`= 3901`), `est: <expr>` an estimate to one significant
-    figure (`~ 4000`); `answer: <n>` ends the episode. See the module docstring for the rewards."""
+    figure (`~ 4000`); `answer: <n>` ends the episode. See the module docstring for the rewards.
+    `examples`: solved episodes placed between the system prompt and the question (a few-shot prompt
+    for a pretrained chat model: the tool-call format shown, not trained)."""
 
     def __init__(self, tool_bonus: float = 0.0, correct_call_credit: float = 0.0, system_prompt: str | None = CALC_SYSTEM,
-                 expert_calc_rate: float = 1.0):
+                 expert_calc_rate: float = 1.0, examples: list[dict[str, str]] | None = None):
+        self.examples = [dict(role=str(m["role"]), content=str(m["content"])) for m in (examples or ())]
+        if any(m["role"] not in ("user", "assistant") for m in self.examples):
+            raise ValueError("examples are a solved conversation of user and assistant turns (the tool's replies as "
+                             "the turns the task's agent.observation_role renders them in)")
         if not 0.0 <= correct_call_credit < 1.0:
             raise ValueError(f"correct_call_credit must be in [0, 1), got {correct_call_credit}")
         if not 0.0 <= expert_calc_rate <= 1.0:
@@ -82,7 +88,7 @@ class CalculatorEnv:
     def reset(self, prompt: Prompt) -> list[dict[str, str]]:
         self.target, self.calls, self.called_target = int(prompt.label), 0, False
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + [m for m in prompt.messages if m["role"] != "system"]
+        return system + self.examples + [m for m in prompt.messages if m["role"] != "system"]
 
     def step(self, action: str) -> StepResult:
         line = action.strip().splitlines()[0].strip() if action.strip() else ""
@@ -113,7 +119,8 @@ class CalculatorEnv:
         last = messages[-1]
         if last["role"] == "observation" and last["content"][:2] in ("= ", "~ "):
             return f"answer: {last['content'][2:].strip()}"
-        question = next(m["content"] for m in messages if m["role"] == "user").strip().rstrip("=").strip()
+        asked = sum(m["role"] == "user" for m in self.examples)  # the question follows the examples
+        question = [m["content"] for m in messages if m["role"] == "user"][asked].strip().rstrip("=").strip()
         tool = "calc" if _unit_hash(question) < self.expert_calc_rate else "est"
         return f"{tool}: {question}"
 

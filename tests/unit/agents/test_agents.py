@@ -166,6 +166,20 @@ def test_calculator_env():
         safe_eval("2**100000")
 
 
+def test_calculator_env_examples_sit_between_the_system_prompt_and_the_question():
+    """A few-shot prompt for a chat model (experiment=smollm2_agent): solved episodes before the question;
+    the expert still answers the question, not an example."""
+    examples = [{"role": "user", "content": "What is 2 * 3?"}, {"role": "assistant", "content": "calc: 2 * 3"},
+                {"role": "user", "content": "= 6"}, {"role": "assistant", "content": "answer: 6"}]
+    env = CalculatorEnv(system_prompt="tools", examples=examples)
+    prompt = Prompt(messages=[{"role": "system", "content": "dropped"}, {"role": "user", "content": "12*3="}],
+                    label="36")
+    assert env.reset(prompt) == [{"role": "system", "content": "tools"}, *examples, {"role": "user", "content": "12*3="}]
+    assert env.expert(env.reset(prompt)) == "calc: 12*3"
+    with pytest.raises(ValueError, match="user and assistant turns"):
+        CalculatorEnv(examples=[{"role": "observation", "content": "= 6"}])
+
+
 def test_running_sum_env():
     task = RunningSumTask(num_steps=3, seed=0)[0]
     d = task.metadata["deltas"]

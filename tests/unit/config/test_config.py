@@ -1,6 +1,7 @@
 """Config validation: typed keys, one-line errors from the command line."""
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -141,3 +142,12 @@ def test_the_allowed_names_match_what_implements_them():
     assert CHOICES["task.agent.gateway.tool_format"] == ("auto", *FORMATS)
     assert sorted(CHOICES["task.question"]) == sorted(n[1:] for n in vars(ChatQuestionTask)
                                                        if n.startswith("_") and not n.startswith("__") and n != "_number")
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in Path(REPO, "conf", "experiment").glob("*.yaml")))
+def test_every_recipe_composes_and_validates(recipe):
+    """Each `experiment=` recipe composes and passes validation (nothing is loaded or built)."""
+    from glmlight import compose
+
+    cfg = validate(compose([f"experiment={recipe}"]))
+    assert cfg.trainer.max_steps > 0
