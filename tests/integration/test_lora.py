@@ -142,15 +142,16 @@ def test_lora_sao_trains_the_adapters_and_the_value_head(tmp_path):
 
 @pytest.mark.slow
 def test_lora_grpo_learns_the_default_task(tmp_path):
-    """The default run (tiny GLM-5, warm start, arithmetic exact match) with LoRA: held-out reward rises."""
-    run = glmlight.build(compose([f"trainer.default_root_dir={tmp_path}", "logger=csv", "trainer.max_steps=30",
+    """The default run (tiny GLM-5, warm start, arithmetic exact match, its 50 steps) with LoRA rank 8:
+    held-out reward rises (measured 0.102 -> 0.154 with lr 5e-3 and with 2e-3; docs/models.md)."""
+    run = glmlight.build(compose([f"trainer.default_root_dir={tmp_path}", "logger=csv", "trainer.max_steps=50",
                                   "trainer.enable_progress_bar=false", "model.lora.rank=8", "algo.lr=5e-3",
-                                  "callbacks.held_out_eval.every_n_steps=30", "~callbacks.sample_table"]))
+                                  "eval.every_n_steps=50", "~callbacks.sample_table"]))
     run.fit()
     path = glob.glob(os.path.join(str(tmp_path), "csv", "*", "metrics.csv"))[0]
     with open(path) as f:
-        evals = [float(r["eval/reward"]) for r in csv.DictReader(f) if r.get("eval/reward")]
-    assert len(evals) >= 2 and evals[-1] > evals[0] + 0.05, evals
+        evals = [float(r["eval/heldout/reward"]) for r in csv.DictReader(f) if r.get("eval/heldout/reward")]
+    assert len(evals) >= 2 and evals[-1] > evals[0] + 0.03, evals
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])

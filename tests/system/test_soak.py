@@ -74,10 +74,20 @@ def test_server_restart_soak_accounting_adds_up(tmp_path, tokenizer):
                for _ in range(2)]
     stop = threading.Event()
 
+    trained = _TrainedIds()
+
+    def reached(step: int) -> bool:  # paced by training steps, not wall time: as many restarts on any machine
+        while not stop.wait(0.02):
+            if len({r[2] for r in trained.rows}) >= step:
+                return True
+        return False
+
     def chaos():
-        while not stop.wait(1.5):
+        for k in range(1, 5):  # server 1 restarts at steps 6, 12, 18, 24; server 0 loses its weights at 9, 15, ...
+            if not reached(6 * k):
+                break
             servers[1].restart(down_s=0.3, fresh=True)
-            if stop.wait(1.5):
+            if not reached(6 * k + 3):
                 break
             servers[0].reset_state()
 
@@ -88,7 +98,6 @@ def test_server_restart_soak_accounting_adds_up(tmp_path, tokenizer):
         "rollout.server.request_timeout_s=20", "rollout.server.request_retries=4", "rollout.server.request_retry_backoff_s=0.1",
         "trainer.max_steps=30", "rollout.rollout_batch_size=8", "rollout.engine_retries=2",
         "rollout.engine_retry_backoff_s=0.1", "~callbacks.held_out_eval", "~callbacks.sample_table")))
-    trained = _TrainedIds()
     run.trainer.callbacks.append(trained)
     thread = threading.Thread(target=chaos, daemon=True)
     try:
