@@ -11,7 +11,10 @@ minute of conversion), so the first of them takes that much longer.
   which then scores tokens as the trainer does;
 - the learning claim of docs/models.md: held-out pass@1 and greedy pass rate rise by at least
   `MIN_RISE` over the base model (seed 0; the measured rises are in docs/models.md);
-- the same claim for SAO, whose critic's explained variance is positive by the end.
+- the same claim for SAO, whose critic's explained variance is positive by the end;
+- experiment=smollm2_agent, the multi-turn calculator agent with SmolLM2's ChatML template: held-out
+  pass@1 rises by at least `MIN_RISE`, every action turn trained on is exactly a token sequence the
+  engine returned, and the decode -> encode round trip of the actions is measured (tito/*).
 """
 
 from __future__ import annotations
@@ -143,3 +146,32 @@ def test_the_sao_recipe_learns_and_its_critic_explains_returns(tmp_path):
     ev = [m["critic/explained_variance"] for m in metrics if "critic/explained_variance" in m]
     print(f"critic explained variance, last five steps: {[round(x, 4) for x in ev[-5:]]}")
     assert len(ev) == 15 and sum(ev[-5:]) / 5 > 0
+
+
+def test_the_agent_recipe_learns_and_trains_on_the_engines_own_ids(tmp_path):
+    """experiment=smollm2_agent (seed 0): held-out pass@1 rises by MIN_RISE or more (the greedy answer of the
+    few-shot prompt is already right; docs/agents.md), and every action turn trained on is an engine answer
+    as the engine returned it: observations are spliced in as tokens, nothing is re-tokenized."""
+    from tests.integration.test_tito_bpe import TrainedIds
+
+    run = glmlight.build(compose(_overrides(tmp_path, experiment="smollm2_agent")))
+    engine, produced = run.datamodule.engine, set()
+    generate = engine.generate
+
+    def recording(prompts, params):
+        gens = generate(prompts, params)
+        produced.update(tuple(g.token_ids) for g in gens)
+        return gens
+
+    engine.generate = recording
+    seen = TrainedIds()
+    run.trainer.callbacks.append(seen)
+    run.fit()
+    metrics = _metrics(tmp_path)
+    evals = {m["rl_step"]: m["eval/heldout/pass@1"] for m in metrics if "eval/heldout/pass@1" in m}
+    tito = [m["tito/retokenized_differs_frac"] for m in metrics if "tito/retokenized_differs_frac" in m]
+    print(f"\nheld-out pass@1 {[round(v, 3) for v in evals.values()]}; round trip gives other ids for "
+          f"{sum(tito) / max(len(tito), 1):.3f} of the action turns (mean over {len(tito)} steps)")
+    assert min(evals) == 0 and evals[max(evals)] - evals[0] >= MIN_RISE
+    assert seen.turns and all(seen.rows) and {tuple(t) for t in seen.turns} <= produced
+    assert tito
