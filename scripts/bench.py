@@ -2,6 +2,7 @@
 """Throughput of glmlight against baselines measured in the same run (docs/performance.md).
 
     python scripts/bench.py [--quick] [--only engine|grpo|flops|sync|server|serversync|delta|micro|smollm2] [--sweep] [--device cpu|cuda]
+    python scripts/bench.py --only grpo --model smollm2   # the GRPO step against TRL on the real SmolLM2-135M-Instruct
                             [--json out.json] [--threads N] [--rounds R]
 
 engine  decode tokens/s of LocalEngine (eager, and with compile=True) vs transformers'
@@ -46,7 +47,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="grpo: also time TRL with these GRPOConfig options, e.g. "
                     "gc='{\"gradient_checkpointing\": true}' "
                     "(reported beside the rows, not used as the baseline)")
+    ap.add_argument("--model", default="", choices=["", "smollm2"], help="grpo: the policy both sides train: "
+                    "the tiny GLM-5 (default) or the real SmolLM2-135M-Instruct (model=smollm2)")
     ap.add_argument("--rounds", type=int, help="grpo: runs of every variant, alternating (default 2; quick 1)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads or args.device == "cpu":
         torch.set_num_threads(args.threads or 1)
-    sizes = QUICK if args.quick else Sizes()
+    sizes = replace(QUICK if args.quick else Sizes(), grpo_model=args.model)
     info = machine(args.device)
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}

@@ -15,6 +15,7 @@ import torch
 @dataclass
 class Sizes:
     preset: str = "tiny"  # engine and grpo: the tiny GLM-5; flops: the ~50M `small` preset
+    grpo_model: str = ""  # grpo: "" the GLM-5 `preset`; "smollm2" the real SmolLM2-135M-Instruct (model=smollm2)
     batch: int = 64  # engine: sequences decoded together
     prompt: int = 32  # engine: prompt tokens
     new_tokens: int = 256  # engine: generated tokens per sequence
@@ -45,7 +46,7 @@ QUICK = Sizes(batch=16, prompt=16, new_tokens=64, reps=2, group=4, prompts=2, co
               flops_batch=2, flops_seq=128, flops_steps=1, matmul_n=2048, server_prompts=16, server_tokens=64,
               server_reps=2, sync_preset="tiny", sync_reps=2,
               sync_hidden=256, sync_layers=2, smol_prompts=8, smol_tokens=16, smol_reps=1, delta_steps=2)
-TARGETS = {"engine": 3.0, "grpo_sync": 3.0, "grpo_async": 4.0, "flops": 0.75, "server": 0.9, "server_engine": None,
+TARGETS = {"engine": 3.0, "grpo_sync": 3.0, "grpo_async": 4.0, "grpo_smollm2": 1.5, "flops": 0.75, "server": 0.9, "server_engine": None,
            "sync_memcpy": 0.5, "smollm2": 5.0}
 
 

@@ -57,11 +57,16 @@ def test_grpo_figures_against_trl(capsys):
     finally:
         torch.set_num_threads(threads)
     two = bench.machine("cpu")["cores"] >= 2  # then also sync on two threads, without a target
-    _check(rows, 6 if two else 4)
+    _check(rows, (6 if two else 4) + 4)
     assert [r["figure"].split(":")[0] for r in rows] == (["GRPO step, sync"] * 2 + ["GRPO step, async"] * 2
-                                                         + ["GRPO step, sync, 2 threads"] * 2 * two)
-    assert {r["unit"] for r in rows} == {"completions/s", "tokens/s"} and "TRL completions/s" in rows[0]["note"]
-    assert [r["target"] for r in rows] == [3.0, 3.0, 4.0, 4.0] + [None, None] * two
+                                                         + ["GRPO step, sync, 2 threads"] * 2 * two
+                                                         + ["GRPO run, sync", "GRPO run, async"]
+                                                         + ["GRPO step, sync", "GRPO step, async"])
+    speed, memory, bounds = rows[:-4], rows[-4:-2], rows[-2:]
+    assert {r["unit"] for r in speed} == {"completions/s", "tokens/s"} and "TRL completions/s" in rows[0]["note"]
+    assert [r["target"] for r in speed] == [3.0, 3.0, 4.0, 4.0] + [None, None] * two
+    assert all(r["unit"] == "MB" and r["target"] is None and r["glmlight"] > 100 for r in memory)  # peak RSS
+    assert all(r["unit"] == "s" and r["target"] == round(1 / 1.10, 3) for r in bounds)
     out = capsys.readouterr().out  # the per-step breakdown of every run
     for part in ("sync ", "async ", "trl@", "rollout", "update", "weight sync", "logging+loop"):
         assert part in out
