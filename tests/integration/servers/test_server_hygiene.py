@@ -67,9 +67,12 @@ def test_train_py_killed_by_a_signal_leaves_no_server(tmp_path, sig):
     log = tmp_path / "train.log"
     env = {**os.environ, "GLMLIGHT_TEST_TAG": tag, "PYTHONPATH": REPO}
     with open(log, "wb") as out:
+        # SIGINT at its default disposition in the child: a shell's background job (`cmd &`) starts with
+        # SIGINT ignored, which Python then keeps, and the signal would change nothing
         proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "train.py"),
                                  *_overrides(tmp_path, "trainer.max_steps=100000", "logger=none")],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # until it has trained a step against its server and pushed the weights
         wait_until(lambda: newest_pushed_version(tmp_path / "weights") >= 1, alive=running(proc), poll_s=0.3,
