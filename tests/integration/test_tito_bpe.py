@@ -10,26 +10,10 @@ import torch
 import glmlight
 from glmlight import compose
 from glmlight.callbacks import RetokenizationCheck
-from glmlight.callbacks.retokenization import action_turns
-from glmlight.hooks import RLCallback
 from tests.support.gguf_files import write_tiny_llama_gguf
+from tests.support.tito import TrainedIds, record_generations
 
 pytest.importorskip("gguf")
-
-
-class TrainedIds(RLCallback):
-    reads_old_logprobs = False
-
-    def __init__(self):
-        self.turns, self.rows = [], []
-
-    def on_experience(self, trainer, module, batch):
-        for i, s in enumerate(batch.samples):
-            self.turns += action_turns(s)
-            # what the loss sees: the collated row's response positions hold the sample's response ids
-            start = len(s.prompt_ids)
-            row = batch.input_ids[i][batch.attention_mask[i].bool()].tolist()
-            self.rows.append(row[start:start + len(s.response_ids)] == s.response_ids and row[:start] == s.prompt_ids)
 
 
 def test_the_ids_trained_on_are_the_engines_and_the_round_trip_would_change_some(tmp_path):
@@ -42,16 +26,7 @@ def test_the_ids_trained_on_are_the_engines_and_the_round_trip_would_change_some
                    "logger=none", "export.enabled=false", "~callbacks.sample_table",
                    f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false"])
     run = glmlight.build(cfg)
-    engine = run.datamodule.engine
-    produced = []
-    generate = engine.generate
-
-    def recording(prompts, params):
-        gens = generate(prompts, params)
-        produced.extend(tuple(g.token_ids) for g in gens)
-        return gens
-
-    engine.generate = recording
+    produced = record_generations(run.datamodule.engine)
     seen, check = TrainedIds(), RetokenizationCheck()
     run.trainer.callbacks += [seen, check]
     run.fit()

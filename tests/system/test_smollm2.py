@@ -152,18 +152,10 @@ def test_the_agent_recipe_learns_and_trains_on_the_engines_own_ids(tmp_path):
     """experiment=smollm2_agent (seed 0): held-out pass@1 rises by MIN_RISE or more (the greedy answer of the
     few-shot prompt is already right; docs/agents.md), and every action turn trained on is an engine answer
     as the engine returned it: observations are spliced in as tokens, nothing is re-tokenized."""
-    from tests.integration.test_tito_bpe import TrainedIds
+    from tests.support.tito import TrainedIds, record_generations
 
     run = glmlight.build(compose(_overrides(tmp_path, experiment="smollm2_agent")))
-    engine, produced = run.datamodule.engine, set()
-    generate = engine.generate
-
-    def recording(prompts, params):
-        gens = generate(prompts, params)
-        produced.update(tuple(g.token_ids) for g in gens)
-        return gens
-
-    engine.generate = recording
+    produced = record_generations(run.datamodule.engine)
     seen = TrainedIds()
     run.trainer.callbacks.append(seen)
     run.fit()
@@ -173,5 +165,5 @@ def test_the_agent_recipe_learns_and_trains_on_the_engines_own_ids(tmp_path):
     print(f"\nheld-out pass@1 {[round(v, 3) for v in evals.values()]}; round trip gives other ids for "
           f"{sum(tito) / max(len(tito), 1):.3f} of the action turns (mean over {len(tito)} steps)")
     assert min(evals) == 0 and evals[max(evals)] - evals[0] >= MIN_RISE
-    assert seen.turns and all(seen.rows) and {tuple(t) for t in seen.turns} <= produced
+    assert seen.turns and all(seen.rows) and {tuple(t) for t in seen.turns} <= set(produced)
     assert tito
