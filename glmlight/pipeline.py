@@ -62,6 +62,7 @@ class PipelineConfig:
     dir: str = "runs/pipeline/glm5"
     base_model: Optional[str] = None  # the first stage's input checkpoint; None = the config's own model
     common: list[str] = field(default_factory=list)  # overrides applied to every stage (before its own)
+    seed: Optional[int] = None  # every stage's `seed=` (after common); None = the train config's own
     skip: list[str] = field(default_factory=list)
     resume: bool = True
     stages: dict[str, StageConfig] = field(default_factory=dict)
@@ -70,6 +71,15 @@ class PipelineConfig:
 @dataclass
 class PipelineFile:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+
+def named_config(name: str) -> str:
+    """`pipeline=NAME` on the command line: the shipped conf/pipeline/NAME.yaml."""
+    path = os.path.join(CONF_DIR, "pipeline", f"{name}.yaml")
+    if not os.path.isfile(path):
+        shipped = sorted(f[:-5] for f in os.listdir(os.path.dirname(path)) if f.endswith(".yaml"))
+        raise ConfigError(f"config error: pipeline={name}: no such pipeline (shipped: {shipped})")
+    return path
 
 
 def load_config(path: str = DEFAULT_CONFIG, overrides: list[str] = ()) -> PipelineConfig:
@@ -145,13 +155,18 @@ def stage_config(p: PipelineConfig, name: str, extra: list[str] = ()) -> DictCon
     from glmlight.config import format_config_error
     st = p.stages[name]
     try:
-        cfg = compose([*p.common, *st.overrides, *extra])
+        cfg = compose([*common_overrides(p), *st.overrides, *extra])
         OmegaConf.set_struct(cfg, False)
         if st.merge:
             cfg = OmegaConf.merge(cfg, OmegaConf.create(st.merge))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(f"{format_config_error(e)} (pipeline stage {name})") from None
     return cfg
+
+
+def common_overrides(p: PipelineConfig) -> list[str]:
+    """What every stage gets before its own overrides: pipeline.common, then pipeline.seed."""
+    return [*p.common, *([] if p.seed is None else [f"seed={p.seed}"])]
 
 
 def run_pipeline(p: PipelineConfig) -> dict[str, Any]:
@@ -185,7 +200,7 @@ def stage_digest(p: PipelineConfig, name: str) -> str:
     """What a stage runs with, as a digest: pipeline.common, the stage's own settings and the teacher
     stages it gets (those not skipped). A completed stage whose digest changed runs again on resume."""
     st = p.stages[name]
-    blob = json.dumps({"common": list(p.common), "stage": asdict(st),
+    blob = json.dumps({"common": common_overrides(p), "stage": asdict(st),
                        "teachers": [s for s in st.distill_from if s not in p.skip]}, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -229,7 +244,7 @@ def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Ma
         if manifest.stage(after).get("status") == "completed":
             manifest.update(after, status="stale")
     manifest.update(name, status="running", input_checkpoint=input_ckpt, output_checkpoint=None, run_dir=run_dir,
-                    domain=st.domain, overrides=[*p.common, *st.overrides, *extra], config=stage_digest(p, name),
+                    domain=st.domain, overrides=[*common_overrides(p), *st.overrides, *extra], config=stage_digest(p, name),
                     started_at=_now(), finished_at=None, seconds=None, error=None)
     t0 = time.time()
     log.info("stage %s: starting from %s", name, input_ckpt or "the configured model")

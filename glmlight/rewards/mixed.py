@@ -1,4 +1,5 @@
-"""General-RL rewards: a weighted mix of rule verifiers, reward models and judges.
+"""General-RL rewards: a weighted mix of rule verifiers, reward models and judges, and one verifier
+per prompt domain (`ByDomain`, for a prompt mix such as cross-stage distillation's).
 
     task:
       reward:
@@ -119,12 +120,48 @@ class MixedReward:
         return total, info
 
 
+class ByDomain:
+    """Each sample scored by its prompt domain's reward (`sample.metadata["domain"]`): a mix of task
+    families, each checked as its own task is (the sum's last number, the sorted list's items).
+
+        task:
+          reward:
+            _target_: glmlight.rewards.mixed.ByDomain
+            _recursive_: false
+            routes:
+              math: {_target_: glmlight.rewards.verifiers.NumericMatch}
+              sort: {_target_: glmlight.rewards.verifiers.ListMatch}
+
+    A sample of a domain with no route (or none) raises, which fails that sample by name: it is counted,
+    never scored by another domain's rule. The info dict is the route's own, plus "domain"."""
+
+    def __init__(self, routes: Mapping[str, Any]):
+        if isinstance(routes, DictConfig):
+            routes = OmegaConf.to_container(routes, resolve=True)
+        if not routes:
+            raise ConfigError("config error: ByDomain needs at least one route (domain: reward spec)")
+        self.routes = {str(domain): _build_component(str(domain), {"reward": spec}, f"ByDomain route {domain!r}")[0]
+                       for domain, spec in routes.items()}
+
+    def __call__(self, sample: Sample) -> tuple[float, dict[str, Any]]:
+        domain = sample.metadata.get("domain")
+        if domain is None or str(domain) not in self.routes:
+            raise KeyError(f"ByDomain has no reward for domain {domain!r} (routes: {sorted(self.routes)})")
+        out = self.routes[str(domain)](sample)
+        if inspect.isawaitable(out):
+            from glmlight.rewards.base import _run
+
+            out = _run(_await(out))
+        value, info = _unpack(out)
+        return value, {**info, "domain": str(domain)}
+
+
 async def _await(x):
     return await x
 
 
-def _build_component(name: str, spec: Any) -> tuple[Callable[[Sample], Any], float]:
-    where = f"MixedReward component {name!r}"
+def _build_component(name: str, spec: Any, where: str = "") -> tuple[Callable[[Sample], Any], float]:
+    where = where or f"MixedReward component {name!r}"
     if not isinstance(spec, Mapping) or "reward" not in spec:
         raise ConfigError(f"config error: {where} must be {{reward: <spec with _target_ or callable>, weight: <number>}}")
     unknown = set(spec) - {"reward", "weight"}

@@ -241,3 +241,48 @@ def test_distillation_evaluates_every_teachers_domain(tmp_path):
     _, held_out = build_sources(stage.task, stage.seed)
     chosen = EvalSet(held_out, stage.task.num_eval_prompts).prompts()  # what the evaluation runs
     assert sorted(p.domain for p in chosen) == ["agent"] * 30 + ["general"] * 30 + ["math"] * 30
+
+
+@pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "..",
+                                                                              "conf", "pipeline")) if f.endswith(".yaml")))
+def test_every_shipped_pipeline_composes_with_its_seed(name, tmp_path):
+    """`scripts/pipeline.py pipeline=NAME pipeline.seed=N`: every stage of every shipped pipeline composes
+    and validates, with the seed in each stage (nothing is loaded or built)."""
+    from glmlight.config import validate
+    from glmlight.pipeline import check_stages, named_config
+
+    p = load_config(named_config(name), [f"pipeline.dir={tmp_path}", "pipeline.seed=3"])
+    check_stages(p)
+    for stage in p.stages:
+        assert validate(stage_config(p, stage)).seed == 3
+    with pytest.raises(ConfigError, match=r"pipeline=nope: no such pipeline \(shipped: \[.*'smollm2'"):
+        named_config("nope")
+
+
+def test_smollm2_distillation_routes_and_scores_each_family_by_its_own_rule(tmp_path):
+    """The SmolLM2 pipeline's distillation stage: one teacher per expert stage, routed by domain, a prompt mix
+    of chat questions from both families, and each answer checked by its family's verifier (ByDomain)."""
+    from glmlight.builder import build_sources
+    from glmlight.pipeline import Manifest, named_config, prepare_distillation
+    from glmlight.rewards import build_reward
+    from glmlight.sample import Sample
+
+    p = load_config(named_config("smollm2"), [f"pipeline.dir={tmp_path}"])
+    manifest = Manifest(str(tmp_path / "manifest.json"), p, fresh=True)
+    for name in ("math", "sort"):
+        manifest.update(name, status="completed", output_checkpoint=str(tmp_path / name))
+    stage = stage_config(p, "opd")
+    teachers = prepare_distillation(p, "opd", stage, manifest, str(tmp_path / "opd"))
+    assert {k: v["domains"] for k, v in teachers.items()} == {"math": ["math"], "sort": ["sort"]}
+    train, held_out = build_sources(stage.task, stage.seed)
+    first = [train[i] for i in range(16)]
+    assert {q.domain for q in first} == {"math", "sort"} and all(q.messages[-1]["role"] == "user" for q in first)
+    assert sorted(q.domain for q in (held_out[i] for i in range(len(held_out)))) == ["math"] * 32 + ["sort"] * 32
+    reward = build_reward(stage.task.reward)
+
+    def score(domain, label, text):
+        return reward(Sample(prompt_ids=[1], response_ids=[2], loss_mask=[1], rollout_logprobs=[0.0], versions=[0],
+                             metadata={"completion_text": text, "label": label, "domain": domain}))[0]
+
+    assert score("math", "12", "7 + 5 = 12.") == 1.0 and score("math", "12", "12, no: 13") == 0.0
+    assert score("sort", "2, 7, 9", "The sorted list is 2, 7, 9.") == 1.0 and score("sort", "2, 7, 9", "9, 7, 2") == 0.0

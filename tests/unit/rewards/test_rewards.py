@@ -13,7 +13,7 @@ import torch
 from glmlight.errors import ConfigError
 from glmlight.rewards import build_reward, score_samples
 from glmlight.rewards.judge import GenerativeJudge, parse_judge_score
-from glmlight.rewards.mixed import MixedReward, RewardComponentError
+from glmlight.rewards.mixed import ByDomain, MixedReward, RewardComponentError
 from glmlight.rewards.reward_model import RemoteRewardModel, SequenceClassifierReward
 from glmlight.rewards.verifiers import NumericMatch
 from glmlight.sample import Sample, Status
@@ -111,6 +111,36 @@ def test_mixed_reward_component_failure(tokenizer):
 def test_mixed_reward_bad_config(components, message):
     with pytest.raises(ConfigError, match=message):
         MixedReward(components)
+
+
+# ------------------------------------------------------------------------------------------ ByDomain
+BY_DOMAIN = {"_target_": "glmlight.rewards.mixed.ByDomain", "_recursive_": False, "routes": {
+    "math": {"_target_": "glmlight.rewards.verifiers.NumericMatch"},
+    "sort": {"_target_": "glmlight.rewards.verifiers.ListMatch"},
+}}
+
+
+def test_by_domain_scores_each_sample_with_its_domains_rule(tokenizer):
+    reward = build_reward(BY_DOMAIN)
+    assert isinstance(reward, ByDomain) and sorted(reward.routes) == ["math", "sort"]
+    # "12 then 13": the sum's rule reads the last number (13, wrong); the list rule finds the label's item 12.
+    math = _sample(tokenizer, completion="12 then 13", label="12")
+    sort = _sample(tokenizer, completion="12 then 13", label="12", rollout_id=1)
+    sort.metadata["domain"] = "sort"
+    lost = _sample(tokenizer, rollout_id=2)
+    lost.metadata["domain"] = "poetry"
+    counts = score_samples(reward, [math, sort, lost])
+    assert (math.reward, sort.reward) == (0.0, 1.0)
+    assert math.metadata["reward_info"]["domain"] == "math" and sort.metadata["reward_info"]["pred"] == "12"
+    assert counts["scored"] == 2 and counts["failed"] == 1 and lost.status is Status.FAILED
+    assert "no reward for domain 'poetry'" in lost.metadata["reward_error"]
+
+
+def test_by_domain_bad_config():
+    with pytest.raises(ConfigError, match="at least one route"):
+        ByDomain({})
+    with pytest.raises(ConfigError, match="ByDomain route 'math'.*cannot be imported"):
+        ByDomain({"math": {"_target_": "no.such.Reward"}})
 
 
 # ------------------------------------------------------------------------------------------ reward models
