@@ -8,8 +8,8 @@ prompt: the opening messages + a resume turn carrying the summary + the last k
 room. The copied summary and tail are prompt tokens of the new segment (never
 trained on there); all ids are spliced as produced, never re-tokenized.
 
-The splicing assumes the chat template renders a turn as role marker + content
-(GLM style), so that ids of turns can be concatenated.
+The summary's ids go inside the resume turn, before whatever the template closes a
+user turn with (nothing in GLM's template, `<|im_end|>` and a newline in ChatML).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from glmlight.agents.loop import AgentLoop, Episode, Segment, encode_observation
-from glmlight.models.tokenizer import encode_chat
+from glmlight.models.tokenizer import encode_chat, turn_closing
 from glmlight.engines.base import SamplingParams
 from glmlight.sample import Status
 
@@ -35,6 +35,7 @@ class CompactingAgentLoop(AgentLoop):
         self.summary_max_tokens = summary_max_tokens
         self.request_ids = encode_observation(self.tokenizer, summary_prompt, "user", self.closing) + self.gen_prompt
         self.resume_header = resume_header
+        self.user_closing = turn_closing(self.tokenizer, "user")
         if threshold <= len(self.request_ids) + summary_max_tokens:
             raise ValueError(f"compaction threshold {threshold} leaves no room for the summary request "
                              f"({len(self.request_ids)} tokens) and summary ({summary_max_tokens} tokens)")
@@ -71,10 +72,11 @@ class CompactingAgentLoop(AgentLoop):
         core = summary_ids[:-1] if summary_ids and summary_ids[-1] in self.stop_ids else summary_ids
         head = encode_chat(self.tokenizer, ep.messages + [{"role": "user", "content": self.resume_header}],
                            add_generation_prompt=False)
+        head = head[: len(head) - len(self.user_closing)]  # the resume turn stays open for the summary
         tail: list[int] = []
         for action, obs in ep.steps[len(ep.steps) - k:] if k else []:
             tail += self.gen_prompt + action + obs
-        return head + list(core) + tail + self.gen_prompt
+        return head + list(core) + self.user_closing + tail + self.gen_prompt
 
     def resume(self, ep: Episode, summary_ids: list[int]) -> None:
         """Close the current segment and continue from the resume prompt."""

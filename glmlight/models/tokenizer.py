@@ -117,6 +117,13 @@ def assistant_closing(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return common_tail(encode_chat(tokenizer, SPLICE_BASE, False), encode_chat(tokenizer, SPLICE_BASE_LONGER, False))
 
 
+def turn_closing(tokenizer: PreTrainedTokenizerBase, role: str) -> list[int]:
+    """What the chat template puts after the text of a `role` turn that ends a conversation (ChatML:
+    `<|im_end|>` and a newline; GLM's template: nothing)."""
+    return common_tail(encode_chat(tokenizer, [*SPLICE_BASE, {"role": role, "content": "x"}], False),
+                       encode_chat(tokenizer, [*SPLICE_BASE, {"role": role, "content": "xy"}], False))
+
+
 def spliced_turns(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], closing: list[int],
                   add_generation_prompt: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The ids of `messages` as the template renders them after an assistant turn (and, with

@@ -200,3 +200,37 @@ def test_summary_advantages_by_hand():
     assert out["train/summary_tokens"] == 3.0
     assert out["train/summary_advantage_success"] == pytest.approx((0.5 + 0.7) / 2)
     assert out["train/summary_advantage_other"] == pytest.approx(-0.4)
+
+
+@pytest.fixture
+def chatml_tokenizer():
+    """The character tokenizer with a ChatML template (SmolLM2's form): every turn is closed by
+    `<|im_end|>` and a newline, which also ends the assistant's turn (eos)."""
+    from glmlight.models.tokenizer import build_char_tokenizer
+    from tests.support.gguf_files import CHAT_TEMPLATE
+
+    tok = build_char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_resume_prompt_with_a_template_that_closes_its_turns(chatml_tokenizer):
+    """With ChatML the summary belongs inside the resume turn, before that turn's `<|im_end|>`: the
+    resume prompt is what the template renders for the opening messages, a user turn "Summary: <summary>"
+    and the last k steps (the summary's own ids spliced in, never re-encoded)."""
+    tok = chatml_tokenizer
+    loop, policy = _loop(tok, max_context=200, threshold=100, k=1)
+    ep = loop.run([Prompt(messages=[{"role": "user", "content": "go"}])])[0]
+    assert ep.status is Status.COMPLETED and len(ep.segments) >= 1
+    n_before = sum(1 for t, m in zip(ep.segments[0].response_ids, ep.segments[0].loss_mask)
+                   if t == tok.eos_token_id and m) - 1  # actions before the first summary
+    second = ep.segments[1].prompt_ids if len(ep.segments) > 1 else ep.prompt_ids
+    steps = []
+    for i in (n_before,):  # k = 1: the last step
+        steps += [{"role": "assistant", "content": f"a{i}"}, {"role": "observation", "content": f"o{i}"}]
+    want = encode_chat(tok, [{"role": "system", "content": "sys"}, {"role": "user", "content": "go"},
+                             {"role": "user", "content": "Summary: S1"}, *steps])
+    assert tok.decode(second) == tok.decode(want)
+    assert second == want
