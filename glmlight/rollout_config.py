@@ -32,6 +32,9 @@ class ServerConfig:
     weight_sync: str = "disk"
     weight_sync_dir: str = ".cache/glmlight/weights"
     shm_dir: str = "/dev/shm"  # weight_sync=shm: a shared-memory filesystem the servers (same host) see
+    # weight_sync=tensor into vLLM: send only the elements that changed since the last update (in the served
+    # dtype, as a bitmask and the new values; each server keeps a copy of the weights to apply them to)
+    delta_sync: bool = False
     launch: bool = False  # start the server as a managed child process
     launch_args: list[str] = field(default_factory=list)  # extra server flags, e.g. [--tp-size, "8"]
     launch_command: Optional[list[str]] = None  # replaces `python -m sglang.launch_server` / the vLLM server

@@ -66,6 +66,12 @@ def check_rules(cfg: DictConfig) -> None:
     betas = OmegaConf.select(cfg, "algo.betas")
     if betas is not None and len(betas) != 2:
         raise ConfigError(f"config error: algo.betas must be two numbers [beta1, beta2], got {list(betas)}")
+    if OmegaConf.select(cfg, "rollout.server.delta_sync") and (
+            OmegaConf.select(cfg, "rollout.backend") not in ("vllm", "vllm_ascend")
+            or OmegaConf.select(cfg, "rollout.server.weight_sync") != "tensor"):
+        raise ConfigError("config error: rollout.server.delta_sync sends changed elements over weight_sync=tensor "
+                          "into vLLM servers (rollout=vllm or vllm_ascend); got rollout.backend="
+                          f"{OmegaConf.select(cfg, 'rollout.backend')}, weight_sync={OmegaConf.select(cfg, 'rollout.server.weight_sync')}")
     mix, sizes = (OmegaConf.select(cfg, f"model.warm_start.{k}") or [] for k in ("mix", "mix_batch_size"))
     if sizes and len(sizes) != len(mix):
         raise ConfigError(f"config error: model.warm_start.mix_batch_size has {len(sizes)} entries for "

@@ -100,6 +100,7 @@ def bench_weight_delta(s: Sizes, device: str) -> list[dict[str, Any]]:
     from glmlight import compose
 
     changed: list[dict[str, float]] = []
+    states: list[dict[str, torch.Tensor]] = []  # the weights at every sync, the first one included
 
     class Delta(pl.Callback):  # after WeightSync (appended last): the weights the engine just got
         def __init__(self) -> None:
@@ -107,6 +108,7 @@ def bench_weight_delta(s: Sizes, device: str) -> list[dict[str, Any]]:
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
             self.prev = {k: v.detach().float().clone() for k, v in module.policy.state_dict().items()}
+            states.append(self.prev)
 
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any, **kwargs: Any) -> None:
             now = {k: v.detach().float().clone() for k, v in module.policy.state_dict().items()}
@@ -116,6 +118,7 @@ def bench_weight_delta(s: Sizes, device: str) -> list[dict[str, Any]]:
                 fp32 = sum(int((now[k] != self.prev[k]).sum()) for k in now)
                 changed.append({"bf16": bf16 / n, "fp32": fp32 / n})
             self.prev = now
+            states.append(now)
 
     with tempfile.TemporaryDirectory() as root:
         run = glmlight.build(compose(["experiment=smollm2_grpo", f"trainer.max_steps={s.delta_steps}", "logger=none",
@@ -129,5 +132,51 @@ def bench_weight_delta(s: Sizes, device: str) -> list[dict[str, Any]]:
     note = (f"SmolLM2 recipe (GRPO, lr 2e-5, Adam), {len(changed)} steps compared; per step, fraction of elements "
             f"changed: bf16 {per_step['bf16']}; fp32 {per_step['fp32']}")
     print(f"delta: {note}", file=sys.stderr)
-    return [row("weights changed per step, bf16 (fraction of elements; baseline: all)", "fraction", bf16, 1.0, None, note),
+    rows = [row("weights changed per step, bf16 (fraction of elements; baseline: all)", "fraction", bf16, 1.0, None, note),
             row("weights changed per step, fp32 (fraction of elements; baseline: all)", "fraction", fp32, 1.0, None, note)]
+    if not os.environ.get(BACKENDS["vllm"]):
+        print(f"delta: the sync into a real vLLM server skipped (set {BACKENDS['vllm']})", file=sys.stderr)
+        return rows
+    return rows + bench_delta_sync(states)
+
+
+def bench_delta_sync(states: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """The recipe's consecutive weights pushed into a real vLLM server serving SmolLM2 in bfloat16
+    (weight_sync=tensor): whole float32 tensors as the trainer holds them, against delta sync
+    (rollout.server.delta_sync: the changed bf16 elements). Every update after the first is timed."""
+    from glmlight.bench.smollm2 import FILE, PACKAGE
+    from glmlight.engines.factory import build_server_engine
+    from glmlight.engines.weight_delta import DeltaSender
+    from glmlight.models.gguf import package_checkpoint
+
+    ckpt = package_checkpoint(PACKAGE, FILE)
+    root = tempfile.mkdtemp(prefix="glmlight-bench-delta-")
+    cfg = _config("vllm", ckpt, root)
+    cfg.rollout.server.launch_args = [a if a != "float32" else "bfloat16" for a in cfg.rollout.server.launch_args]
+    engine = build_server_engine(cfg)
+    engine.weight_sync = "tensor"
+    seconds: dict[str, list[float]] = {"whole": [], "delta": []}
+    sent: dict[str, list[int]] = {"whole": [], "delta": []}
+    try:
+        for mode in ("whole", "delta"):
+            engine.delta = DeltaSender() if mode == "delta" else None
+            for i, state in enumerate(states):
+                named = list(state.items())
+                t = time.perf_counter()
+                engine.update_weights(named, version=engine.version + 1)
+                if i:  # the first push of each mode sets the base
+                    seconds[mode].append(time.perf_counter() - t)
+                    sent[mode].append(engine.last_sync_bytes["bytes"] if mode == "delta"
+                                      else sum(v.numel() * v.element_size() for _, v in named))
+    finally:
+        engine.close()
+    s_whole, s_delta = statistics.median(seconds["whole"]), statistics.median(seconds["delta"])
+    b_whole, b_delta = statistics.median(sent["whole"]), statistics.median(sent["delta"])
+    note = (f"SmolLM2 recipe weights after {len(states) - 1} RL steps into vLLM serving bfloat16, tensor mode; per "
+            f"update: whole float32 {b_whole / 1e6:.0f} MB in {s_whole:.3f} s, delta "
+            f"{', '.join(f'{b / 1e6:.1f}' for b in sent['delta'])} MB in {', '.join(f'{x:.3f}' for x in seconds['delta'])} s")
+    print(f"delta: {note}", file=sys.stderr)
+    return [row("delta sync into vLLM (bf16): bytes sent per update, whole fp32 / delta", "x", b_whole / b_delta, 1.0,
+                None, note),
+            row("delta sync into vLLM (bf16): seconds per update, whole fp32 / delta", "x", s_whole / s_delta, 1.0,
+                None, note)]

@@ -30,7 +30,10 @@ adds both and puts glmlight on the server's PYTHONPATH):
 weight_sync=shm writes the checkpoint into one of two shared-memory slots
 (`transport.SharedMemorySlots`) and glmlight_load_path maps it ({"map": true}): each byte is copied
 once by the trainer and once by the reload, on the same host. The commit reports what its stages
-took (`last_sync_seconds`).
+took (`last_sync_seconds`). weight_sync=tensor with `delta_sync` sends, against the tensors of the
+last committed version (in the served dtype), only the elements that changed
+(glmlight/engines/weight_delta.py); the worker rebuilds the rest from the copy it kept. A re-sync
+of a restarted server and the retry after any failed update send everything.
 
 /collective_rpc passes string arguments only, so each call carries one JSON string. A 500 from it
 ("Call to collective_rpc method failed: ...": an unknown method, a failed load) is not retried.
@@ -55,6 +58,7 @@ from typing import Any
 from glmlight.dtypes import dtype_name
 from glmlight.errors import EngineError
 from glmlight.engines import transport as wt
+from glmlight.engines.weight_delta import DeltaSender
 from glmlight.engines.base import Generation, NamedTensors, SamplingParams
 from glmlight.engines.servers.http import AuthError, get_field
 from glmlight.engines.servers.launch import free_port, local_ip_towards, vllm_index_refusal, vllm_launch
@@ -82,13 +86,16 @@ class VLLMEngine(ServerEngineBase):
                  weight_sync_dir: str = ".cache/glmlight/weights", model_path: str | None = None,
                  served_model: str | None = None, sync_backend: str = "nccl", sync_master_address: str | None = None,
                  bucket_bytes: int = 1 << 28, keep_checkpoints: int = 2, ascend: bool = False,
-                 check_logprobs: bool = True, **kwargs: Any):
+                 check_logprobs: bool = True, delta_sync: bool = False, **kwargs: Any):
         self.name = "vLLM-Ascend" if ascend else "vLLM"
         self.weight_sync, self.weight_sync_dir, self.model_path = weight_sync, weight_sync_dir, model_path
         self.served_model = served_model
         self.sync_backend, self.sync_master_address = sync_backend, sync_master_address
         self.bucket_bytes, self.keep_checkpoints = bucket_bytes, keep_checkpoints
         self.check_logprobs = check_logprobs
+        self.delta = DeltaSender() if delta_sync else None  # weight_sync=tensor: changed elements only
+        self._served_dtype: str | None = None
+        self.last_sync_bytes: dict[str, int] = {}  # delta sync: the last update's bytes sent and whole
         self.server_versions: dict[str, tuple[int, ...]] = {}
         self._sync_problem: dict[str, str] = {}
         self._workers: dict[str, int] = {}
@@ -106,7 +113,7 @@ class VLLMEngine(ServerEngineBase):
         launch = vllm_launch(cfg, kw, replay) if s.launch else None
         backend = s.sync_backend or (ASCEND_OPTIONS["sync_backend"] if ascend else "nccl")
         return cls(launch=launch, ascend=ascend, sync_backend=backend, sync_master_address=s.sync_master_address,
-                   check_logprobs=bool(s.check_logprobs), **kw)
+                   check_logprobs=bool(s.check_logprobs), delta_sync=bool(s.delta_sync), **kw)
 
     def _refuse_replay(self, routing: bool, index: bool) -> str | None:
         return vllm_index_refusal(self.name) if index else None
@@ -141,6 +148,7 @@ class VLLMEngine(ServerEngineBase):
         if problems:  # a worker that cannot load updates (vLLM-Ascend weights in FRACTAL_NZ)
             self._sync_problem[url] = "; ".join(problems)
         self._workers[url] = len(results)
+        self._served_dtype = next((str(r["dtype"]) for r in results if r.get("dtype")), self._served_dtype)
 
     # ------------------------------------------------------------------ generation
     async def _generate_one(self, rid: str, prompt: list[int], p: SamplingParams) -> Answer:
@@ -258,21 +266,30 @@ class VLLMEngine(ServerEngineBase):
     def _push(self, urls: Sequence[str], named: list | None, path: str | None, version: int) -> Source:
         uid = f"v{version}-{uuid.uuid4().hex[:8]}"
         source = Source(version, str(version))
+        delta = self.delta is not None and self.weight_sync == "tensor"
+        resync = version == self.version  # a restarted server gets the current weights: whole, not a delta
         try:
-            buckets = self._stage(urls, named, path, version, uid, source)
+            buckets = self._stage(urls, named, path, version, uid, source, resync)
         except BaseException as e:
             self._each(urls, "glmlight_abort_update", {}, attempts=1)
+            if delta:
+                self.delta.forget()
             if isinstance(e, (EngineError, OSError, RuntimeError)):
                 raise UpdateFailed(f"staging failed: {e}") from None
             raise
-        outcomes = self.http.run(self._rpc_all(urls, "glmlight_commit", {u: {
-            "update_id": uid, "version": str(version), "buckets": buckets} for u in urls}, attempts=1))
+        commit = {"update_id": uid, "version": str(version), "buckets": buckets,
+                  **(self.delta.commit_spec(resync) if delta else {})}
+        outcomes = self.http.run(self._rpc_all(urls, "glmlight_commit", {u: commit for u in urls}, attempts=1))
         errors = {u: o for u, o in zip(urls, outcomes) if isinstance(o, BaseException)}
         for o in outcomes:  # what the first server's first worker measured (staging, host copy, reload)
             if not isinstance(o, BaseException) and o and isinstance(o[0].get("seconds"), dict):
                 self.last_sync_seconds.update({f"server_{k}": float(x) for k, x in o[0]["seconds"].items()})
                 break
         done = [u for u in urls if u not in errors]
+        if delta and errors:
+            self.delta.forget()
+        elif delta:
+            self.delta.committed(version, resync)
         if errors:
             bad = self._each(done, "glmlight_revert", {"update_id": uid}, attempts=1)
             if bad:
@@ -288,7 +305,7 @@ class VLLMEngine(ServerEngineBase):
         return source
 
     def _stage(self, urls: Sequence[str], named: list | None, path: str | None, version: int, uid: str,
-               source: Source) -> int:
+               source: Source, resync: bool = False) -> int:
         """Send the update to every server's workers (nothing is loaded yet); the number of buckets."""
         config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None
         if self.weight_sync == "shm":
@@ -305,6 +322,9 @@ class VLLMEngine(ServerEngineBase):
             self._raise_first(self._each(urls, "glmlight_load_path", {"path": source.path, "update_id": uid}))
             return 1
         named = named if named is not None else wt.read_checkpoint(path)  # type: ignore[arg-type]
+        if self.delta is not None and self.weight_sync == "tensor":
+            named = self.delta.wire(named, self._served_dtype, whole=resync)
+            self.last_sync_bytes = dict(self.delta.last)
         parts = list(wt.buckets(named, self.bucket_bytes)) or [[]]
         for i, bucket in enumerate(parts):
             if self.weight_sync == "tensor":

@@ -2,16 +2,17 @@
 
 Start the server with `--worker-extension-cls glmlight.engines.servers.vllm_worker.WeightLoaderExtension`
 (a managed launch adds it and puts glmlight on the server's PYTHONPATH). This module imports torch,
-safetensors and glmlight's weight transport only (vLLM lazily, inside the methods), so the server's
-environment needs no other part of glmlight.
+safetensors and glmlight's weight transport, update checks and delta form only (vLLM lazily, inside
+the methods), so the server's environment needs no other part of glmlight.
 
 An update is staged, then committed, so that a failed update never leaves a half-loaded model
 serving:
 
     stage   glmlight_load_payload / glmlight_update_distributed (one call per bucket) or
             glmlight_load_path (a checkpoint): tensors are kept in the worker; the model is untouched
-    commit  glmlight_commit: check the staged tensors against the served checkpoint (every tensor,
-            right shapes), keep a host copy of the current weights, then load everything through
+    commit  glmlight_commit: expand a delta sync's changed elements against the tensors the last
+            commit kept (glmlight/engines/weight_delta.py), check the staged tensors against the
+            served checkpoint (every tensor, right shapes), keep a host copy of the current weights, then load everything through
             vLLM's layerwise reload (`initialize_layerwise_reload` → `model.load_weights` →
             `finalize_layerwise_reload`, vllm/model_executor/model_loader/reload/layerwise.py in
             vLLM 0.32 and 0.33), which re-runs each layer's `process_weights_after_loading`: the
@@ -47,17 +48,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from glmlight.dtypes import parse_dtype
+from glmlight.engines.servers.worker_checks import check_update_names, checkpoint_shapes
 from glmlight.engines.transport import (Named, decode_safetensors, init_custom_process_group, map_checkpoint, read_checkpoint,
                                        sync_device)
+from glmlight.engines.weight_delta import DeltaBase
 
 log = logging.getLogger(__name__)
-
-# Names a trainer may send that a served checkpoint legitimately lacks (load_weights skips them).
-IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
 
 class WeightLoaderExtension:
     """Mixed into each vLLM worker by `worker_extension_cls`; see the module docstring."""
@@ -65,7 +63,7 @@ class WeightLoaderExtension:
     # ------------------------------------------------------------------ RPC methods
     def glmlight_weight_version(self, spec: str | None = None) -> dict:
         problem = self._gl_update_problem()
-        return self._gl_state(**({"problem": problem} if problem else {}))
+        return self._gl_state(dtype=self._gl_dtype(), **({"problem": problem} if problem else {}))
 
     def glmlight_load_payload(self, spec: str) -> dict:
         """{"data": base64 safetensors bytes, "update_id", "bucket": i}: stage these tensors."""
@@ -131,14 +129,15 @@ class WeightLoaderExtension:
         if stage["buckets"] != int(s.get("buckets", stage["buckets"])):
             raise RuntimeError(f"update {s['update_id']!r}: {stage['buckets']} buckets staged, "
                                f"{s['buckets']} sent")
-        named = stage["tensors"]
+        named = DeltaBase.expand_update(self.__dict__, stage["tensors"], s)  # a delta sync's changed elements
         problem = self._gl_update_problem()  # the client asked at start (glmlight_weight_version); again here
         if problem:
             raise RuntimeError(problem)
         self._gl_validate(named)
         self.__dict__.pop("_gl_backup", None)  # an older copy never released
         t0 = time.perf_counter()
-        backup = {"update_id": s["update_id"], "version": self._gl_version(), "state": self._gl_snapshot()}
+        backup = {"update_id": s["update_id"], "version": self._gl_version(), "state": self._gl_snapshot(),
+                  "delta_base": DeltaBase.current(self.__dict__)}
         t1 = time.perf_counter()
         try:
             loaded = self._gl_reload(named)
@@ -150,6 +149,7 @@ class WeightLoaderExtension:
             raise
         self.__dict__["_gl_backup"] = backup
         self.__dict__["_gl_version_value"] = str(s["version"])
+        DeltaBase.keep(self.__dict__, named, s)
         seconds = {"stage": stage["seconds"], "snapshot": t1 - t0, "reload": time.perf_counter() - t1,
                    **{f"reload_{k}": x for k, x in self.__dict__.pop("_gl_reload_seconds", {}).items()}}
         return self._gl_state(applied=True, tensors=len(named), buckets=stage["buckets"], loaded=loaded,
@@ -170,6 +170,7 @@ class WeightLoaderExtension:
             raise RuntimeError(f"cannot revert update {uid!r}: its previous weights are no longer kept")
         self._gl_restore(backup["state"])
         self.__dict__["_gl_version_value"] = backup["version"]
+        DeltaBase.restore(self.__dict__, backup["delta_base"])
         return self._gl_state(reverted=True)
 
     def glmlight_abort_update(self, spec: str | None = None) -> dict:
@@ -204,29 +205,7 @@ class WeightLoaderExtension:
         return self._gl_state(staged_buckets=stage["buckets"], staged_tensors=len(stage["tensors"]))
 
     def _gl_validate(self, named: Named) -> None:
-        """Every tensor of the served checkpoint, nothing unknown, the right shapes: layerwise reload
-        re-materialises whole layers, so a layer that got only part of its tensors would serve
-        uninitialised memory."""
-        want = self._gl_expected_shapes()
-        if not want:
-            return
-        got: dict[str, tuple[int, ...]] = {}
-        for name, t in named:
-            for n, shape in _expanded(name, tuple(t.shape), want):
-                if n in got:
-                    raise ValueError(f"tensor {n!r} sent twice in one update")
-                got[n] = shape
-        unknown = sorted(n for n in got if n not in want and not n.endswith(IGNORABLE_SUFFIXES)
-                         and not (n == "lm_head.weight" and "model.embed_tokens.weight" in want))
-        if unknown:
-            raise ValueError(f"{len(unknown)} tensors the served model does not have, e.g. {unknown[:3]}")
-        bad = [(n, got[n], want[n]) for n in got if n in want and got[n] != want[n]]
-        if bad:
-            raise ValueError(f"{len(bad)} tensors of the wrong shape (name, sent, served), e.g. {bad[:2]}")
-        missing = sorted(set(want) - set(got))
-        if missing:
-            raise ValueError(f"the update lacks {len(missing)} of the served model's {len(want)} tensors, "
-                             f"e.g. {missing[:3]}")
+        check_update_names(named, self._gl_expected_shapes())
 
     # ------------------------------------------------------------------ vLLM specifics (test seams)
     def _gl_update_problem(self) -> str | None:
@@ -333,6 +312,11 @@ class WeightLoaderExtension:
     def _gl_state(self, **extra: Any) -> dict:
         return {"weight_version": self._gl_version(), "rank": self._gl_rank(), **extra}
 
+    def _gl_dtype(self) -> str | None:
+        """The served weights' dtype ("bfloat16"), which a delta sync compares in."""
+        dtype = getattr(getattr(getattr(self, "vllm_config", None), "model_config", None), "dtype", None)
+        return str(dtype).removeprefix("torch.") if dtype is not None else None
+
     def _gl_rank(self) -> int:
         try:
             from vllm.distributed.parallel_state import get_world_group
@@ -349,18 +333,6 @@ def _on_ascend() -> bool:
     except ImportError:  # outside vLLM
         return False
     return current_platform.device_type == "npu"
-
-
-def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of a safetensors checkpoint (a directory or one file), from the headers."""
-    files = ([os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
-             if os.path.isdir(path) else [path])
-    out: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            for k in st.keys():
-                out[k] = tuple(st.get_slice(k).get_shape())
-    return out
 
 
 def _drop_cpu_moe_kernels(model: torch.nn.Module) -> list:
@@ -381,19 +353,3 @@ def _drop_cpu_moe_kernels(model: torch.nn.Module) -> list:
             out.append((qm, qm.moe_kernel))
             qm.moe_kernel = None
     return out
-
-
-def _expanded(name: str, shape: tuple[int, ...], want: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """transformers 5 keeps MoE experts fused in memory (`...experts.gate_up_proj` [E, 2I, H],
-    `...experts.down_proj` [E, H, I]); checkpoints hold `...experts.{e}.{gate,up,down}_proj.weight`.
-    vLLM's MoE `load_weights` takes both; for the check, a fused name stands for its per-expert ones."""
-    if name in want or len(shape) != 3:
-        return [(name, shape)]
-    for fused, parts in ((".experts.gate_up_proj", ("gate_proj", "up_proj")), (".experts.down_proj", ("down_proj",))):
-        if name.endswith(fused):
-            prefix = name[: -len(fused)] + ".experts"
-            if f"{prefix}.0.{parts[0]}.weight" not in want:
-                break
-            experts, rows, cols = shape
-            return [(f"{prefix}.{e}.{p}.weight", (rows // len(parts), cols)) for e in range(experts) for p in parts]
-    return [(name, shape)]

@@ -350,6 +350,43 @@ def test_weight_sync_serves_exactly_the_trainers_weights(real, mode, bucket_byte
     assert all(g.versions == [eng.version] * len(g.token_ids) for g in gens)
 
 
+def test_delta_sync_into_a_real_vllm_server_serves_exactly_the_trainers_weights(real):
+    """rollout.server.delta_sync: after a whole update, one that changes a few rows of one matrix sends a
+    bitmask and those values (the served dtype, as the worker reports it), and the real server scores
+    exactly as the trainer does with those weights."""
+    import copy
+
+    from glmlight.engines.weight_delta import DeltaSender
+
+    if real.backend != "vllm":
+        pytest.skip("delta sync is vLLM's (its worker extension rebuilds the update)")
+    eng = real.engine
+    eng.weight_sync, eng.bucket_bytes, eng.delta = "tensor", 1 << 28, DeltaSender()
+    try:
+        base = [(k, v.detach().clone()) for k, v in real.models[1].state_dict().items()]
+        eng.update_weights(base, version=eng.version + 1)
+        full = eng.last_sync_bytes["full_bytes"]
+        assert eng.last_sync_bytes["bytes"] == full
+        edited = [(k, v.clone()) for k, v in base]
+        name, w = next((k, v) for k, v in edited if k.endswith("layers.0.self_attn.q_proj.weight"))
+        w[:4] += 0.5
+        eng.update_weights(edited, version=eng.version + 1)
+        sent = eng.last_sync_bytes
+        assert sent["changed"] == w[:4].numel() and sent["bytes"] < full / 20, sent
+        model = copy.deepcopy(real.models[1])
+        model.load_state_dict(dict(edited))
+        ps = _prompts(real.tok, 2)
+        comps = [[(3 * i + 7 * j) % 90 + 5 for j in range(10)] for i in range(2)]
+        want = [trainer_logprobs(model, p, c) for p, c in zip(ps, comps)]
+        stale = [trainer_logprobs(real.models[1], p, c) for p, c in zip(ps, comps)]
+        assert max(max_diff(a, b) for a, b in zip(want, stale)) > 1e-3  # the edit shows in the scores
+        worst = max(max_diff(a, b) for a, b in zip(_scores(real, ps, comps), want))
+        print(f"\nvllm delta sync: {sent['bytes']} of {full} bytes sent, max |server - trainer| = {worst:.2e}")
+        assert worst <= TOL
+    finally:
+        eng.delta, real.current = None, -1  # the next test syncs whole weights again
+
+
 def test_shm_updates_alternate_slots_and_each_serves_the_trainers_weights(real):
     """Three weight_sync=shm updates in a row: the second goes into the other slot, the third
     overwrites the first slot's file in place; after each the server scores as the trainer."""

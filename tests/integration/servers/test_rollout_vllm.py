@@ -375,8 +375,8 @@ def test_worker_extension_imports_with_torch_and_safetensors_alone(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-1500:]
     assert out.stdout.strip() == str(['glmlight', 'glmlight.dtypes', 'glmlight.engines', 'glmlight.engines.servers',
-                                      'glmlight.engines.servers.vllm_worker', 'glmlight.engines.transport',
-                                      'glmlight.sample'])
+                                      'glmlight.engines.servers.vllm_worker', 'glmlight.engines.servers.worker_checks',
+                                      'glmlight.engines.transport', 'glmlight.engines.weight_delta', 'glmlight.sample'])
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
@@ -581,3 +581,49 @@ def test_in_process_vllm_ascend_engine_keeps_weights_in_nd(monkeypatch):
     built.clear()
     VLLMInProcessEngine("/ckpt", ascend=True, llm_kwargs={"additional_config": {"weight_nz_mode": 0, "x": 1}})
     assert built["additional_config"] == {"weight_nz_mode": 0, "x": 1}  # the caller's own wins
+
+
+def test_delta_sync_sends_the_changed_elements_and_goes_whole_when_a_server_lacks_the_base(model, tokenizer, tmp_path):
+    """weight_sync=tensor with delta_sync: the first update goes whole; one that changes a few elements
+    sends a bitmask and those values, and both servers rebuild exactly the trainer's weights. A server
+    that restarted (no base) is re-synced whole; a failed update makes the next one whole again."""
+    from glmlight.engines.weight_delta import MASK
+
+    a, b = VLLMServer(LocalEngine(model)).start(), VLLMServer(LocalEngine(model)).start()
+    ps, sp = prompts(tokenizer, 4), greedy(tokenizer)
+    v1 = perturbed(model, seed=1)
+    v2 = [(k, t.clone()) for k, t in v1]
+    name, t = next((k, t) for k, t in v2 if t.dim() == 2)
+    t[0, :3] += 0.5  # three elements of one matrix
+    full = sum(t.numel() * t.element_size() for _, t in v1)
+
+    def sent_names(srv, start=0):  # the tensor names of every bucket the server was sent since call `start`
+        from glmlight.engines.transport import decode_safetensors
+        return [n for c in srv.calls("/collective_rpc")[start:] if c.body.get("method") == "glmlight_load_payload"
+                for n, _ in decode_safetensors(json.loads(c.body["args"][0])["data"])]
+
+    try:
+        with make([a.url, b.url], tmp_path, weight_sync="tensor", delta_sync=True) as eng:
+            eng.update_weights(v1, version=1)
+            assert eng.last_sync_bytes["bytes"] == full and not any(n.endswith(MASK) for n in sent_names(a))
+            n = len(a.calls("/collective_rpc"))
+            eng.update_weights(v2, version=2)
+            assert eng.last_sync_bytes["changed"] == 3 and eng.last_sync_bytes["bytes"] < full / 5
+            names = sent_names(a, n)
+            assert name + MASK in names and name not in names
+            want = answers_of(model, v2, ps, sp)
+            assert_same(eng.generate(ps * 2, sp), want * 2)  # both servers serve exactly v2
+            b.restart(fresh=True)  # comes back without the weights, and without a base
+            assert_same(eng.generate(ps * 2, sp), want * 2)
+            assert eng.num_resyncs == 1 and b.worker.__dict__["_gl_delta_base"]["version"] == "2"
+            failed = {"error": {"message": "Call to collective_rpc method failed: Worker failed with error 'x'",
+                                "type": "InternalServerError", "param": None, "code": 500}}
+            a.inject("/collective_rpc", "status", times=1, body=failed,
+                     when=lambda body: body.get("method") == "glmlight_commit")
+            v3 = [(k, t + (0.25 if k == name else 0.0)) for k, t in v2]
+            eng.update_weights(v3, version=3)  # the first try fails; the retry goes whole
+            assert eng.version == 3 and eng.last_sync_bytes["bytes"] == full
+            assert_same(eng.generate(ps * 2, sp), answers_of(model, v3, ps, sp) * 2)
+    finally:
+        a.close()
+        b.close()
