@@ -224,6 +224,17 @@ def stage_input(p: PipelineConfig, name: str, manifest: Manifest, base: str | No
     return initial
 
 
+def stage_overrides(p: PipelineConfig, name: str, input_ckpt: str | None, run_dir: str) -> list[str]:
+    """What the pipeline adds to a stage's own overrides: its directory and name, and its input checkpoint
+    (which replaces the configured model, a registry package's GGUF included), warm start off unless the
+    stage keeps it."""
+    extra = [f"trainer.default_root_dir={run_dir}", f"run_name={p.name}-{name}"]
+    if input_ckpt:
+        extra += [f"model.path={input_ckpt}", "model.gguf.package=null", "model.gguf.file=null"]
+        extra += [] if p.stages[name].warm_start else ["model.warm_start.steps=0"]
+    return extra
+
+
 def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Manifest, root: str) -> str:
     """Build, fit and save one stage; record it in the manifest. Returns the output checkpoint."""
     from glmlight.builder import build
@@ -232,9 +243,7 @@ def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Ma
     st = p.stages[name]
     run_dir = os.path.join(root, name)
     output = os.path.join(run_dir, "policy")
-    extra = [f"trainer.default_root_dir={run_dir}", f"run_name={p.name}-{name}"]
-    if input_ckpt:
-        extra += [f"model.path={input_ckpt}"] + ([] if st.warm_start else ["model.warm_start.steps=0"])
+    extra = stage_overrides(p, name, input_ckpt, run_dir)
     previous = manifest.stage(name)
     if (previous.get("status") in ("running", "failed") and previous.get("input_checkpoint") == input_ckpt
             and os.path.exists(os.path.join(run_dir, "checkpoints", "last.ckpt"))):

@@ -286,3 +286,15 @@ def test_smollm2_distillation_routes_and_scores_each_family_by_its_own_rule(tmp_
 
     assert score("math", "12", "7 + 5 = 12.") == 1.0 and score("math", "12", "12, no: 13") == 0.0
     assert score("sort", "2, 7, 9", "The sorted list is 2, 7, 9.") == 1.0 and score("sort", "2, 7, 9", "9, 7, 2") == 0.0
+
+
+def test_a_stage_after_the_first_loads_its_input_checkpoint_not_the_configured_package(tmp_path):
+    """pipeline=smollm2 names its model by a registry package (model=smollm2: model.gguf.package); a later
+    stage's input is a checkpoint directory, which replaces the package rather than clashing with it."""
+    from glmlight.models.gguf import resolve_model_path
+    from glmlight.pipeline import named_config, stage_overrides
+
+    p = load_config(named_config("smollm2"), [f"pipeline.dir={tmp_path}"])
+    ckpt = str(tmp_path / "math" / "initial")
+    cfg = stage_config(p, "sort", stage_overrides(p, "sort", ckpt, str(tmp_path / "sort")))
+    assert resolve_model_path(cfg.model) == ckpt and cfg.model.warm_start.steps == 0
