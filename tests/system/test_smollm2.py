@@ -13,8 +13,10 @@ minute of conversion), so the first of them takes that much longer.
   `MIN_RISE` over the base model (seed 0; the measured rises are in docs/models.md);
 - the same claim for SAO, whose critic's explained variance is positive by the end;
 - experiment=smollm2_agent, the multi-turn calculator agent with SmolLM2's ChatML template: held-out
-  pass@1 rises by at least `MIN_RISE`, every action turn trained on is exactly a token sequence the
-  engine returned, and the decode -> encode round trip of the actions is measured (tito/*).
+  pass@1 rises by at least `AGENT_MIN_RISE`, every action turn trained on is exactly a token sequence the
+  engine returned, and the decode -> encode round trip of the actions is measured (tito/*);
+- pipeline=smollm2: two GRPO experts and cross-stage OPD into one student from the base model, which
+  ends within `PIPELINE_GAP` of each expert on the expert's domain and above its start on both.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from glmlight import compose
 
 pytestmark = pytest.mark.slow
 
-# The measured rises over three seeds (docs/models.md) were at least MEASURED_MIN_RISE; the test asks for
-# the issue's 0.2 on seed 0, a margin below what every measured seed reached.
+# The GRPO and SAO recipes' measured rises (docs/results.md) were 0.65 or more on every seed; the tests ask
+# for 0.2 on seed 0. The agent's held-out pass@1 rose by 0.6 or more by step 10 on every measured seed.
 MIN_RISE = 0.2
+AGENT_MIN_RISE = 0.4
+PIPELINE_GAP = 0.1  # the student's pass@1 on an expert's domain: at most this far below the expert's
 
 
 def _overrides(tmp_path, *extra, experiment="smollm2_grpo"):
@@ -149,7 +153,7 @@ def test_the_sao_recipe_learns_and_its_critic_explains_returns(tmp_path):
 
 
 def test_the_agent_recipe_learns_and_trains_on_the_engines_own_ids(tmp_path):
-    """experiment=smollm2_agent (seed 0): held-out pass@1 rises by MIN_RISE or more (the greedy answer of the
+    """experiment=smollm2_agent (seed 0): held-out pass@1 rises by AGENT_MIN_RISE or more (the greedy answer of the
     few-shot prompt is already right; docs/agents.md), and every action turn trained on is an engine answer
     as the engine returned it: observations are spliced in as tokens, nothing is re-tokenized."""
     from tests.support.tito import TrainedIds, record_generations
@@ -164,6 +168,26 @@ def test_the_agent_recipe_learns_and_trains_on_the_engines_own_ids(tmp_path):
     tito = [m["tito/retokenized_differs_frac"] for m in metrics if "tito/retokenized_differs_frac" in m]
     print(f"\nheld-out pass@1 {[round(v, 3) for v in evals.values()]}; round trip gives other ids for "
           f"{sum(tito) / max(len(tito), 1):.3f} of the action turns (mean over {len(tito)} steps)")
-    assert min(evals) == 0 and evals[max(evals)] - evals[0] >= MIN_RISE
+    assert min(evals) == 0 and evals[max(evals)] - evals[0] >= AGENT_MIN_RISE
     assert seen.turns and all(seen.rows) and {tuple(t) for t in seen.turns} <= set(produced)
     assert tito
+
+
+def test_the_pipeline_recipe_distills_both_experts_into_one_student(tmp_path):
+    """pipeline=smollm2 (seed 0): GRPO experts on addition and on sorting, each from the base model, then
+    OPD from both into the base model, each prompt routed to its domain's expert. The student ends within
+    PIPELINE_GAP of each expert on that expert's domain (held-out pass@1, the experts evaluated on the same
+    prompts) and above its own start on both domains."""
+    from glmlight.pipeline import load_config, named_config, run_pipeline
+
+    manifest = run_pipeline(load_config(named_config("smollm2"), [f"pipeline.dir={tmp_path}", "pipeline.seed=0"]))
+    stages = {s["name"]: s for s in manifest["stages"]}
+    assert [s["status"] for s in stages.values()] == ["completed"] * 3
+    opd = stages["opd"]["evaluation"]
+    for domain in ("math", "sort"):
+        start, end = opd["first"][f"heldout/{domain}/pass@1"], opd["last"][f"heldout/{domain}/pass@1"]
+        expert = opd["teachers"][f"eval/teacher/{domain}/heldout/pass@1"]
+        print(f"\n{domain}: student {start:.3f} -> {end:.3f}, its expert {expert:.3f} (the expert's own stage: "
+              f"{stages[domain]['evaluation']['first']['heldout/pass@1']:.3f} -> "
+              f"{stages[domain]['evaluation']['last']['heldout/pass@1']:.3f})")
+        assert end >= expert - PIPELINE_GAP and end > start
