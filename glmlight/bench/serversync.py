@@ -122,6 +122,7 @@ def bench_weight_delta(s: Sizes, device: str) -> list[dict[str, Any]]:
 
     with tempfile.TemporaryDirectory() as root:
         run = glmlight.build(compose(["experiment=smollm2_grpo", f"trainer.max_steps={s.delta_steps}", "logger=none",
+                                      "algo.micro_batch_size=8",  # the same update in less memory
                                       "eval.every_n_steps=0", "~callbacks.sample_table", "export.enabled=false",
                                       f"trainer.default_root_dir={root}", "trainer.enable_progress_bar=false"]))
         run.trainer.callbacks.append(Delta())
