@@ -253,7 +253,8 @@ def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Ma
         if manifest.stage(after).get("status") == "completed":
             manifest.update(after, status="stale")
     manifest.update(name, status="running", input_checkpoint=input_ckpt, output_checkpoint=None, run_dir=run_dir,
-                    domain=st.domain, overrides=[*common_overrides(p), *st.overrides, *extra], config=stage_digest(p, name),
+                    domain=st.domain, overrides=[*common_overrides(p), *st.overrides, *extra],
+                    config=stage_digest(p, name),
                     started_at=_now(), finished_at=None, seconds=None, error=None)
     t0 = time.time()
     log.info("stage %s: starting from %s", name, input_ckpt or "the configured model")

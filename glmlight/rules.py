@@ -69,9 +69,10 @@ def check_rules(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "rollout.server.delta_sync") and (
             OmegaConf.select(cfg, "rollout.backend") not in ("vllm", "vllm_ascend")
             or OmegaConf.select(cfg, "rollout.server.weight_sync") != "tensor"):
+        backend, sync = (OmegaConf.select(cfg, k) for k in ("rollout.backend", "rollout.server.weight_sync"))
         raise ConfigError("config error: rollout.server.delta_sync sends changed elements over weight_sync=tensor "
-                          "into vLLM servers (rollout=vllm or vllm_ascend); got rollout.backend="
-                          f"{OmegaConf.select(cfg, 'rollout.backend')}, weight_sync={OmegaConf.select(cfg, 'rollout.server.weight_sync')}")
+                          f"into vLLM servers (rollout=vllm or vllm_ascend); got rollout.backend={backend}, "
+                          f"weight_sync={sync}")
     mix, sizes = (OmegaConf.select(cfg, f"model.warm_start.{k}") or [] for k in ("mix", "mix_batch_size"))
     if sizes and len(sizes) != len(mix):
         raise ConfigError(f"config error: model.warm_start.mix_batch_size has {len(sizes)} entries for "

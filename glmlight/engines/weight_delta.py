@@ -51,7 +51,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
 
 
-def encode(named: Iterable[tuple[str, torch.Tensor]], base: dict[str, torch.Tensor] | None) -> tuple[Named, dict[str, Any]]:
+def encode(named: Iterable[tuple[str, torch.Tensor]],
+           base: dict[str, torch.Tensor] | None) -> tuple[Named, dict[str, Any]]:
     """The update as it goes on the wire: each tensor whole, or as mask + values where that is smaller
     (a base tensor of the same name, shape and dtype exists). Returns (wire tensors, stats): `bytes` sent,
     `full_bytes` of the tensors whole, `changed` and `elements` over the tensors compared."""

@@ -88,12 +88,7 @@ class MixedReward:
 
     def _component(self, name: str, fn: Callable[[Sample], Any], sample: Sample):
         try:
-            out = fn(sample)
-            if inspect.isawaitable(out):
-                from glmlight.rewards.base import _run
-
-                out = _run(_await(out))
-            return name, _unpack(out), None
+            return name, _call(fn, sample), None
         except Exception as e:  # noqa: BLE001 - any component crash is reported by name
             return name, None, e
 
@@ -147,13 +142,18 @@ class ByDomain:
         domain = sample.metadata.get("domain")
         if domain is None or str(domain) not in self.routes:
             raise KeyError(f"ByDomain has no reward for domain {domain!r} (routes: {sorted(self.routes)})")
-        out = self.routes[str(domain)](sample)
-        if inspect.isawaitable(out):
-            from glmlight.rewards.base import _run
-
-            out = _run(_await(out))
-        value, info = _unpack(out)
+        value, info = _call(self.routes[str(domain)], sample)
         return value, {**info, "domain": str(domain)}
+
+
+def _call(fn: Callable[[Sample], Any], sample: Sample) -> tuple[float, dict[str, Any]]:
+    """One reward on one sample, synchronously (an async reward is run to completion), as (value, info)."""
+    out = fn(sample)
+    if inspect.isawaitable(out):
+        from glmlight.rewards.base import _run
+
+        out = _run(_await(out))
+    return _unpack(out)
 
 
 async def _await(x):

@@ -109,19 +109,18 @@ class FleetUpdate:
 
 def checkpoint_shapes(path: str | None) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from the safetensors headers of a local checkpoint directory ({} when
-    there is none here, e.g. a server's own path on another host)."""
+    there is none here, e.g. a server's own path on another host; a file that cannot be read is left out)."""
     import glob
-    import json
     import os
-    import struct
+
+    from safetensors import SafetensorError
+
+    from glmlight.engines.servers.worker_checks import checkpoint_shapes as file_shapes
 
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))) if path and os.path.isdir(path) else []:
         try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
+            shapes.update(file_shapes(f))
+        except (OSError, ValueError, SafetensorError):
             continue
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__" and "shape" in v})
     return shapes

@@ -12,9 +12,9 @@ serving:
             glmlight_load_path (a checkpoint): tensors are kept in the worker; the model is untouched
     commit  glmlight_commit: expand a delta sync's changed elements against the tensors the last
             commit kept (glmlight/engines/weight_delta.py), check the staged tensors against the
-            served checkpoint (every tensor, right shapes), keep a host copy of the current weights, then load everything through
-            vLLM's layerwise reload (`initialize_layerwise_reload` → `model.load_weights` →
-            `finalize_layerwise_reload`, vllm/model_executor/model_loader/reload/layerwise.py in
+            served checkpoint (every tensor, right shapes), keep a host copy of the current weights,
+            then load everything through vLLM's layerwise reload (`initialize_layerwise_reload` →
+            `model.load_weights` → `finalize_layerwise_reload`, vllm/model_executor/model_loader/reload/layerwise.py in
             vLLM 0.32 and 0.33), which re-runs each layer's `process_weights_after_loading`: the
             CPU backend's repacked linear weights, MLA's absorbed W_UK/W_UV and quantised layers
             get the new values (a plain `load_weights` fails on CPU — the repacked parameters are
