@@ -95,6 +95,18 @@ def lr_factor(cfg: WarmStartConfig, step: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict safetensors can write: a tensor that shares memory with one before it (tied input
+    and output embeddings, e.g. SmolLM2's) is written as a copy; loading it back ties nothing new."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in state.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.contiguous() if ptr not in seen else v.detach().clone().contiguous()
+        seen.add(ptr)
+    return out
+
+
 def batch_prompts(source: PromptSource, step: int, batch_size: int) -> list[Prompt]:
     """The prompts of one warm-start step: a fixed walk through the source (the same on every machine)."""
     return [source[(step * batch_size + i) % len(source)] for i in range(batch_size)]
@@ -145,7 +157,7 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: Prompt
     model.eval()
     os.makedirs(cfg.cache_dir, exist_ok=True)
     tmp = path + ".tmp"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
+    save_file(unshared(model.state_dict()), tmp)
     os.replace(tmp, path)
     with open(path[: -len(".safetensors")] + ".json", "w") as f:
         json.dump({"task": task_identity, "steps": cfg.steps, "lr": cfg.lr, "batch_size": cfg.batch_size,
