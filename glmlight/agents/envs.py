@@ -71,10 +71,7 @@ class CalculatorEnv:
 
     def __init__(self, tool_bonus: float = 0.0, correct_call_credit: float = 0.0, system_prompt: str | None = CALC_SYSTEM,
                  expert_calc_rate: float = 1.0, examples: list[dict[str, str]] | None = None):
-        self.examples = [dict(role=str(m["role"]), content=str(m["content"])) for m in (examples or ())]
-        if any(m["role"] not in ("user", "assistant") for m in self.examples):
-            raise ValueError("examples are a solved conversation of user and assistant turns (the tool's replies as "
-                             "the turns the task's agent.observation_role renders them in)")
+        self.examples = few_shot(examples)
         if not 0.0 <= correct_call_credit < 1.0:
             raise ValueError(f"correct_call_credit must be in [0, 1), got {correct_call_credit}")
         if not 0.0 <= expert_calc_rate <= 1.0:
@@ -87,8 +84,7 @@ class CalculatorEnv:
 
     def reset(self, prompt: Prompt) -> list[dict[str, str]]:
         self.target, self.calls, self.called_target = int(prompt.label), 0, False
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + self.examples + [m for m in prompt.messages if m["role"] != "system"]
+        return opening(self.system_prompt, self.examples, prompt.messages)
 
     def step(self, action: str) -> StepResult:
         line = action.strip().splitlines()[0].strip() if action.strip() else ""
@@ -123,6 +119,21 @@ class CalculatorEnv:
         question = [m["content"] for m in messages if m["role"] == "user"][asked].strip().rstrip("=").strip()
         tool = "calc" if _unit_hash(question) < self.expert_calc_rate else "est"
         return f"{tool}: {question}"
+
+
+def few_shot(examples: list[dict[str, str]] | None) -> list[dict[str, str]]:
+    """Solved example turns for a few-shot prompt, checked: user and assistant turns only."""
+    out = [dict(role=str(m["role"]), content=str(m["content"])) for m in (examples or ())]
+    if any(m["role"] not in ("user", "assistant") for m in out):
+        raise ValueError("examples are a solved conversation of user and assistant turns (the environment's replies "
+                         "as the turns the task's agent.observation_role renders them in)")
+    return out
+
+
+def opening(system_prompt: str | None, examples: list[dict[str, str]], messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """An episode's first messages: the system prompt, the solved examples, then the prompt's own turns."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return system + examples + [m for m in messages if m["role"] != "system"]
 
 
 def estimate(value: int) -> int:
@@ -160,15 +171,19 @@ class RunningSumEnv:
     state stays one digit however long the episode; the opening turn says so.
     `expert_summary_rate`: the share of expert episodes (by a hash of the conversation when the
     summary is asked for) whose summary is the running total; the others summarise with the last
-    number revealed, a summary that loses the state (see `expert`)."""
+    number revealed, a summary that loses the state (see `expert`).
+    `system_prompt` and `examples` (solved turns, e.g. an episode with a summary and its resume turn)
+    open every episode: a few-shot prompt for a pretrained chat model; the expert reads past them."""
 
     def __init__(self, step_rewards: bool = False, modulus: int | None = None,
-                 expert_summary_rate: float = 1.0) -> None:
+                 expert_summary_rate: float = 1.0, system_prompt: str | None = None,
+                 examples: list[dict[str, str]] | None = None) -> None:
         if modulus is not None and modulus < 2:
             raise ValueError(f"modulus must be >= 2 or None, got {modulus}")
         if not 0.0 <= expert_summary_rate <= 1.0:
             raise ValueError(f"expert_summary_rate must be in [0, 1], got {expert_summary_rate}")
         self.step_rewards, self.modulus, self.expert_summary_rate = step_rewards, modulus, expert_summary_rate
+        self.system_prompt, self.examples = system_prompt, few_shot(examples)
         self.deltas: list[int] = []
         self.t = 0
         self.correct = 0
@@ -176,8 +191,8 @@ class RunningSumEnv:
     def reset(self, prompt: Prompt) -> list[dict[str, str]]:
         self.deltas, self.t, self.correct = list(prompt.metadata["deltas"]), 0, 0
         if self.modulus is None:
-            return list(prompt.messages)
-        return [{"role": "user", "content": f"Sum mod {self.modulus}: {self.deltas[0]}"}]
+            return opening(self.system_prompt, self.examples, prompt.messages)
+        return opening(self.system_prompt, self.examples, [{"role": "user", "content": f"Sum mod {self.modulus}: {self.deltas[0]}"}])
 
     def step(self, action: str) -> StepResult:
         total = sum(self.deltas[: self.t + 1])
@@ -201,14 +216,20 @@ class RunningSumEnv:
         then goes on from: demonstrations of a summary that works and of one that loses the state, which
         the warm-started policy keeps in about that proportion. RL (the summary tokens' advantage) finds
         which one pays."""
+        messages = [m for m in messages if m["role"] != "system"][len(self.examples):]
+        revealed = [m for m in messages if _revealed(m)]
         if summarize and _unit_hash(" | ".join(m["content"] for m in messages)) >= self.expert_summary_rate:
-            revealed = [m["content"] for m in messages if m["role"] == "observation" and _INT.search(m["content"])]
-            return _INT.search(revealed[-1]).group().lstrip("+") if revealed else "0"
+            return _INT.search(revealed[-1]["content"]).group().lstrip("+") if revealed else "0"
         total = 0
         for m in messages:
             found = _INT.findall(m["content"])
-            if m["role"] == "observation":
+            if _revealed(m):
                 total += sum(int(x) for x in found)
             elif m["role"] in ("user", "assistant") and found:
                 total = int(found[-1])
         return str(total % self.modulus if self.modulus is not None else total)
+
+
+def _revealed(message: dict[str, str]) -> bool:
+    """A number the running-sum environment revealed ("+3"), in whichever role the template renders it."""
+    return message["role"] in ("observation", "user", "tool") and message["content"].startswith("+")

@@ -31,17 +31,22 @@ log = logging.getLogger(__name__)
 
 Expert = Callable[[list[dict[str, str]], bool], str]
 _ROLE = re.compile(r"<\|(system|user|assistant|observation)\|>")
+_CHATML_TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>\n?|$)", re.S)
 
 
 def parse_transcript(text: str, eos_token: str = "<eos>") -> list[dict[str, str]]:
-    """The messages of a context rendered with a GLM-style template (role marker + content), the
-    open assistant turn at the end left out."""
-    parts = _ROLE.split(text)
-    messages = []
-    for role, content in zip(parts[1::2], parts[2::2]):
-        if role == "assistant" and content.endswith(eos_token):
-            content = content[: -len(eos_token)]
-        messages.append({"role": role, "content": content})
+    """The messages of a context rendered with a GLM-style template (role marker + content) or with
+    ChatML (`<|im_start|>role\ncontent<|im_end|>`, e.g. SmolLM2's), the open assistant turn at the
+    end left out."""
+    if "<|im_start|>" in text:
+        messages = [{"role": r, "content": c} for r, c in _CHATML_TURN.findall(text)]
+    else:
+        parts = _ROLE.split(text)
+        messages = []
+        for role, content in zip(parts[1::2], parts[2::2]):
+            if role == "assistant" and content.endswith(eos_token):
+                content = content[: -len(eos_token)]
+            messages.append({"role": role, "content": content})
     if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
         messages.pop()
     return messages

@@ -10,6 +10,7 @@ import pytest
 import glmlight
 from glmlight.agents import AgentLoop, StepResult, encode_observation, generation_prompt
 from glmlight.agents.envs import CalculatorEnv, RunningSumEnv, RunningSumTask, safe_eval
+from glmlight.agents.expert import parse_transcript
 from glmlight.config import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, Prompt
@@ -189,6 +190,34 @@ def test_running_sum_env():
     env.step("0")
     last = env.step(str(sum(d)))
     assert last.done and last.reward == pytest.approx(2 / 3)
+
+
+def test_running_sum_expert_reads_observations_in_user_turns_after_a_few_shot_prompt():
+    """A chat template without a tool role (observation_role=user, e.g. SmolLM2's ChatML): the revealed
+    numbers arrive as user turns, after the system prompt and the solved examples, which hold numbers of
+    their own; the expert's total counts only this episode's."""
+    examples = [{"role": "user", "content": "Running sum. Start: 7"}, {"role": "assistant", "content": "7"}]
+    env = RunningSumEnv(system_prompt="Count the ones.", examples=examples, expert_summary_rate=1.0)
+    task = RunningSumTask(num_steps=3, seed=0)[0]
+    opening = env.reset(task)
+    assert opening[:3] == [{"role": "system", "content": "Count the ones."}] + examples
+    d = task.metadata["deltas"]
+    turns = opening + [{"role": "assistant", "content": str(d[0])}, {"role": "user", "content": f"+{d[1]}"}]
+    assert env.expert(turns) == str(d[0] + d[1])
+    assert env.expert(turns + [{"role": "user", "content": "Summarize."}], summarize=True) == str(d[0] + d[1])
+    resumed = opening + [{"role": "user", "content": "Summary: 12"}]
+    assert env.expert(resumed + [{"role": "assistant", "content": "12"}, {"role": "user", "content": "+1"}]) == "13"
+    lossy = RunningSumEnv(system_prompt="Count the ones.", examples=examples, expert_summary_rate=0.0)
+    lossy.reset(task)
+    assert lossy.expert(turns + [{"role": "user", "content": "Summarize."}], summarize=True) == str(d[1])
+
+
+def test_parse_transcript_reads_a_chatml_context():
+    text = ("<|im_start|>system\nCount the ones.<|im_end|>\n<|im_start|>user\nRunning sum. Start: 1<|im_end|>\n"
+            "<|im_start|>assistant\n1<|im_end|>\n<|im_start|>user\n+0<|im_end|>\n<|im_start|>assistant\n")
+    assert parse_transcript(text, "<|im_end|>") == [
+        {"role": "system", "content": "Count the ones."}, {"role": "user", "content": "Running sum. Start: 1"},
+        {"role": "assistant", "content": "1"}, {"role": "user", "content": "+0"}]
 
 
 def _build(tmp_path, *extra):
