@@ -16,7 +16,9 @@ minute of conversion), so the first of them takes that much longer.
   pass@1 rises by at least `AGENT_MIN_RISE`, every action turn trained on is exactly a token sequence the
   engine returned, and the decode -> encode round trip of the actions is measured (tito/*);
 - pipeline=smollm2: two GRPO experts and cross-stage OPD into one student from the base model, which
-  ends within `PIPELINE_GAP` of each expert on the expert's domain and above its start on both.
+  ends within `PIPELINE_GAP` of each expert on the expert's domain and above its start on both;
+- experiment=smollm2_compaction: CompactionRL on a running count longer than the context budget; the held-out
+  pass rate rises by `COMPACTION_MIN_RISE` and stays up, and the same run without compaction never finishes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ pytestmark = pytest.mark.slow
 MIN_RISE = 0.2
 AGENT_MIN_RISE = 0.4
 PIPELINE_GAP = 0.1  # the student's pass@1 on an expert's domain: at most this far below the expert's
+COMPACTION_MIN_RISE = 0.2
 
 
 def _overrides(tmp_path, *extra, experiment="smollm2_grpo"):
@@ -191,3 +194,30 @@ def test_the_pipeline_recipe_distills_both_experts_into_one_student(tmp_path):
               f"{stages[domain]['evaluation']['first']['heldout/pass@1']:.3f} -> "
               f"{stages[domain]['evaluation']['last']['heldout/pass@1']:.3f})")
         assert end >= expert - PIPELINE_GAP and end > start
+
+
+def test_the_compaction_recipe_learns_to_summarise_and_beats_no_compaction(tmp_path):
+    """experiment=smollm2_compaction (seed 0) against the same run without compaction (same budget, seed,
+    warm start length and RL steps): the compacting agent's held-out pass rate (every count right) rises by
+    COMPACTION_MIN_RISE and stays above its start at every later evaluation, the agent without compaction
+    never finishes an episode (it is cut at the budget), and the summaries come to carry the count (the
+    summary tokens of successful episodes get a positive advantage on average)."""
+    def run(name, *extra):
+        root = tmp_path / name
+        glmlight.build(compose(_overrides(root, *extra, experiment="smollm2_compaction"))).fit()
+        metrics = _metrics(root)
+        return metrics, {m["rl_step"]: (m["eval/heldout/pass@1"], m["eval/heldout/greedy/pass_rate"],
+                                        m["eval/heldout/reward"]) for m in metrics if "eval/heldout/pass@1" in m}
+
+    metrics, comp = run("compaction")
+    _, plain = run("none", "task.agent.compact_threshold=null")
+    for name, evals in (("compaction", comp), ("no compaction", plain)):
+        print(f"\n{name}: " + "; ".join(f"step {s}: pass@1 {p:.3f} greedy {g:.3f} reward {r:.3f}"
+                                         for s, (p, g, r) in sorted(evals.items())))
+    adv = [m["train/summary_advantage_success"] for m in metrics if "train/summary_advantage_success" in m]
+    print(f"summary advantage on successes: mean {sum(adv) / max(len(adv), 1):.3f} over {len(adv)} steps")
+    steps = sorted(comp)
+    assert steps[0] == 0 and comp[steps[-1]][0] - comp[0][0] >= COMPACTION_MIN_RISE
+    assert all(comp[s][0] > comp[0][0] for s in steps[1:])
+    assert max(p for p, _, _ in plain.values()) == 0.0 and max(g for _, g, _ in plain.values()) == 0.0
+    assert adv and sum(adv) / len(adv) > 0
