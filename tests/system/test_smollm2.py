@@ -216,6 +216,8 @@ def test_the_compaction_recipe_learns_to_summarise_and_beats_no_compaction(tmp_p
                                          for s, (p, g, r) in sorted(evals.items())))
     adv = [m["train/summary_advantage_success"] for m in metrics if "train/summary_advantage_success" in m]
     print(f"summary advantage on successes: mean {sum(adv) / max(len(adv), 1):.3f} over {len(adv)} steps")
+    # Measured (seed 0, docs/agents.md): pass@1 0.016 -> 0.500, 0.992, 1.000, 1.000; without compaction 0.000
+    # at every evaluation (reward 0.500: 4 of 8 counts before the budget); summary advantage mean 1.22.
     steps = sorted(comp)
     assert steps[0] == 0 and comp[steps[-1]][0] - comp[0][0] >= COMPACTION_MIN_RISE
     assert all(comp[s][0] > comp[0][0] for s in steps[1:])
