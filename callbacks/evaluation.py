@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from glmlight.hooks import RLCallback
@@ -60,7 +61,8 @@ class HeldOutEval(RLCallback):
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "evaluate"):
             return {}
-        metrics = dm.evaluate(engine=engine, sets=sets, prefix=prefix, **({"select": select} if select else {}))
+        metrics = dm.evaluate(engine=engine, sets=sets, prefix=prefix, interrupt=_on_sigterm(trainer),
+                              **({"select": select} if select else {}))
         if not metrics:
             return {}
         self.history.append((rl_step, metrics))
@@ -100,6 +102,15 @@ class HeldOutEval(RLCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [tuple(h) for h in state_dict.get("history", [])]
+
+
+def _on_sigterm(trainer: pl.Trainer):
+    """Lightning acts on SIGTERM between training batches; an evaluation (minutes on a real model) checks
+    before each of its generations and stops the run the same way."""
+    def check() -> None:
+        if trainer.received_sigterm:
+            raise SIGTERMException
+    return check
 
 
 def console_line(rl_step: int, metrics: dict[str, float], prefix: str = "eval") -> str:

@@ -58,10 +58,11 @@ class EvalSet:
 
 class SeededEngine:
     """An engine whose requests without a seed get one from evaluation's own stream:
-    seed = hash(eval seed, set name, call number, row). Everything else is the wrapped engine's."""
+    seed = hash(eval seed, set name, call number, row). Everything else is the wrapped engine's.
+    `interrupt`, if given, is called before every generation and raises to stop the evaluation."""
 
-    def __init__(self, engine: RolloutEngine, name: str, seed: int):
-        self.engine, self.name, self.seed = engine, name, seed
+    def __init__(self, engine: RolloutEngine, name: str, seed: int, interrupt: Callable[[], None] | None = None):
+        self.engine, self.name, self.seed, self.interrupt = engine, name, seed, interrupt
         self.calls = 0
 
     def __getattr__(self, attr: str) -> Any:
@@ -72,6 +73,8 @@ class SeededEngine:
         return int.from_bytes(digest.digest(), "little") >> 2  # 62 bits, as the engine's own seeds
 
     def generate(self, prompts: list[list[int]], params: Any) -> list[Generation]:
+        if self.interrupt is not None:
+            self.interrupt()
         call, self.calls = self.calls, self.calls + 1
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         seeded = [p if p.seed is not None else _with_seed(p, self.request_seed(call, i)) for i, p in enumerate(params)]
@@ -132,17 +135,19 @@ def build_eval_sets(cfg: EvalConfig, task: Any) -> dict[str, EvalSet]:
 
 
 def evaluate(dm: Any, engine: RolloutEngine, sets: dict[str, EvalSet], cfg: EvalConfig,
-             prefix: str = "eval", select: Callable[[Prompt], bool] | None = None) -> dict[str, float]:
+             prefix: str = "eval", select: Callable[[Prompt], bool] | None = None,
+             interrupt: Callable[[], None] | None = None) -> dict[str, float]:
     """Evaluate `engine` on every set through `dm.rollout` (the data module's generation and reward
     path); returns the metrics, named `<prefix>/<set>/<metric>`. `select` keeps only the prompts it
-    accepts (an OPD teacher is evaluated on the domains routed to it). Touches no training stream."""
+    accepts (an OPD teacher is evaluated on the domains routed to it); `interrupt` is called before
+    every generation and may raise to stop (a run's SIGTERM). Touches no training stream."""
     out: dict[str, float] = {}
     with preserved_rng():
         for name, eval_set in sets.items():
             kept = [p for p in eval_set.prompts() if select is None or select(p)]
             prompts = [_tagged(p, i) for i, p in enumerate(kept)]
             if prompts:
-                out.update(evaluate_set(dm, engine, name, prompts, cfg, prefix))
+                out.update(evaluate_set(dm, engine, name, prompts, cfg, prefix, interrupt))
     if out:
         out[f"{prefix}/seconds"] = sum(v for k, v in out.items() if k.endswith("/seconds"))
         out[f"{prefix}/tokens"] = sum(v for k, v in out.items() if k.endswith("/tokens"))
@@ -150,7 +155,7 @@ def evaluate(dm: Any, engine: RolloutEngine, sets: dict[str, EvalSet], cfg: Eval
 
 
 def evaluate_set(dm: Any, engine: RolloutEngine, name: str, prompts: list[Prompt], cfg: EvalConfig,
-                 prefix: str = "eval") -> dict[str, float]:
+                 prefix: str = "eval", interrupt: Callable[[], None] | None = None) -> dict[str, float]:
     """The metrics of one set (see the module docstring)."""
     t0 = time.perf_counter()
     counts: Counter = Counter()
@@ -158,8 +163,8 @@ def evaluate_set(dm: Any, engine: RolloutEngine, name: str, prompts: list[Prompt
     m: dict[str, float] = {f"{p}/prompts": float(len(prompts))}
     failed = 0
     if cfg.k > 0:
-        samples = dm.rollout(prompts, cfg.k, counts, engine=SeededEngine(engine, f"{name}/sampled", cfg.seed),
-                             ids=LocalIds())
+        seeded = SeededEngine(engine, f"{name}/sampled", cfg.seed, interrupt)
+        samples = dm.rollout(prompts, cfg.k, counts, engine=seeded, ids=LocalIds())
         by_prompt = _trajectories(samples, len(prompts))
         correct = [[_correct(t, cfg.pass_threshold) for t in trajs] for trajs in by_prompt]
         n = cfg.k
@@ -174,8 +179,8 @@ def evaluate_set(dm: Any, engine: RolloutEngine, name: str, prompts: list[Prompt
         for d, rows in _by_domain(prompts, correct).items():
             m[f"{p}/{d}/pass@1"] = sum(sum(c) / max(len(c), 1) for c in rows) / len(rows)
     if cfg.greedy:
-        samples = dm.rollout(prompts, 1, counts, greedy=True, engine=SeededEngine(engine, f"{name}/greedy", cfg.seed),
-                             ids=LocalIds())
+        seeded = SeededEngine(engine, f"{name}/greedy", cfg.seed, interrupt)
+        samples = dm.rollout(prompts, 1, counts, greedy=True, engine=seeded, ids=LocalIds())
         by_prompt = _trajectories(samples, len(prompts))
         flat = [t for trajs in by_prompt for t in trajs]
         m[f"{p}/greedy/pass_rate"] = sum(_correct(t, cfg.pass_threshold) for t in flat) / len(prompts)

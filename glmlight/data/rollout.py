@@ -347,14 +347,16 @@ class RolloutDataModule(pl.LightningDataModule):
             yield self.engine
 
     def evaluate(self, engine: RolloutEngine | None = None, sets: list[str] | None = None,
-                 prefix: str = "eval", select: Callable[[Prompt], bool] | None = None) -> dict[str, float]:
+                 prefix: str = "eval", select: Callable[[Prompt], bool] | None = None,
+                 interrupt: Callable[[], None] | None = None) -> dict[str, float]:
         """Evaluate `engine` (default: the rollout engine) on the named held-out sets (default: all) with
         `eval.k` samples per prompt and a greedy answer (`glmlight.data.evaluation`); the metrics are
-        named `<prefix>/<set>/<metric>`; `select` keeps only the prompts it accepts. Draws from no
-        training seed or id stream."""
+        named `<prefix>/<set>/<metric>`; `select` keeps only the prompts it accepts; `interrupt` is called
+        before every generation and may raise to stop. Draws from no training seed or id stream."""
         chosen = {n: s for n, s in self.eval_sets.items() if sets is None or n in sets}
         with self.engine_aside() as own:
-            return evaluation.evaluate(self, own if engine is None else engine, chosen, self.eval_cfg, prefix, select)
+            return evaluation.evaluate(self, own if engine is None else engine, chosen, self.eval_cfg, prefix, select,
+                                       interrupt)
 
 
 class _ExperienceStream(IterableDataset):

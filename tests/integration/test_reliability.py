@@ -251,3 +251,27 @@ def test_secrets_never_reach_the_run_directory(tmp_path, monkeypatch):
         assert secret.encode() not in data, p
     # the config stored with the run names the variable, not its value
     assert any(b"SGLANG_API_KEY" in open(p, "rb").read() for p in files if p.endswith((".yaml", ".json", ".ckpt")))
+
+
+def test_sigterm_during_a_held_out_evaluation_stops_it_before_the_next_generation(tmp_path, monkeypatch):
+    """Lightning acts on SIGTERM between training batches; an evaluation between them (minutes on a real model)
+    stops at its next generation instead, and the run ends as on any SIGTERM."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from glmlight.data import evaluation
+
+    generate, done = evaluation.SeededEngine.generate, []
+
+    def counted(self, prompts, params):
+        out = generate(self, prompts, params)
+        done.append(self.name)
+        if len(done) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # as the step-0 evaluation's first generation ends
+        return out
+
+    monkeypatch.setattr(evaluation.SeededEngine, "generate", counted)
+    run = glmlight.build(compose(overrides_for_tests(tmp_path, "eval.every_n_steps=1")))
+    with pytest.raises(SIGTERMException):
+        run.fit()
+    assert done == ["heldout/sampled"], done  # the greedy generation of the same evaluation never ran
+    assert run.module.rl_step == 0
