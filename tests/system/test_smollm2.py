@@ -176,6 +176,7 @@ def test_the_agent_recipe_learns_and_trains_on_the_engines_own_ids(tmp_path):
     assert tito
 
 
+@pytest.mark.timeout(3 * 3600)  # three SmolLM2 stages: 35 min with another job beside them, more under load
 def test_the_pipeline_recipe_distills_both_experts_into_one_student(tmp_path):
     """pipeline=smollm2 (seed 0): GRPO experts on addition and on sorting, each from the base model, then
     OPD from both into the base model, each prompt routed to its domain's expert. The student ends within
@@ -196,6 +197,7 @@ def test_the_pipeline_recipe_distills_both_experts_into_one_student(tmp_path):
         assert end >= expert - PIPELINE_GAP and end > start
 
 
+@pytest.mark.timeout(4 * 3600)  # two SmolLM2 runs: about 1 h 20 min alone, more on a shared machine
 def test_the_compaction_recipe_learns_to_summarise_and_beats_no_compaction(tmp_path):
     """experiment=smollm2_compaction (seed 0) against the same run without compaction (same budget, seed,
     warm start length and RL steps): the compacting agent's held-out pass rate (every count right) rises by
