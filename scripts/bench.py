@@ -12,7 +12,8 @@ grpo    whole GRPO steps of a glmlight run vs TRL's GRPOTrainer on identical wor
         (no gradient checkpointing, the faster of 1 and 2 threads). Targets: sync >= 3x, async >= 4x.
         Baseline: trl==1.16.0, which works with transformers 5.24 (pip install -e '.[bench]').
         "sync" is on-policy like TRL; "async" overlaps the next rollout with the update (2 threads);
-        both with rollout.compile=true (the compile falls in the untimed first step). Also prints a
+        both with rollout.compile=true (the compile falls in the untimed first step; with --model smollm2
+        eager, at the recipe's 32 tokens a completion, 2 timed steps a run). Also prints a
         per-step time breakdown of every run, and each glmlight step against its bound from its own
         parts: sync <= 1.10 x (rollout + update), async <= 1.10 x (max(rollout, update) + weight sync).
 flops   achieved FLOP/s of a GRPO training step of the ~50M `small` preset vs a large fp32
@@ -55,6 +56,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 import torch
 from glmlight.bench.common import (  # noqa: F401
     QUICK,
+    SMOLLM2_GRPO,
     TARGETS,
     Sizes,
     machine,
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads or args.device == "cpu":
         torch.set_num_threads(args.threads or 1)
     sizes = replace(QUICK if args.quick else Sizes(), grpo_model=args.model)
+    if args.model == "smollm2" and not args.quick:
+        sizes = replace(sizes, **SMOLLM2_GRPO)
     info = machine(args.device)
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}

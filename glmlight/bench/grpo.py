@@ -30,6 +30,14 @@ GLMLIGHT_VARIANTS = {"sync": ["rollout.compile=true"], "async": ["rollout.mode=a
 GLMLIGHT_VARIANTS["sync2"] = GLMLIGHT_VARIANTS["sync"]
 VARIANT_THREADS = {"sync2": 2}  # intra-op threads of a variant's process; the others: the bench's --threads
 
+
+def variant_overrides(v: str, s: Sizes) -> list[str]:
+    """A variant's overrides for the bench's model. SmolLM2 decodes eagerly, as its recipes do: compiling
+    its decode step took 436 s on the 2-core machine (docs/models.md), more than a bench run."""
+    if s.grpo_model == "smollm2":
+        return [o for o in GLMLIGHT_VARIANTS[v] if o != "rollout.compile=true"]
+    return GLMLIGHT_VARIANTS[v]
+
 # The parts of a glmlight step, from the metrics the run logs (glmlight/algorithms/base.py,
 # glmlight/data/rollout.py, callbacks/weight_sync.py) and the bench's step stamps.
 PARTS = ("rollout", "reward", "collate+wait", "old logprobs+adv", "update", "weight sync", "logging+loop")
@@ -209,7 +217,7 @@ def run_grpo(s: Sizes, device: str, rounds: int, variants: tuple[str, ...], trl_
                 threads, trl_steps, s, device, root, t, opts)
     for v in variants:
         runs[v] = lambda root, v=v: in_fresh_process(VARIANT_THREADS.get(v, threads), glmlight_steps, s, device, root,
-                                                     GLMLIGHT_VARIANTS[v])
+                                                     variant_overrides(v, s))
     times: dict[str, list[float]] = {k: [] for k in runs}
     parts: dict[str, list[dict[str, float]]] = {k: [] for k in runs}
     with tempfile.TemporaryDirectory() as tmp:

