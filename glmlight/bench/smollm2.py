@@ -2,7 +2,8 @@
 architecture): the embedded engine's dense Llama-family runner (eager, and compile=True), its generic
 runner (the model's own forward with a DynamicCache), transformers' `model.generate`, and, with
 GLMLIGHT_VLLM_PYTHON and GLMLIGHT_SGLANG_PYTHON, a real vLLM and a real SGLang server on the same checkpoint,
-each driven with raw concurrent HTTP.
+each driven with raw concurrent HTTP. Also one GRPO step's rollout of the recipe (groups of copies of a prompt)
+with the engine's shared prefill against a prefill per request.
 
 Every side gets the same chat-formatted prompts (held-out questions of the chat_sort task) and
 decodes exactly `smol_tokens` new tokens per prompt at temperature 1 (no stop tokens; the servers with
@@ -112,7 +113,41 @@ def bench_smollm2(s: Sizes, device: str) -> list[dict[str, Any]]:
                         rate["dense compiled"], rate[backend], None, work))
     for name, r in rate.items():
         print(f"smollm2: {name}: {r:.1f} tokens/s", file=sys.stderr)
-    return rows
+    return rows + group_rollout_rows(model, tok, s, device)
+
+
+def group_rollout_rows(model: Any, tok: Any, s: Sizes, device: str) -> list[dict[str, Any]]:
+    """The rollout of one step of experiment=smollm2_grpo: 4 prompts x 8 samples of exactly 32 new tokens, the
+    embedded engine (dense runner) prefilling each prompt once for its group (the default) against prefilling
+    all 32 requests; alternating, `smol_reps` timed rounds each after a warm-up."""
+    from glmlight.engines.base import SamplingParams
+    from glmlight.engines.local.engine import LocalEngine
+
+    groups, group, n_new = (2, 4, 8) if s.smol_prompts < 32 else (4, 8, 32)
+    prompts = [p for p in smollm2_prompts(tok, groups) for _ in range(group)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=n_new, seed=2000 + i) for i in range(len(prompts))]
+    threads = torch.get_num_threads()
+    engines = {share: LocalEngine(model, device=device, runner="dense", num_threads=threads, share_prefill=share)
+               for share in (True, False)}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for e in engines.values():
+            e.generate(prompts[:2], params[:2])
+        warm = engines[True].stats()["shared_prefills"]
+        for _ in range(s.smol_reps):
+            for share, e in engines.items():
+                times[share].append(timed(lambda: e.generate(prompts, params), device))
+        shared = (engines[True].stats()["shared_prefills"] - warm) // s.smol_reps
+    finally:
+        for e in engines.values():
+            e.close()
+    n = len(prompts) * n_new
+    rate = {k: n / statistics.median(v) for k, v in times.items()}
+    note = (f"SmolLM2-135M-Instruct, {groups} prompts x {group} samples (one GRPO step of the recipe), exactly {n_new} "
+            f"new tokens, {threads} intra-op thread(s), prompts of {len(prompts[0])} tokens; {shared} requests "
+            "a round shared a prefill")
+    return [row("SmolLM2 GRPO rollout: shared prefill vs each request prefilled", "tokens/s", rate[True],
+                rate[False], None, note)]
 
 
 def _server_version(backend: str, url: str) -> str:

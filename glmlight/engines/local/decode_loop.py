@@ -21,8 +21,8 @@ IDLE_EXIT_S = 2.0  # an idle decode thread exits after this long; the next submi
 
 
 class DecodeLoop:
-    """Uses the engine's `model`, `device`, `filter_order`, `num_threads`, `max_batch_size`, `on_step`,
-    `_runner`, `_batch`, `_pending`, `_admitting`, `_iteration`, `_version`, `_stats`, `_capture`,
+    """Uses the engine's `model`, `device`, `filter_order`, `num_threads`, `share_prefill`, `max_batch_size`,
+    `on_step`, `_runner`, `_batch`, `_pending`, `_admitting`, `_iteration`, `_version`, `_stats`, `_capture`,
     `_capture_since`, `_thread`, `_closed` and the locks `_turn`, `_lock`, `_cv`."""
 
     def _attach_records(self, done: list[tuple[Request, Generation]], rows: list[int]) -> None:
@@ -90,8 +90,13 @@ class DecodeLoop:
             running = len(batch)
             # (tokens, log-probs) of the running rows (sampled inside a compiled step), then of newcomers
             sampled = [runner.step(batch.last, batch.sampler())] if running else []
+            shared_prefills = 0
             if self._admitting:
-                logits = runner.admit([r.prompt for r in self._admitting])
+                prompts = [r.prompt for r in self._admitting]
+                # the fast runners prefill a prompt once for all its copies (the generic runner, each)
+                shared = self.share_prefill and hasattr(runner, "admit_shared")
+                logits = runner.admit_shared(prompts) if shared else runner.admit(prompts)
+                shared_prefills = len(prompts) - len({tuple(p) for p in prompts}) if shared else 0
                 batch.add(self._admitting, self._iteration)
                 self._admitting = []
                 sampled.append(batch.sampler(running)(logits))
@@ -113,6 +118,7 @@ class DecodeLoop:
                 s["iterations"] += 1
                 s["decode_steps"] += running > 0
                 s["prefills"] += n > running
+                s["shared_prefills"] += shared_prefills
                 s["max_batch"] = max(s["max_batch"], n)
                 s["tokens"] += n
             return done

@@ -72,6 +72,9 @@ class LocalEngine(DecodeLoop):
     compile (10-30 s on CPU, which needs a C++ compiler), every later step is faster.
     `weight_format`: "auto" (every weight in `dtype`) or "fp8" (linear weights block-quantised to
     FP8 at every update, computed in `dtype`; see the module docstring).
+    `share_prefill`: the GLM-5 and dense runners prefill a prompt once for all the requests admitted
+    together with it (a GRPO group's samples, an evaluation's k answers) and copy its cache rows to the
+    others, as servers with prefix caching do; False prefills each (for comparison: the `smollm2` bench).
     `filter_order`: how top-k and top-p combine when both are on (glmlight/ops/logprobs.py); this
     engine samples "sequential", the order the trainer uses for it (a server stand-in may set "joint"
     before generating). The decode thread: `DecodeLoop` (decode_loop.py).
@@ -82,7 +85,8 @@ class LocalEngine(DecodeLoop):
     def __init__(self, model: PreTrainedModel, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", pad_token_id: int = 0, seed: int = 0, version: int = 0,
                  on_weight_update: str = "continue", max_batch_size: int = 256, runner: str = "auto",
-                 num_threads: int | None = 1, compile: bool = False, weight_format: str = "auto"):
+                 num_threads: int | None = 1, compile: bool = False, weight_format: str = "auto",
+                 share_prefill: bool = True):
         if on_weight_update not in ("continue", "abort"):
             raise ValueError(f"on_weight_update must be 'continue' or 'abort', got {on_weight_update!r}")
         if runner not in ("auto", "glm", "dense", "hf"):
@@ -106,6 +110,7 @@ class LocalEngine(DecodeLoop):
         self.on_weight_update = on_weight_update
         self.max_batch_size = max_batch_size
         self.num_threads = num_threads
+        self.share_prefill = share_prefill
         torch.get_num_threads()  # fixes this thread's own count before the decode thread sets its own
         if runner == "glm" and not glm_runner.supports(self.model):
             raise EngineError(f"runner='glm' needs a GlmMoeDsaForCausalLM, got {type(model).__name__}")
@@ -143,7 +148,7 @@ class LocalEngine(DecodeLoop):
         self._closed = False
         self.last_sync_bytes = 0
         self._stats = dict(iterations=0, decode_steps=0, prefills=0, admitted=0, admitted_mid_decode=0,
-                           max_batch=0, tokens=0, aborted=0)
+                           shared_prefills=0, max_batch=0, tokens=0, aborted=0)
         self.on_step: Callable[[int], None] | None = None  # called by the decode thread after each step
         self._capture = (False, False)  # replay records: (routing, index), for requests admitted from
         self._capture_since = 0  # this engine iteration on
@@ -156,7 +161,9 @@ class LocalEngine(DecodeLoop):
     def stats(self) -> dict[str, int]:
         """Counters of the decode loop: iterations, decode_steps (steps over an already running
         batch), prefills, admitted, admitted_mid_decode (requests that joined a batch that was
-        decoding), max_batch (largest batch sampled in one step), tokens, aborted."""
+        decoding), shared_prefills (admitted requests whose prompt was prefilled once for an identical one
+        admitted with it: the fast runners' copies), max_batch (largest batch sampled in one step), tokens,
+        aborted."""
         with self._cv:
             return dict(self._stats)
 

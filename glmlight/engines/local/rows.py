@@ -83,6 +83,21 @@ class RowCache:
         self.n = len(rows)
         self._max_len = int(self.lens.max())
 
+    @torch.inference_mode()
+    def admit_shared(self, prompts: list[list[int]]) -> torch.Tensor:
+        """`admit(prompts)` with each distinct prompt prefilled once: the copies of a prompt (a GRPO group's
+        samples, an evaluation's k answers) get the cache rows of its first prefill, copied, and its logits.
+        A row's cache is a function of its own tokens only, so the copies hold what their own prefills would."""
+        first: dict[tuple[int, ...], int] = {}
+        index = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        if len(first) == len(prompts):
+            return self.admit(prompts)
+        n0 = self.n
+        logits = self.admit([list(p) for p in first])
+        self._ensure(n0 + len(prompts), self._max_len + 1)
+        self.keep(list(range(n0)) + [n0 + j for j in index])  # (keep gathers its sources before it writes)
+        return logits[torch.tensor(index, device=logits.device)]
+
     def _pad_prompts(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Room for `prompts` as new rows; their ids right-padded with 0 [m, S] and lengths [m]."""
         m, S = len(prompts), max(len(p) for p in prompts)

@@ -359,3 +359,64 @@ def test_compiled_decode_with_the_model_s_own_moe(tokenizer, tiny_model, monkeyp
             nxt = logits[0].argmax(-1)
             logits = [r.step(nxt) for r in runners]
             torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("runner", ["glm", "dense", "hf"])
+def test_copies_of_a_prompt_share_one_prefill_and_sample_as_if_alone(tokenizer, sparse_model, runner):
+    """A GRPO group: n requests with one prompt and their own seeds. The fast runners prefill the prompt
+    once and copy its cache rows (stats' shared_prefills); every request samples exactly what it samples
+    alone, and the ragged mix of groups decodes on as before."""
+    from tests.unit.engines.test_dense_runner import _model
+
+    model = _model("llama") if runner == "dense" else sparse_model
+    prompts = [[5, 9, 11, 4], [7, 3], [5, 9, 11, 4], [5, 9, 11, 4], [7, 3], [8]]
+    alone = LocalEngine(model, runner=runner)
+    reference = [alone.generate([p], _params(i))[0] for i, p in enumerate(prompts)]
+    alone.close()
+    engine = LocalEngine(model, runner=runner)
+    got = engine.generate(prompts, [_params(i) for i in range(len(prompts))])
+    stats = engine.stats()
+    engine.close()
+    for ref, g in zip(reference, got):
+        assert g.token_ids == ref.token_ids and g.finish_reason == ref.finish_reason
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=1e-5)
+    assert stats["shared_prefills"] == (0 if runner == "hf" else 3)  # 6 requests, 3 distinct prompts
+    assert len({tuple(g.token_ids) for g in got[:1] + got[2:4]}) == 3  # the copies sampled apart
+
+
+def test_shared_prefill_grows_the_rows_the_copies_need():
+    """Copies admitted into a full cache: the rows grow for all of them, the running rows keep their place."""
+    from glmlight.engines.local.dense_runner import DenseRunner
+    from tests.unit.engines.test_dense_runner import _model
+
+    model = _model("llama")
+    runner = DenseRunner(model, rows=1, capacity=4)
+    first = runner.admit([[3, 4, 5]])
+    shared = runner.admit_shared([[6, 7], [6, 7], [6, 7]])
+    separate = DenseRunner(model, rows=4, capacity=8)
+    separate.admit([[3, 4, 5]])
+    alone = separate.admit([[6, 7], [6, 7], [6, 7]])
+    assert runner.n == 4 and runner.rows_cap >= 4 and runner.lens.tolist() == [3, 2, 2, 2]
+    torch.testing.assert_close(shared, alone, atol=1e-5, rtol=1e-5)
+    tokens = torch.tensor([8, 9, 10, 11])
+    torch.testing.assert_close(runner.step(tokens), separate.step(tokens), atol=1e-5, rtol=1e-5)
+    assert first.shape[0] == 1
+
+
+def test_copies_of_a_prompt_carry_their_own_replay_records(tokenizer, sparse_model):
+    """With replay records on, a copy's records (routed experts and DSA selection of prompt and response)
+    are those of the same request run alone: the shared prefill's records are copied with its cache rows."""
+    prompts = [encode(tokenizer, "13+22=?")] * 3 + [encode(tokenizer, "7")]
+    params = [_params(i) for i in range(len(prompts))]
+
+    def run(group):
+        with LocalEngine(sparse_model) as engine:
+            engine.capture_replay(routing=True, index=True)
+            return engine.generate(*group), engine.stats()["shared_prefills"]
+
+    shared, n_shared = run((prompts, params))
+    alone = [run(([p], [sp]))[0][0] for p, sp in zip(prompts, params)]
+    assert n_shared == 2
+    for a, g in zip(alone, shared):
+        assert g.token_ids == a.token_ids
+        assert torch.equal(g.routed_experts, a.routed_experts) and torch.equal(g.indexer_topk, a.indexer_topk)
