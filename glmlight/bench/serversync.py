@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from glmlight.bench.common import Sizes, row
+from glmlight.bench.common import Sizes, row, smollm2_checkpoint
 from glmlight.bench.weightsync import copy_seconds, twins
 
 MODES = ("disk", "shm", "tensor", "distributed")
@@ -44,12 +44,10 @@ def _config(backend: str, ckpt: str, root: str) -> Any:
 
 
 def bench_server_sync(s: Sizes, device: str) -> list[dict[str, Any]]:
-    from glmlight.bench.smollm2 import FILE, PACKAGE
     from glmlight.engines.factory import build_server_engine
-    from glmlight.models.gguf import package_checkpoint
     from glmlight.models.loading import load_causal_lm, load_tokenizer
 
-    ckpt = package_checkpoint(PACKAGE, FILE)
+    ckpt = smollm2_checkpoint()
     policy = load_causal_lm(ckpt, load_tokenizer(ckpt)).eval()
     named = [(k, v.detach().clone()) for k, v in policy.state_dict().items()]
     gb = sum(v.numel() * v.element_size() for _, v in named) / 1e9
@@ -145,12 +143,10 @@ def bench_delta_sync(states: list[dict[str, torch.Tensor]]) -> list[dict[str, An
     """The recipe's consecutive weights pushed into a real vLLM server serving SmolLM2 in bfloat16
     (weight_sync=tensor): whole float32 tensors as the trainer holds them, against delta sync
     (rollout.server.delta_sync: the changed bf16 elements). Every update after the first is timed."""
-    from glmlight.bench.smollm2 import FILE, PACKAGE
     from glmlight.engines.factory import build_server_engine
     from glmlight.engines.weight_delta import DeltaSender
-    from glmlight.models.gguf import package_checkpoint
 
-    ckpt = package_checkpoint(PACKAGE, FILE)
+    ckpt = smollm2_checkpoint()
     root = tempfile.mkdtemp(prefix="glmlight-bench-delta-")
     cfg = _config("vllm", ckpt, root)
     cfg.rollout.server.launch_args = [a if a != "float32" else "bfloat16" for a in cfg.rollout.server.launch_args]

