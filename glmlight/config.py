@@ -136,6 +136,10 @@ class AlgoConfig:
     # update's own forward, detached (exact when ppo_epochs = num_minibatches = 1, saves a forward);
     # "auto" = "update" when that is exact and nothing reads them before the update, else "forward".
     old_logprobs: str = "auto"
+    # Rows that repeat a prompt (a GRPO group's samples) run its forward once, their responses reading its
+    # keys and values (Prefix Grouper): the same logits and gradients for less compute, on transformers
+    # models with plain key/value caches (glmlight/models/shared_prompt.py says where it applies).
+    share_prompt_forward: bool = True
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | constant
     loss_agg_constant: Optional[float] = None  # Dr.GRPO divisor; default max_new_tokens
     policy_loss: str = "ppo"  # ppo | dis

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from glmlight.algorithms import replay as replay_
+from glmlight.models import shared_prompt
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.glm5.replay import transformers_replay
 from glmlight.models.lora import base_model_context
@@ -55,6 +56,9 @@ class PolicyScoring:
         if self.use_glm_forward and glm_forward.supports(model):
             return glm_forward.forward_logits(model, exp.input_ids, exp.attention_mask, exp.position_ids,
                                               start=P - 1, replay=replay)[:, :-1]
+        shared = self._shared_prompt_forward(model, exp) if replay is None else None
+        if shared is not None:  # rows that repeat a prompt: its forward once (glmlight/models/shared_prompt.py)
+            return shared()
         keep = {"logits_to_keep": exp.input_ids.shape[1] - P + 1} if takes_logits_to_keep(model) else {}
         with transformers_replay(model, replay):
             out = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
@@ -62,6 +66,12 @@ class PolicyScoring:
         # (with logits_to_keep, the LM head runs on positions P-1.. only: a large vocabulary's logits of the
         # prompt positions would cost as much as a few layers, for nothing)
         return out.logits[:, -(exp.input_ids.shape[1] - P + 1) : -1]
+
+    def _shared_prompt_forward(self, model: torch.nn.Module, exp: Experience):
+        """`shared_prompt.plan` when `algo.share_prompt_forward` is on and the models are not FSDP-sharded."""
+        if not getattr(self.cfg, "share_prompt_forward", False) or self.sharded:
+            return None
+        return shared_prompt.plan(model, exp)
 
     @torch.no_grad()
     def compute_logprobs(self, model: torch.nn.Module, exp: Experience, replay: bool | None = None) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""glmlight.models.shared_prompt: a batch whose rows repeat prompts, with each prompt's forward run once,
+against the forward over every row (logits and gradients), and where it must not apply."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from glmlight.models import shared_prompt
+from glmlight.sample import Experience, Sample
+
+VOCAB = 97
+
+
+def _model(kind: str = "llama", **overrides) -> torch.nn.Module:
+    """A tiny randomly initialised `kind` (tests/support/hf_models.py's shapes) over a vocabulary of VOCAB."""
+    from tests.support.hf_models import _configs
+
+    class Vocab:  # what _configs reads of a tokenizer
+        pad_token_id, eos_token_id = 0, 1
+
+        def __len__(self) -> int:
+            return VOCAB
+
+    config_cls, model_cls, kw = _configs(Vocab())[kind]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**{**kw, **overrides})).float().train()
+
+
+def _batch(groups: list[int], seed: int = 0) -> Experience:
+    """Groups of rows sharing a prompt; prompts of different lengths (left padding) and responses of
+    different lengths (right padding)."""
+    g = random.Random(seed)
+    samples = []
+    for gid, n in enumerate(groups):
+        prompt = [g.randrange(2, VOCAB) for _ in range(g.randrange(3, 9))]
+        for _ in range(n):
+            resp = [g.randrange(2, VOCAB) for _ in range(g.randrange(1, 7))]
+            samples.append(Sample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * len(resp),
+                                  rollout_logprobs=[-1.0] * len(resp), versions=[0] * len(resp), reward=0.0,
+                                  group_id=gid))
+    return Experience.collate(samples, 0)
+
+
+def _full_logits(model: torch.nn.Module, exp: Experience) -> torch.Tensor:
+    P = exp.prompt_length
+    out = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
+                use_cache=False)
+    return out.logits[:, P - 1 : -1]
+
+
+def _loss(logits: torch.Tensor, exp: Experience) -> torch.Tensor:
+    lp = torch.log_softmax(logits, -1).gather(-1, exp.response_ids[..., None]).squeeze(-1)
+    weights = torch.linspace(-1.0, 1.0, exp.batch_size)[:, None]
+    return -(lp * weights * exp.response_mask).sum()
+
+
+def test_prompt_groups_finds_the_rows_that_share_a_prompt():
+    exp = _batch([3, 1, 2])
+    first, inverse = shared_prompt.prompt_groups(exp)
+    groups = [s.group_id for s in exp.samples]
+    assert len(first) == 3
+    # rows of one group map to one distinct prompt, and `first` holds a row of each
+    assert [inverse[i] == inverse[j] for i in range(6) for j in range(6)] == \
+        [groups[i] == groups[j] for i in range(6) for j in range(6)]
+    assert sorted(groups[int(f)] for f in first) == [0, 1, 2]
+    assert shared_prompt.prompt_groups(_batch([1, 1, 1])) is None  # nothing shared
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
+def test_shared_prompt_forward_gives_the_logits_and_gradients_of_the_full_forward(kind):
+    model = _model(kind)
+    exp = _batch([3, 2, 1, 2])
+    run = shared_prompt.plan(model, exp)
+    assert run is not None
+    mask = exp.response_mask.bool()
+
+    model.zero_grad(set_to_none=True)
+    full = _full_logits(model, exp)
+    _loss(full, exp).backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad(set_to_none=True)
+    shared = run()
+    _loss(shared, exp).backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    assert shared.shape == full.shape
+    assert (shared - full)[mask].abs().max() < 1e-5
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_one_token_responses_need_only_the_prompt_forward():
+    model = _model()
+    g = random.Random(1)
+    prompt = [g.randrange(2, VOCAB) for _ in range(5)]
+    samples = [Sample(prompt_ids=prompt, response_ids=[g.randrange(2, VOCAB)], loss_mask=[1], rollout_logprobs=[-1.0],
+                      versions=[0], reward=0.0, group_id=0) for _ in range(3)]
+    exp = Experience.collate(samples, 0)
+    assert torch.allclose(shared_prompt.plan(model, exp)(), _full_logits(model, exp), atol=1e-5)
+
+
+def test_it_does_not_apply_where_it_would_not_be_exact():
+    exp = _batch([2, 2])
+    assert shared_prompt.plan(_model(attention_dropout=0.1), exp) is None  # copies would share dropout masks
+    assert shared_prompt.plan(_model(attention_dropout=0.1).eval(), exp) is not None  # no dropout in eval
+    checkpointed = _model()
+    checkpointed.gradient_checkpointing_enable()
+    assert shared_prompt.plan(checkpointed, exp) is None  # transformers drops the cache then
+    sliding = _model(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    assert shared_prompt.plan(sliding, exp) is None  # not a plain key/value cache
+
+
+def test_glm5_with_its_index_cache_is_not_shared():
+    from glmlight.models.loading import load_causal_lm
+    from glmlight.models.tokenizer import build_char_tokenizer
+
+    model = load_causal_lm(None, build_char_tokenizer(), preset="test", seed=0)
+    assert shared_prompt.cache_argument(model) is None
