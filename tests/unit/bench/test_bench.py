@@ -57,12 +57,13 @@ def test_grpo_figures_against_trl(capsys):
     finally:
         torch.set_num_threads(threads)
     two = bench.machine("cpu")["cores"] >= 2  # then also sync on two threads, without a target
-    _check(rows, (6 if two else 4) + 4)
+    _check(rows, (6 if two else 4) + 5)
     assert [r["figure"].split(":")[0] for r in rows] == (["GRPO step, sync"] * 2 + ["GRPO step, async"] * 2
                                                          + ["GRPO step, sync, 2 threads"] * 2 * two
                                                          + ["GRPO run, sync", "GRPO run, async"]
-                                                         + ["GRPO step, sync", "GRPO step, async"])
-    speed, memory, bounds = rows[:-4], rows[-4:-2], rows[-2:]
+                                                         + ["GRPO step, sync"] + ["GRPO step, async"] * 2)
+    speed, memory, bounds = rows[:-5], rows[-5:-3], rows[-3:]
+    assert "alone" in bounds[-1]["figure"] and "update alone" in bounds[-1]["note"]
     assert {r["unit"] for r in speed} == {"completions/s", "tokens/s"} and "TRL completions/s" in rows[0]["note"]
     assert [r["target"] for r in speed] == [3.0, 3.0, 4.0, 4.0] + [None, None] * two
     assert all(r["unit"] == "MB" and r["target"] is None and r["glmlight"] > 100 for r in memory)  # peak RSS
