@@ -50,13 +50,16 @@ def _own_logits(model, seq: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([seq])).logits[0]
 
 
+@pytest.mark.parametrize("pack", [True, False], ids=["oneDNN-packed", "F.linear"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefill_and_decode_logits_equal_the_models_own_forward(kind):
+def test_prefill_and_decode_logits_equal_the_models_own_forward(kind, pack):
     model = _model(kind)
     assert dense_runner.supports(model)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in (5, 11, 3)]
-    runner = DenseRunner(model, rows=2, capacity=8)  # both grow while it runs
+    runner = DenseRunner(model, rows=2, capacity=8, pack=pack)  # both grow while it runs
+    packed = [runner.head_packed] + [w for Ly in runner.layers for w in (Ly.packed or {}).values()]
+    assert all(w is not None for w in packed) if pack else packed == [None]
     seqs = [list(p) for p in prompts[:2]]
     logits = runner.admit(seqs)
     for step in range(12):
