@@ -167,6 +167,13 @@ class full_weights:
         self.model, self.bucket_bytes = model, bucket_bytes
         self.nbytes, self.gather_seconds = 0, 0.0
 
+    def manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, whole shape, dtype) of every tensor the iteration yields, in order, gathering nothing (a
+        DTensor's shape is the whole tensor's, a ZeRO-3 parameter's is its `ds_shape`): a receiver checks
+        the update against it before the first bucket is gathered (`LocalEngine.update_weights`)."""
+        return [(n, tuple(getattr(t, "ds_shape", t.shape)), t.dtype)
+                for n, t in self.model.state_dict(keep_vars=True).items()]
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0

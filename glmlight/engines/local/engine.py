@@ -152,6 +152,8 @@ class LocalEngine(DecodeLoop):
         self.on_step: Callable[[int], None] | None = None  # called by the decode thread after each step
         self._capture = (False, False)  # replay records: (routing, index), for requests admitted from
         self._capture_since = 0  # this engine iteration on
+        self._unserved: str | None = None  # why the engine refuses requests (a weight update failed half-way)
+        self._stale: set[str] = set()  # the weights such an update named: the next one must name them all
 
     # ----------------------------------------------------------------- protocol
     @property
@@ -198,6 +200,8 @@ class LocalEngine(DecodeLoop):
         with self._cv:
             if self._closed:
                 raise EngineError("the engine is closed")
+            if self._unserved:
+                raise EngineError(self._unserved)
             seed = params.seed if params.seed is not None else int(
                 torch.randint(2**62, (1,), generator=self._generator))
             req = Request(list(prompt_ids), params, seed, request_uniforms(seed, params.max_new_tokens))
@@ -254,6 +258,8 @@ class LocalEngine(DecodeLoop):
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
         with self._turn, self._lock, torch.inference_mode():
+            if self._unserved:
+                raise EngineError(self._unserved)
             seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
             L = max(len(s) for s in seqs)
             ids = torch.full((len(seqs), L), self.pad_token_id, dtype=torch.long)
@@ -268,36 +274,106 @@ class LocalEngine(DecodeLoop):
             return [lp[i, len(p) - 1 : len(p) - 1 + len(c)].tolist() for i, (p, c) in enumerate(zip(prompts, completions))]
 
     def update_weights(self, named_tensors: NamedTensors | None = None, *, path: str | None = None, version: int) -> None:
-        """Load new weights between two decode steps; then serve `version` (see `on_weight_update`)."""
+        """Load new weights between two decode steps; then serve `version` (see `on_weight_update`).
+
+        All or nothing, as for the servers: every tensor is checked first (a parameter of the model, its
+        shape, a dtype it converts from, a tensor with data), so a refused update (EngineError) writes no
+        weight and the engine serves what it served. A stream that gathers its tensors as it is read (the
+        sharded `glmlight.sharding.full_weights`) is checked from its `manifest()` before the first is
+        gathered; anything else is listed (references, no copies). Writing the checked tensors can then fail
+        only for want of resources; if it fails after a weight was written, or the runner cannot re-read
+        the weights, the engine ends every request ("abort"), raises EngineError and refuses to generate or
+        score until an update that names every weight of the failed one succeeds: no weight is copied
+        to roll back (the update's cost: docs/performance.md)."""
         if (named_tensors is None) == (path is None):
             raise ValueError("update_weights needs exactly one of named_tensors or path")
         if path is not None:
             named_tensors = load_weights_file(path).items()
-        done = []
-        with self._turn, self._lock, torch.no_grad():
-            state = self.model.state_dict()
-            nbytes = 0
-            try:
-                for name, tensor in named_tensors:
-                    if name in self._fp8:  # quantised from the trainer's weight
-                        self._fp8[name].load_checked(name, tensor)
+        done: list = []
+        try:
+            with self._turn, self._lock, torch.no_grad():
+                if self.model is None:
+                    raise EngineError("the engine is closed")
+                state = self.model.state_dict()
+                manifest = getattr(named_tensors, "manifest", None)
+                if callable(manifest):  # checked from its manifest; each tensor again as it arrives
+                    names = []
+                    for name, shape, dtype in manifest():
+                        self._check(state, version, name, tuple(shape), dtype)
+                        names.append(name)
+                else:
+                    named_tensors = list(named_tensors)
+                    names = [name for name, _ in named_tensors]
+                    for name, tensor in named_tensors:
+                        self._check_tensor(state, version, name, tensor)
+                missing = self._stale.difference(names)
+                if missing:
+                    raise EngineError(f"weight update to version {version} refused: the engine's weights are mixed "
+                                      f"since a failed update, and this one leaves {len(missing)} of them out "
+                                      f"(e.g. {sorted(missing)[0]!r}); send every weight")
+                nbytes = 0
+                try:
+                    for name, tensor in named_tensors:
+                        if callable(manifest):
+                            names.append(name)
+                            self._check_tensor(state, version, name, tensor)
+                        self._write(state, name, tensor)
                         nbytes += tensor.numel() * tensor.element_size()
-                        continue
-                    if name not in state:
-                        raise EngineError(f"weight update names unknown parameter {name!r}")
-                    if state[name].shape != tensor.shape:
-                        raise EngineError(f"weight update for {name!r} has shape {tuple(tensor.shape)}, "
-                                          f"engine expects {tuple(state[name].shape)}")
-                    state[name].copy_(tensor)
-                    nbytes += tensor.numel() * tensor.element_size()
-            finally:
-                self._runner.refresh()  # the runner's fused weights follow the model, even a half-updated one
-            self.last_sync_bytes = nbytes
-            if self.on_weight_update == "abort":
-                done = self._abort_locked()
-            self._version = version
-            self._batch.mark_version(self._iteration, version)
-        resolve_requests(done)
+                    self._runner.refresh()  # the runner's fused (and packed) copies of the new weights
+                except BaseException as e:
+                    self._stale.update(names)
+                    self._unserved = (f"a weight update to version {version} failed after weights were written "
+                                      f"({type(e).__name__}: {e}); the engine serves no request until an "
+                                      f"update of every weight succeeds")
+                    done = self._abort_locked()  # no request decodes on with weights of no version
+                    if isinstance(e, Exception):
+                        raise EngineError(self._unserved) from e
+                    raise
+                self._stale.clear()
+                self._unserved = None
+                self.last_sync_bytes = nbytes
+                if self.on_weight_update == "abort":
+                    done = self._abort_locked()
+                self._version = version
+                self._batch.mark_version(self._iteration, version)
+        finally:
+            resolve_requests(done)
+
+    def _check(self, state: dict[str, torch.Tensor], version: int, name: str, shape: tuple[int, ...],
+               dtype: torch.dtype) -> None:
+        """Refuse (EngineError) a tensor that `_write` could not write: an unknown name, another shape, a
+        dtype it does not convert from (only floating point into a floating-point weight)."""
+        if name in self._fp8:
+            want, want_dtype = tuple(self._fp8[name].stored.shape), torch.float32  # quantised from any float
+        elif name in state:
+            want, want_dtype = tuple(state[name].shape), state[name].dtype
+        else:
+            raise EngineError(f"weight update to version {version} refused: unknown parameter {name!r}")
+        if shape != want:
+            raise EngineError(f"weight update to version {version} refused: {name!r} has shape {shape}, "
+                              f"engine expects {want}")
+        if dtype != want_dtype and not (dtype.is_floating_point and want_dtype.is_floating_point):
+            raise EngineError(f"weight update to version {version} refused: {name!r} has dtype {dtype}, "
+                              f"engine expects {'a floating-point dtype' if want_dtype.is_floating_point else want_dtype}")
+
+    def _check_tensor(self, state: dict[str, torch.Tensor], version: int, name: str, tensor: Any) -> None:
+        """`_check`, and that `tensor` is a plain tensor with data (not meta, sparse, nested, quantised
+        or a DTensor shard)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise EngineError(f"weight update to version {version} refused: {name!r} is a "
+                              f"{type(tensor).__name__}, not a tensor")
+        if (tensor.is_meta or tensor.layout != torch.strided or tensor.is_nested or tensor.is_quantized
+                or type(tensor).__name__ == "DTensor"):
+            raise EngineError(f"weight update to version {version} refused: {name!r} is not a dense tensor "
+                              f"with data (device {tensor.device}, layout {tensor.layout}, {type(tensor).__name__})")
+        self._check(state, version, name, tuple(tensor.shape), tensor.dtype)
+
+    def _write(self, state: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
+        """Write one checked tensor into the engine's model (an FP8-held weight: quantised from it)."""
+        if name in self._fp8:
+            self._fp8[name].load_(tensor)
+        else:
+            state[name].copy_(tensor)
 
     def __enter__(self) -> "LocalEngine":
         return self
