@@ -9,13 +9,24 @@ model's own weights, with a layout made for continuous batching:
   `[rows, capacity, index_dim]`. Attention runs in the latent space (the
   `kv_b_proj` key half is applied to the query, the value half to the attention
   output), so the cache is never re-expanded. Row `r` holds its own sequence at
-  positions `0..len_r-1`; nothing is shared between rows, so a request's cache
-  does not depend on what else is in the batch.
+  positions `0..len_r-1`; nothing is shared between rows. A request's numbers still depend
+  on what else is in the batch, by float32 rounding: a batched matmul may round a row
+  differently with the number and lengths of the rows computed beside it. Measured on
+  the test preset as test_replay.py builds it (index_topk 4, 16 experts top-4), its 6
+  prompts prefilled together against
+  one at a time: last-token logits within 1.5e-7. On the same model with deliberately
+  near-tied routers and indexer keys (`_near_ties` in tests/unit/algorithms/test_replay.py)
+  that rounding flips top-k expert and DSA key choices: logits then differ by 0.025, and
+  12-token generations (temperature 1, the same seeds) by up to 0.60 in log-prob, with
+  other tokens in 5 of 6 rows. What holds: the replay records (below) are the choices this engine made
+  for the row in the batch it ran in, and the trainer replays those, so its log-probs
+  follow the engine's network path whatever the batch was (test_replay.py's near-tie tests
+  run batched).
 - `admit` prefills newcomers straight into free rows at the end of the batch;
   `step` decodes one token for every row; `keep` compacts the rows that survive.
 - the DSA top-k selection breaks ties between equal index scores by position
-  (most recent first), so the selected set depends only on the row's own scores, never
-  on how long the other rows are.
+  (most recent first), so the selected set depends only on the row's own scores (equal,
+  up to the rounding above, to what the row alone computes), never on how long the other rows are.
 - a decode step over more than k cached keys attends to the k selected keys only
   (gathered), instead of to every key under a mask.
 - few tensor ops per step: fused projections (rows permuted once so that rotary

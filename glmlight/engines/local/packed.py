@@ -8,9 +8,12 @@ time into the layout its kernels read (`torch.ops.mkldnn._reorder_linear_weight`
 does the same at load (`dispatch_cpu_unquantized_gemm`, vllm/model_executor/layers/utils.py, vLLM 0.32).
 At decode's few rows it is much faster on the 2-core AMD EPYC this was measured on (one thread, SmolLM2's
 shapes): [7, 576] x [576, 1536] 134 against 292 µs, [32, 576] x [576, 1536] 521 against 646 µs, the
-49,152-word LM head at 32 rows 21 against 39 ms. The result of a row does not depend on the other rows of
-the call (measured bitwise equal alone and in batches of 5 and 32), and differs from `F.linear`'s by float
-reassociation only (4e-6 on outputs of magnitude 1).
+49,152-word LM head at 32 rows 21 against 39 ms. On that CPU the result of a row did not depend on the
+other rows of the call (measured bitwise equal alone and in batches of 5 and 32; again for 1, 5 and 7 rows
+of [576, 1536] against a 32-row call, where `F.linear` alone differed by 4.6e-5): a measurement on one
+kind of CPU, not a promise of oneDNN, whose kernel choice depends on the machine. It differs
+from `F.linear`'s by float reassociation only (4e-6 on outputs of magnitude 1). The rest of a decode step
+(attention's batched matmuls) is not batch-invariant either way (dense_runner.py's module docstring).
 
 The reorder is a copy of the weight (the LM head's 49,152 x 576 took 73 ms), done once per weight update
 (`pack` in the runner's `refresh`). A compiled decode step keeps `F.linear` (inductor plans its own

@@ -86,8 +86,13 @@ class RowCache:
     @torch.inference_mode()
     def admit_shared(self, prompts: list[list[int]]) -> torch.Tensor:
         """`admit(prompts)` with each distinct prompt prefilled once: the copies of a prompt (a GRPO group's
-        samples, an evaluation's k answers) get the cache rows of its first prefill, copied, and its logits.
-        A row's cache is a function of its own tokens only, so the copies hold what their own prefills would."""
+        samples, an evaluation's k answers) get the cache rows of its first prefill, copied, and its logits
+        (and its replay records). A row's cache holds its own tokens only, but its numbers are those of a row
+        alone only up to float32 rounding: a batched matmul may round a row differently with the number and
+        lengths of the rows computed beside it (see `glm_runner`'s module docstring). So the copies hold
+        what their own prefills would have held to that rounding, not necessarily bit for bit; where the
+        rounding decides a near-tied top-k choice (an expert, a DSA key) all copies take the first prefill's,
+        and their replay records say so: records are what the engine chose, which the trainer replays."""
         first: dict[tuple[int, ...], int] = {}
         index = [first.setdefault(tuple(p), len(first)) for p in prompts]
         if len(first) == len(prompts):
