@@ -262,9 +262,14 @@ def _warm_start_rows(cfg: DictConfig, tokenizer: Any, make_datamodule: Any) -> t
 
 
 def _datamodule_options(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
+    """The RolloutDataModule's agent options; an environment's observation role is resolved (`auto`) and checked
+    against the chat template here, at start-up (glmlight.agents.observation_role)."""
+    from glmlight.agents.observation_role import resolve_observation_role
+
     agent = cfg.task.agent
+    role = resolve_observation_role(tokenizer, agent.observation_role) if agent.env else agent.observation_role
     return dict(env_factory=build_env_factory(agent), max_turns=agent.max_turns, compaction=compaction_options(agent),
-                observation_role=agent.observation_role, vocab_size=max(policy.config.vocab_size, len(tokenizer)), turn_max_new_tokens=agent.max_new_tokens,
+                observation_role=role, vocab_size=max(policy.config.vocab_size, len(tokenizer)), turn_max_new_tokens=agent.max_new_tokens,
                 agent_domains=list(agent.domains or ()), gateway=build_gateway(agent))
 
 

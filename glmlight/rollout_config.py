@@ -134,9 +134,10 @@ class AgentConfig:
     domains: list[str] = field(default_factory=list)
     max_turns: int = 4
     max_new_tokens: Optional[int] = None  # tokens per turn; None = rollout.max_new_tokens
-    # the role of the environment's observations in the chat template: observation (GLM's tool-result turn)
-    # or, for a template without a tool role the model was trained on, user (or tool)
-    observation_role: str = "observation"
+    # the role of the environment's observations in the chat template: auto (the first of observation, tool,
+    # user that the template renders; glmlight/agents/observation_role.py), or one of them; one the template
+    # renders nothing of is a config error at start-up
+    observation_role: str = "auto"
     # Context compaction (CompactionRL): summarise when the remaining budget falls below this.
     compact_threshold: Optional[int] = None
     keep_last_steps: int = 2  # k action/observation steps copied into the resume prompt

@@ -9,11 +9,12 @@ so each turn is one batched engine call.
 
 An observation's ids are what the template renders after an assistant turn
 (`glmlight.models.tokenizer.spliced_turns`): a default system prompt or BOS the template puts at
-the start of a conversation is not repeated. Before them comes what closes the sampled turn: the
-rest of the template's closing after the model's end token (ChatML's newline after `<|im_end|>`),
-or all of it for a turn cut by max_new_tokens. The observation's role is the environment's
-(`observation` by default, GLM's tool-result turn; `task.agent.observation_role`, e.g. `user` for
-a template without one).
+the start of a conversation is not repeated. Before them comes what closes the sampled turn (the
+template's closing: ChatML's `<|im_end|>` and newline, nothing in GLM-4.5's template). When the model
+ended its turn with the first of these tokens (ChatML's `<|im_end|>`; in GLM-4.5's template the next
+turn's role marker, `<|observation|>` or `<|user|>`), that token is not rendered again; a turn cut by
+max_new_tokens gets all of them (`glmlight.models.tokenizer.splice_after_action`). The observation's
+role is `task.agent.observation_role` (`auto` by default: see `glmlight.agents.observation_role`).
 
 Replay records (`Sample.routed_experts` / `.indexer_topk`), when the engine returns them: each turn's
 records cover the whole context it ran; a position keeps the record of the turn that ran it first
@@ -29,8 +30,9 @@ from typing import Any, Callable
 import torch
 
 from glmlight.agents.env import Environment, step_result_problem
+from glmlight.agents.observation_role import resolve_observation_role
 from glmlight.errors import DataError
-from glmlight.models.tokenizer import after_action, assistant_closing, encode_chat, spliced_turns
+from glmlight.models.tokenizer import assistant_closing, encode_chat, splice_after_action, spliced_turns
 from glmlight.prompt import Prompt
 from glmlight.engines.base import Generation, RolloutEngine, SamplingParams
 from glmlight.sample import Sample, Status
@@ -134,12 +136,13 @@ class Segment:
 class AgentLoop:
     def __init__(self, engine: RolloutEngine, tokenizer: Any, env_factory: Callable[[], Environment],
                  params: Callable[[int], SamplingParams], max_turns: int = 4, max_context: int = 2048,
-                 observation_role: str = "observation"):
+                 observation_role: str = "auto"):
         """`params(context_len)` gives the sampling params of one turn (its max_new_tokens
-        already bounded by the remaining context budget)."""
+        already bounded by the remaining context budget). An `observation_role` the chat template
+        renders nothing of is a ConfigError (`glmlight.agents.observation_role`)."""
         self.engine, self.tokenizer, self.env_factory = engine, tokenizer, env_factory
         self.params, self.max_turns, self.max_context = params, max_turns, max_context
-        self.observation_role = observation_role
+        self.observation_role = resolve_observation_role(tokenizer, observation_role)
         self.gen_prompt = generation_prompt(tokenizer)
         self.closing = assistant_closing(tokenizer)
         self.stop_ids = set(self.params(0).stop_token_ids)
@@ -212,8 +215,8 @@ class AgentLoop:
             ep.finish(Status.TRUNCATED)
         else:
             try:
-                obs = after_action(self.closing, g.token_ids, self.stop_ids) + encode_observation(
-                    self.tokenizer, result.observation or "", self.observation_role, self.closing)
+                obs = splice_after_action(g.token_ids, self.stop_ids, self.closing + encode_observation(
+                    self.tokenizer, result.observation or "", self.observation_role, self.closing))
             except DataError as e:  # e.g. characters the tokenizer has no token for
                 ep.finish(Status.FAILED, f"step: observation: {e}")
                 log.warning("environment %s: observation cannot be encoded: %s", type(ep.env).__name__, e)

@@ -54,7 +54,7 @@ class RolloutDataModule(pl.LightningDataModule):
                  eval_sets: dict[str, PromptSource | evaluation.EvalSet] | None = None,
                  eval_cfg: EvalConfig | None = None, turn_max_new_tokens: int | None = None,
                  agent_domains: Iterable[str] = (), policy_version: Callable[[], int] = lambda: 0,
-                 gateway: Any = None, observation_role: str = "observation"):
+                 gateway: Any = None, observation_role: str = "auto"):
         super().__init__()
         self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
         self.env_factory, self.max_turns, self.observation_role = env_factory, max_turns, observation_role

@@ -159,7 +159,7 @@ class GatewayEpisode:
             raise self._truncate(f"the episode's turn limit ({self.max_turns} turns) is reached")
         new = self._new_messages(req)
         if new is not None:
-            ids = self.codec.after_action(self.last_action) + self.codec.extension(new, req.tools)
+            ids = self.codec.splice(self.last_action, new, req.tools)
             if len(self.ep.context) + len(ids) >= self.max_context:
                 raise self._truncate(f"the conversation exceeds the episode's context budget "
                                      f"({self.max_context} tokens)")

@@ -9,9 +9,12 @@ episode are never rendered again. They are what follows the assistant turn's tex
 rendering: the part two renderings with different assistant texts have in common at their end, less
 the template's `closing` (so a template that renders an earlier assistant turn otherwise than the last
 one, e.g. with its reasoning dropped, is spliced as well). `closing` is what the template puts after
-an assistant turn's text (its end-of-turn token, and what follows it): a turn the model ended with
-its end token gets the rest; a turn cut short (by max_tokens or a stop string) gets all of it, so
-the next turn starts where the template starts one.
+an assistant turn's text whatever follows (its end-of-turn token and what follows it; nothing in
+GLM-4.5's template, where the next turn's role marker ends the turn). The sampled turn is followed by
+`closing` and the new messages' ids, less their first token when the model ended its turn with that
+very token (`<|im_end|>` in ChatML, `<|observation|>` before a tool result in GLM-4.5's template): it is
+in the episode already, sampled. A turn cut short (by max_tokens or a stop string) gets all of it, so
+the next turn starts where the template starts one (`glmlight.models.tokenizer.splice_after_action`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from typing import Any
 from glmlight.errors import ConfigError
 from glmlight.gateway.messages import Message, ToolSpec, bad_request
 from glmlight.gateway.tool_format import ToolFormat
-from glmlight.models.tokenizer import (SPLICE_BASE, PromptEncodingError, after_action, assistant_closing, encode_chat,
-                                       spliced_turns)
+from glmlight.models.tokenizer import (SPLICE_BASE, PromptEncodingError, assistant_closing, encode_chat,
+                                       splice_after_action, spliced_turns)
 
 _PROBE_TOOL = ToolSpec("probe", "a probe", {"type": "object", "properties": {"a": {"type": "string"}}})
 
@@ -71,7 +74,7 @@ class TurnCodec:
                 raise bad_request(str(e)) from None
             raise bad_request(f"the model's chat template cannot encode these messages: {e}") from None
 
-    def after_action(self, action: list[int]) -> list[int]:
-        """What closes a sampled turn: the rest of the template's closing after the model's own end token,
-        or all of it when the turn did not end with one."""
-        return after_action(self.closing, action, self.stop_ids)
+    def splice(self, action: list[int], new: list[Message], tools: list[ToolSpec]) -> list[int]:
+        """The ids that follow the sampled turn `action`: what closes it, `new` (the messages after it) and
+        the next assistant turn's opening; the model's own end token is not rendered again."""
+        return splice_after_action(action, self.stop_ids, self.closing + self.extension(new, tools))

@@ -112,8 +112,9 @@ def common_tail(a: list[int], b: list[int]) -> list[int]:
 
 
 def assistant_closing(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """What the chat template puts after an assistant turn's text: its end-of-turn token and what follows
-    it (ChatML: `<|im_end|>` and a newline)."""
+    """What the chat template puts after an assistant turn's text whatever follows it: its end-of-turn token
+    and what follows that (ChatML: `<|im_end|>` and a newline; GLM-4.5's template: nothing, the next turn's
+    role marker ends the turn)."""
     return common_tail(encode_chat(tokenizer, SPLICE_BASE, False), encode_chat(tokenizer, SPLICE_BASE_LONGER, False))
 
 
@@ -138,10 +139,17 @@ def spliced_turns(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, A
     return tail[len(closing):]
 
 
-def after_action(closing: list[int], action: list[int], stop_ids: set[int]) -> list[int]:
-    """What closes a sampled assistant turn: the rest of the template's `closing` after the model's own end
-    token, or all of it when the turn did not end with one (cut by max_new_tokens or a stop string), so
-    that the next turn starts where the template starts one."""
-    ended = bool(action) and action[-1] in stop_ids
-    return closing[1:] if ended and closing else [] if ended else list(closing)
+def splice_after_action(action: list[int], stop_ids: set[int], rendered: list[int]) -> list[int]:
+    """The ids that follow a sampled assistant turn `action` in an episode, given `rendered`: what the chat
+    template puts after that turn's text (its closing, then the turns that follow; `assistant_closing` +
+    `spliced_turns`).
 
+    A turn the model ended with a stop token that is the first token of `rendered` gets the rest: that
+    token is already in the episode, sampled. It is the end-of-turn token of a template that closes an
+    assistant turn with one (the tiny model's `<eos>`, ChatML's `<|im_end|>`, followed by its newline), or
+    the next turn's role marker of a template that closes it with nothing (GLM-4.5's `<|observation|>`
+    before a tool result, `<|user|>` before a user turn). A turn cut without one (max_new_tokens, a stop
+    string), or ended with a stop token the template does not put there, gets all of `rendered`, so that the
+    next turn starts where the template starts one."""
+    ended = bool(action) and action[-1] in stop_ids and rendered[:1] == action[-1:]
+    return list(rendered[1:] if ended else rendered)
