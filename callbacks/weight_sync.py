@@ -10,6 +10,7 @@ so a resumed run's engine serves the restored weights.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -60,7 +61,11 @@ class WeightSync(RLCallback):
             nbytes, gather_seconds = sum(t.numel() * t.element_size() for _, t in named), 0.0
         else:
             named = full_weights(module.policy)
-        engine.update_weights(named, version=version)
+        # trainer.deterministic=true with an async producer: the push lands between two of its batches, at a
+        # point the step count fixes (RolloutDataModule.weight_update_point); otherwise at once
+        point = getattr(trainer.datamodule, "weight_update_point", contextlib.nullcontext)
+        with point():
+            engine.update_weights(named, version=version)
         if engine.version != version:
             raise RuntimeError(f"engine acknowledged version {engine.version}, expected {version}")
         if not is_lora(module.policy):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from glmlight.checkpoint import verified_resume_path
@@ -33,7 +34,9 @@ class Run:
         """Train. However it ends (done, an error, Ctrl-C, SIGTERM), the run report is written and the run
         is closed afterwards — the engine stopped, servers glmlight started terminated — unless
         `close=False` (then call `close()` yourself, or use `with run:`)."""
+        threads = torch.get_num_threads()
         try:
+            self._pin_threads()
             if self.trainer.is_global_zero:
                 save_run_config(self.cfg, self.trainer.default_root_dir)
             ckpt_path = _resume_path(self.cfg)
@@ -45,12 +48,32 @@ class Run:
             if self.cfg.export.enabled and not self.trainer.interrupted:
                 self.export()
         finally:
+            torch.set_num_threads(threads)  # the caller's own setting again
             try:
                 if self.cfg.logger.report and self.trainer.is_global_zero:
                     write_run_report(self.trainer.default_root_dir)
             finally:
                 if close:
                     self.close()
+
+    def _pin_threads(self) -> None:
+        """trainer.num_threads, or with trainer.deterministic=true os.cpu_count(): the training thread's
+        intra-op CPU threads for this fit (a float reduction's order follows how many threads split it, so
+        a repeatable run cannot take the count from the environment: OMP_NUM_THREADS, an earlier
+        torch.set_num_threads). Deterministic mode also gives an embedded engine whose decode thread would
+        take torch's setting (rollout.num_threads=null) the same count, and makes an async producer's
+        weight updates land between whole batches (RolloutDataModule.weight_update_point)."""
+        t = self.cfg.trainer
+        n = t.get("num_threads") or ((os.cpu_count() or 1) if t.deterministic else None)
+        if n:
+            torch.set_num_threads(int(n))
+        if t.deterministic:
+            self.datamodule.deterministic = True
+            engine = self.datamodule.engine
+            if n and getattr(engine, "num_threads", 0) is None:
+                engine.num_threads = int(n)
+            log.info("trainer.deterministic=true: %d intra-op threads in training, %s in the embedded engine's "
+                     "decode thread", n, getattr(engine, "num_threads", "n/a"))
 
     def export(self, out: str | None = None) -> str | None:
         """The policy (LoRA merged) and tokenizer as a Hugging Face checkpoint: export.dir, default

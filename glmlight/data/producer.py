@@ -7,8 +7,15 @@ generated from the weights the trainer had when it took the batch before, and is
 old when trained), and the policy-version gate drops what is still too old.
 
 Accounting: what the producer produces and drops goes into `totals` at once; its other counts
-(tokens, seconds, turns) are handed to the next training batch (`take_counts`). Groups produced
-and never trained on are counted as `dropped/shutdown` when the producer stops.
+(tokens, seconds, turns) are handed to the training batch that takes the batch's first group
+(`take_counts`; a batch that yielded no group goes with the next one that did), so which step logs
+them does not depend on how far the producer had got. Groups produced and never trained on are
+counted as `dropped/shutdown` when the producer stops.
+
+`settle()` (trainer.deterministic=true, before a weight push): wait until the producer has started
+every batch its free slots allow, so whether a batch was begun before or after a weight update is
+fixed by how many groups training has taken, never by thread timing (docs/reliability.md,
+"Repeatable runs").
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from typing import Callable
 
 from glmlight.data.sources import Prompt
@@ -35,9 +43,15 @@ class AsyncProducer:
         self.totals = totals
         ahead = queue_size * batch_prompts  # group slots: generated or being generated, not yet taken
         self._queue: queue.Queue[list[Sample]] = queue.Queue(maxsize=ahead)
-        self._slots = threading.Semaphore(ahead)
+        self._slots_cv = threading.Condition()
+        self._free = ahead  # group slots free (under _slots_cv)
+        self._drawing = False  # slots taken for a batch whose prompts are not drawn yet
         self._stop = threading.Event()
-        self._counts: Counter = Counter()
+        # per generated batch, in order: [index of its first group among all groups queued, its counts,
+        # its number of groups]; handed to training by `take_counts`
+        self._batch_counts: deque[list] = deque()
+        self._queued_groups = 0  # groups put in the queue, all batches
+        self._taken_groups = 0  # groups training took
         self.error: BaseException | None = None
         self.inflight_cursor: int | None = None  # where the prompts being generated now were drawn
         self._thread = threading.Thread(target=self._run, name="glmlight-rollout-producer", daemon=True)
@@ -57,19 +71,46 @@ class AsyncProducer:
             if not self.alive:
                 raise RuntimeError("the rollout producer stopped")
             return None
-        self._slots.release()
+        with self.stream.lock:
+            self._taken_groups += 1
+        self._release(1)
         return group
 
     def take_counts(self) -> Counter:
-        """The producer's per-batch counts since the last call (tokens, seconds, agent turns...)."""
+        """The per-batch counts (tokens, seconds, agent turns...) of every generated batch whose first group
+        training has taken and that was not handed out before (with any batch before it that yielded no group)."""
+        out: Counter = Counter()
         with self.stream.lock:
-            out, self._counts = self._counts, Counter()
+            while self._batch_counts:
+                first, _, n = self._batch_counts[0]
+                if n and first >= self._taken_groups:
+                    break
+                if not n:  # no group: goes with the next batch that has one, once that one is taken
+                    later = next((b for b in self._batch_counts if b[2]), None)
+                    if later is None or later[0] >= self._taken_groups:
+                        break
+                out.update(self._batch_counts.popleft()[1])
         return out
 
     def pending_counts(self) -> Counter:
         """The per-batch counts not taken yet (for a checkpoint: they belong to the queued groups)."""
+        out: Counter = Counter()
         with self.stream.lock:
-            return Counter(self._counts)
+            for _, counts, _ in self._batch_counts:
+                out.update(counts)
+        return out
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait until the producer cannot start another batch without more free slots: every batch it may
+        start now has drawn its prompts (and holds the generation lock, or is done). Returns at once when
+        the producer has stopped or failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._slots_cv:
+            while not (self._stop.is_set() or not self.alive or self.error is not None
+                       or (not self._drawing and self._free < self.batch_prompts)):
+                if deadline is not None and time.monotonic() > deadline:
+                    return
+                self._slots_cv.wait(0.1)
 
     def queued(self) -> list[list[Sample]]:
         """The finished groups waiting in the queue (for a checkpoint)."""
@@ -78,6 +119,8 @@ class AsyncProducer:
     def stop(self) -> None:
         """Stop the thread; what it produced and nobody took is counted as dropped/shutdown."""
         self._stop.set()
+        with self._slots_cv:
+            self._slots_cv.notify_all()
         leftovers: list[list[Sample]] = []
         while self._thread.is_alive():
             leftovers.extend(self._drain())
@@ -96,17 +139,20 @@ class AsyncProducer:
                 with self.stream.lock:
                     self.inflight_cursor = self.stream.cursor
                     prompts = self.stream.draw(self.batch_prompts)
-                samples = self.generate(prompts, counts)
-                with self.stream.lock:
-                    self.inflight_cursor = None
-                    self.totals.update({k: v for k, v in counts.items() if k.startswith(_LIFETIME)})
-                    self._counts.update({k: v for k, v in counts.items() if not k.startswith(_LIFETIME)})
+                # generate() takes the data module's generation lock first thing; `settle` returns once the
+                # prompts are drawn, so a deterministic weight push that follows waits for this batch
+                samples = self.generate(prompts, counts, self._drawn)
                 by_group: dict[int, list[Sample]] = {}
                 for smp in samples:
                     by_group.setdefault(smp.group_id, []).append(smp)
                 pending = list(by_group.values())
-                for _ in range(max(0, taken - len(pending))):  # fewer groups than slots taken
-                    self._slots.release()
+                with self.stream.lock:
+                    self.inflight_cursor = None
+                    self.totals.update({k: v for k, v in counts.items() if k.startswith(_LIFETIME)})
+                    self._batch_counts.append([self._queued_groups, Counter(
+                        {k: v for k, v in counts.items() if not k.startswith(_LIFETIME)}), len(pending)])
+                    self._queued_groups += len(pending)
+                self._release(max(0, taken - len(pending)))  # fewer groups than slots taken
                 while pending and not self._stop.is_set():
                     try:
                         self._queue.put(pending[0], timeout=0.1)
@@ -119,12 +165,27 @@ class AsyncProducer:
             log.error("rollout producer failed: %s: %s", type(e).__name__, e)
 
     def _take_slots(self, n: int) -> int:
-        """Acquire up to n group slots, giving up when stopped; returns how many."""
-        taken = 0
-        while taken < n and not self._stop.is_set():
-            if self._slots.acquire(timeout=0.1):
-                taken += 1
-        return taken
+        """Take n group slots (0 when stopped first); the batch is then drawing until `_drawn`."""
+        with self._slots_cv:
+            while self._free < n:
+                if self._stop.is_set():
+                    return 0
+                self._slots_cv.wait(0.1)
+            self._free -= n
+            self._drawing = True
+            return n
+
+    def _drawn(self) -> None:
+        """The batch's prompts are drawn and the generation lock is held: `settle` may return."""
+        with self._slots_cv:
+            self._drawing = False
+            self._slots_cv.notify_all()
+
+    def _release(self, n: int) -> None:
+        if n:
+            with self._slots_cv:
+                self._free += n
+                self._slots_cv.notify_all()
 
     def _count_shutdown(self, groups: list[list[Sample]]) -> None:
         n = sum(len(g) for g in groups)
