@@ -22,6 +22,7 @@ from glmlight.data.evaluation import build_eval_sets
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
 from glmlight.errors import ConfigError, DataError
+from glmlight.split import Side
 from glmlight.models.gguf import prepare_model
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
@@ -45,27 +46,32 @@ for _msg in (".*dataloader_iter.*", ".*`isinstance\\(treespec, LeafSpec\\)` is d
 
 
 def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSource | None]:
-    if task.source == "running_sum":
-        from glmlight.agents.envs import RunningSumTask
+    """The task's training source and its held-out source. A synthetic task's two streams draw from the two
+    sides of one train / held-out split of its questions (glmlight.split), so they share no question."""
+    train, heldout = Side(False, task.heldout_fraction), Side(True, task.heldout_fraction)
+    try:
+        if task.source == "running_sum":
+            from glmlight.agents.envs import RunningSumTask
 
-        return (RunningSumTask(task.num_steps, task.max_operand, seed=seed, min_value=task.min_operand),
-                RunningSumTask(task.num_steps, task.max_operand, seed=seed + 1, min_value=task.min_operand))
-    if task.source == "chat":
-        from glmlight.data.chat_tasks import ChatQuestionTask
+            make = lambda s, side: RunningSumTask(task.num_steps, task.max_operand, seed=s,  # noqa: E731
+                                                  min_value=task.min_operand, side=side)
+            return make(seed, train), make(seed + 1, heldout)
+        if task.source == "chat":
+            from glmlight.data.chat_tasks import ChatQuestionTask
 
-        if len(task.list_length) != 2:
-            raise ConfigError(f"config error: task.list_length={list(task.list_length)} must be [min, max]")
-        make = lambda s: ChatQuestionTask(  # noqa: E731
-            task.question, seed=s, min_operand=task.min_operand, max_operand=task.max_operand,
-            operators=task.operators, list_length=tuple(task.list_length), question_suffix=task.question_suffix,
-            system_prompt=task.system_prompt)
-        try:
-            return make(seed), make(seed + 1)
-        except DataError as e:
-            raise ConfigError(f"config error: {e}") from None
-    if task.source == "synthetic":
-        make = lambda s: ArithmeticTask(task.max_operand, task.operators, seed=s, system_prompt=task.system_prompt)  # noqa: E731
-        return make(seed), make(seed + 1)
+            if len(task.list_length) != 2:
+                raise ConfigError(f"config error: task.list_length={list(task.list_length)} must be [min, max]")
+            make = lambda s, side: ChatQuestionTask(  # noqa: E731
+                task.question, seed=s, min_operand=task.min_operand, max_operand=task.max_operand,
+                operators=task.operators, list_length=tuple(task.list_length), question_suffix=task.question_suffix,
+                system_prompt=task.system_prompt, side=side)
+            return make(seed, train), make(seed + 1, heldout)
+        if task.source == "synthetic":
+            make = lambda s, side: ArithmeticTask(task.max_operand, task.operators, seed=s,  # noqa: E731
+                                                  system_prompt=task.system_prompt, side=side)
+            return make(seed, train), make(seed + 1, heldout)
+    except (DataError, ValueError) as e:
+        raise ConfigError(f"config error: {e}") from None
     keys = dict(prompt_key=task.prompt_key, label_key=task.label_key, domain_key=task.domain_key,
                 system_prompt=task.system_prompt)
     if not task.path:
@@ -249,6 +255,8 @@ def _warm_start_rows(cfg: DictConfig, tokenizer: Any, make_datamodule: Any) -> t
     if task.source == "chat":
         identity.update(question=task.question, list_length=list(task.list_length), question_suffix=task.question_suffix)
     identity["seed"] = cfg.seed
+    if task.source in ("synthetic", "chat", "running_sum"):  # trains on the training side of the split only
+        identity["heldout_fraction"] = task.heldout_fraction
     experts = env_experts(expert_factory(task.agent)) if ws.data in ("auto", "expert") else []
     if ws.data == "expert" and not experts:
         raise ConfigError("config error: model.warm_start.data=expert needs an agent task whose environment "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from glmlight.ranges import SEED, ranges
+from glmlight.split import HELDOUT_FRACTION
 
 
 @dataclass
@@ -190,10 +191,14 @@ class TaskConfig:
     num_steps: int = 8  # running_sum: numbers per episode
     min_operand: int = 1  # running_sum: numbers in [min_operand, max_operand]
     num_eval_prompts: int = 64
+    # Synthetic tasks: the share of the question space held out (glmlight/split.py). A question is a training
+    # question or a held-out one by a hash of its text, never both, whatever the seed.
+    heldout_fraction: float = HELDOUT_FRACTION
     agent: AgentConfig = field(default_factory=AgentConfig)
     # The reward: any callable sample -> float | (float, info), built with Hydra's _target_.
     reward: dict[str, Any] = field(default_factory=lambda: {"_target_": "glmlight.rewards.verifiers.ExactMatch"})
     reward_options: RewardOptions = field(default_factory=RewardOptions)  # timeout, concurrency, executor
 
 
-ranges(TaskConfig, list_length=">= 2", max_operand=">= 1", min_operand=">= 0", num_steps=">= 1", num_eval_prompts=">= 0")
+ranges(TaskConfig, list_length=">= 2", max_operand=">= 1", min_operand=">= 0", num_steps=">= 1", num_eval_prompts=">= 0",
+       heldout_fraction="(0, 1)")

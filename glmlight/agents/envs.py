@@ -32,6 +32,7 @@ import re
 
 from glmlight.agents.env import StepResult
 from glmlight.prompt import Prompt
+from glmlight.split import Side, question_key
 
 CALC_SYSTEM = "Use 'calc: <expr>', then 'answer: <n>'."
 
@@ -148,22 +149,37 @@ def _unit_hash(text: str) -> float:
 
 
 class RunningSumTask:
-    """Prompts for RunningSumEnv: `num_steps` numbers in [min_value, max_value], a pure function of (seed, index)."""
+    """Prompts for RunningSumEnv: `num_steps` numbers in [min_value, max_value], a pure function of (seed, index),
+    drawn from the task's `side` of the train / held-out split (glmlight.split; the question is the
+    sequence of numbers)."""
 
-    def __init__(self, num_steps: int = 8, max_value: int = 9, seed: int = 0, size: int = 100_000, min_value: int = 1):
+    def __init__(self, num_steps: int = 8, max_value: int = 9, seed: int = 0, size: int = 100_000, min_value: int = 1,
+                 side: Side = Side()):
         if min_value > max_value:
             raise ValueError(f"running sum numbers need min_value <= max_value, got {min_value} > {max_value}")
         self.num_steps, self.max_value, self.seed, self.size = num_steps, max_value, seed, size
-        self.min_value = min_value
+        self.min_value, self.side = min_value, side
+        self[0]  # a side of the split with no question stops here, not in the middle of a run
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> Prompt:
         rng = random.Random(self.seed * 1_000_003 + index)
-        deltas = [rng.randint(self.min_value, self.max_value) for _ in range(self.num_steps)]
+        deltas = self.side.draw(self._draw, _question, rng, "running_sum")
         return Prompt(messages=[{"role": "user", "content": f"Running sum. Start: {deltas[0]}"}],
-                      label=str(sum(deltas)), domain="agent", metadata={"deltas": deltas})
+                      label=str(sum(deltas)), domain="agent", metadata={"deltas": deltas, "question": _question(deltas)})
+
+    def _draw(self, rng: random.Random) -> list[int]:
+        return [rng.randint(self.min_value, self.max_value) for _ in range(self.num_steps)]
+
+    def contains(self, prompt: Prompt) -> bool:
+        """Whether `prompt`'s question can occur in this stream (it is on this task's side of the split)."""
+        return self.side.holds(question_key(prompt))
+
+
+def _question(deltas: list[int]) -> str:
+    return "running sum " + " ".join(map(str, deltas))
 
 
 class RunningSumEnv:

@@ -1,7 +1,8 @@
 """Short verifiable questions for chat models, asked in plain words (`task.source=chat`).
 
-Each item is a pure function of (seed, index), like `ArithmeticTask`'s: the training and held-out
-streams are fixed and differ by seed. The label is the exact answer as a string: a number, or a
+Each item is a pure function of (seed, index), like `ArithmeticTask`'s, and, like it, the task draws
+only from its side of the train / held-out split (`glmlight.split`): a question (with its suffix)
+is a training question or a held-out one, never both. The label is the exact answer as a string: a number, or a
 comma-separated list. `task.question` picks the kind:
 
 - `arithmetic`: "What is 47 + 8?" with operands in [task.min_operand, task.max_operand] and an operator
@@ -24,6 +25,7 @@ from __future__ import annotations
 import random
 
 from glmlight.config import CHOICES
+from glmlight.split import Side, question_key
 from glmlight.errors import DataError
 from glmlight.prompt import Prompt
 
@@ -42,7 +44,7 @@ class ChatQuestionTask:
 
     def __init__(self, question: str = "arithmetic", *, seed: int = 0, min_operand: int = 0, max_operand: int = 9,
                  operators: str = "+", list_length: tuple[int, int] = (3, 3), question_suffix: str = "",
-                 system_prompt: str | None = None, size: int = 100_000):
+                 system_prompt: str | None = None, size: int = 100_000, side: Side = Side()):
         if question not in QUESTIONS:
             raise DataError(f"task.question={question!r} is not one of {list(QUESTIONS)}")
         lo, hi = list_length
@@ -55,19 +57,27 @@ class ChatQuestionTask:
         self.question, self.seed, self.size = question, seed, size
         self.min_operand, self.max_operand, self.operators = min_operand, max_operand, operators
         self.list_length, self.suffix, self.system_prompt = (lo, hi), question_suffix, system_prompt
+        self.side = side
+        self[0]  # a side of the split with no question stops here, not in the middle of a run
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> Prompt:
         rng = random.Random(self.seed * 1_000_003 + index)
-        text, label = getattr(self, f"_{self.question}")(rng)
-        if self.suffix:
-            text = f"{text} {self.suffix}"
+        text, label = self.side.draw(self._draw, lambda item: item[0], rng, f"task.question={self.question}")
         messages = [{"role": "user", "content": text}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return Prompt(messages=messages, label=label, domain=self.question, metadata={"question": text})
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        text, label = getattr(self, f"_{self.question}")(rng)
+        return (f"{text} {self.suffix}" if self.suffix else text), label
+
+    def contains(self, prompt: Prompt) -> bool:
+        """Whether `prompt`'s question can occur in this stream (it is on this task's side of the split)."""
+        return self.side.holds(question_key(prompt))
 
     def _number(self, rng: random.Random) -> int:
         return rng.randint(self.min_operand, self.max_operand)

@@ -43,6 +43,7 @@ from glmlight.rewards.base import RewardFn, RewardRunner, score_samples
 from glmlight.engines.base import HasState, RolloutEngine, SamplingParams
 from glmlight.engines.retry import RetryingEngine, generate_with_retries
 from glmlight.sample import Experience, Sample, Status
+from glmlight.split import overlap
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class RolloutDataModule(pl.LightningDataModule):
         for name, s in (eval_sets or {}).items():
             self.eval_sets[name] = s if isinstance(s, evaluation.EvalSet) else evaluation.EvalSet(s)
         self.eval_cfg = eval_cfg or EvalConfig()
+        # Per set, the fraction of its prompts that can occur in training (glmlight.split.overlap): logged with
+        # every evaluation as eval/<set>/overlap, warned about once at start-up when not 0.
+        self.eval_overlap = {name: overlap(source, s.prompts()) for name, s in self.eval_sets.items()}
         self.stream = PromptStream(source, cfg.seed, rank, world_size)
         self.stop_ids = stop_token_ids(tokenizer)
         self.policy_version = policy_version  # the version of the weights training is at (the module's)
@@ -85,8 +89,16 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # ----------------------------------------------------------------- Lightning
     def setup(self, stage: str) -> None:
-        """Shard the prompt stream across data-parallel ranks (each rank has its own engine, whose
-        sampling seeds are its own: the same seeds on every rank would correlate their samples)."""
+        """Say once which held-out sets share prompts with training; shard the prompt stream across data-parallel
+        ranks (each rank has its own engine, whose sampling seeds are its own: the same seeds on every rank would
+        correlate their samples)."""
+        for name, frac in self.eval_overlap.items():
+            if frac is None:
+                log.warning("eval set %r: its overlap with the training prompts cannot be told (the training source "
+                            "has no `contains` and is too large to scan)", name)
+            elif frac > 0 and (self.trainer is None or self.trainer.global_rank == 0):
+                log.warning("eval set %r is not held out: %.1f%% of its prompts can occur in training "
+                            "(eval/%s/overlap); its figures partly measure trained-on prompts", name, 100 * frac, name)
         if self.trainer is not None:
             rank = self.trainer.global_rank
             self.stream.shard(rank, self.trainer.world_size)
@@ -329,7 +341,6 @@ class RolloutDataModule(pl.LightningDataModule):
         with self.generation_lock:
             yield
 
-
     def stop_producer(self) -> None:
         """Stop the producer; whatever it produced and nobody trained on is counted as dropped/shutdown."""
         if self._producer is not None:
@@ -373,8 +384,12 @@ class RolloutDataModule(pl.LightningDataModule):
         before every generation and may raise to stop. Draws from no training seed or id stream."""
         chosen = {n: s for n, s in self.eval_sets.items() if sets is None or n in sets}
         with self.engine_aside() as own:
-            return evaluation.evaluate(self, own if engine is None else engine, chosen, self.eval_cfg, prefix, select,
-                                       interrupt)
+            out = evaluation.evaluate(self, own if engine is None else engine, chosen, self.eval_cfg, prefix, select,
+                                      interrupt)
+        for name in chosen:
+            if f"{prefix}/{name}/prompts" in out and self.eval_overlap.get(name) is not None:
+                out[f"{prefix}/{name}/overlap"] = float(self.eval_overlap[name])
+        return out
 
 
 class _ExperienceStream(IterableDataset):

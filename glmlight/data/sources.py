@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from glmlight.split import Side, question_key
 from glmlight.errors import DataError
 from glmlight.prompt import Prompt, PromptSource  # noqa: F401  (re-exported: the sources yield Prompts)
 
@@ -167,25 +168,33 @@ class HFDatasetSource(ListSource):
 class ArithmeticTask:
     """Synthetic verifiable arithmetic: 'a+b=' with the exact answer as label.
 
-    Item i is a pure function of (seed, i), so train and held-out streams are
-    fixed and reproducible; the held-out stream uses a different seed.
+    Item i is a pure function of (seed, i), so train and held-out streams are fixed and reproducible.
+    A question is a training question or a held-out one, never both (`glmlight.split`): the task
+    draws only from its `side` of the split, whatever the seed.
     """
 
     def __init__(self, max_operand: int = 9, operators: str = "+", seed: int = 0, size: int = 100_000,
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, side: Side = Side()):
         if max_operand < 1 or not operators or set(operators) - set("+-*"):
             raise DataError("arithmetic task needs max_operand >= 1 and operators drawn from '+-*'")
         self.max_operand, self.operators, self.seed, self.size = max_operand, operators, seed, size
-        self.system_prompt = system_prompt
+        self.system_prompt, self.side = system_prompt, side
+        self[0]  # a side of the split with no question stops here, not in the middle of a run
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> Prompt:
         rng = random.Random(self.seed * 1_000_003 + index)
-        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-        op = rng.choice(self.operators)
-        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-        question = f"{a}{op}{b}="
+        question, answer = self.side.draw(self._draw, lambda item: item[0], rng, "arithmetic")
         return Prompt(messages=_as_messages(question, self.system_prompt, "arithmetic"), label=str(answer),
                       domain="math", metadata={"question": question})
+
+    def _draw(self, rng: random.Random) -> tuple[str, int]:
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        op = rng.choice(self.operators)
+        return f"{a}{op}{b}=", {"+": a + b, "-": a - b, "*": a * b}[op]
+
+    def contains(self, prompt: Prompt) -> bool:
+        """Whether `prompt`'s question can occur in this stream (it is on this task's side of the split)."""
+        return self.side.holds(question_key(prompt))
