@@ -106,13 +106,6 @@ class Fp8Weight:
         """The float8_e4m3fn tensor."""
         return self.module.parametrizations[self.attr].original
 
-    def load_checked(self, name: str, w: torch.Tensor) -> None:
-        """`load_` after checking the shape (one EngineError naming the weight)."""
-        if tuple(self.stored.shape) != tuple(w.shape):
-            raise EngineError(f"weight update for {name!r} has shape {tuple(w.shape)}, "
-                              f"engine expects {tuple(self.stored.shape)}")
-        self.load_(w)
-
     @torch.no_grad()
     def load_(self, w: torch.Tensor) -> None:
         """Quantise `w` (the trainer's weight, any float dtype) into this weight, in place."""
