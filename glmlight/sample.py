@@ -21,6 +21,12 @@ positions 0 .. len(prompt) + len(response) - 2 (the last sampled token is never 
 n may stop early (before trailing tokens no trained token depends on, e.g. an agent's last
 observation); a record without gaps from position 0 is all replay needs. Both are None when nobody
 asked (the default).
+
+Per-turn sampling (`metadata[SAMPLING_KEY]`): when some of a sample's tokens were drawn with other
+settings than the run's (the agent gateway's `client_sampling`), the sample lists them as
+`[start, end, temperature, top_k, top_p]` ranges of response positions; `Experience.sampling` holds
+them per token, and the trainer scores those tokens at them (glmlight/algorithms/scoring.py). Tokens
+outside every range were drawn with the run's settings.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 
 EXPERT_DTYPES = (torch.uint8, torch.int16, torch.int32)
 POSITION_DTYPES = (torch.int16, torch.int32)
+SAMPLING_KEY = "sampling"  # metadata: [[start, end, temperature, top_k, top_p], ...] (module docstring)
 
 
 def expert_dtype(num_experts: int) -> torch.dtype:
@@ -192,6 +199,10 @@ class Experience:
     # *columns* of this layout (int32), for query columns at positions >= k only.
     routed_experts: torch.Tensor | None = None
     indexer_topk: torch.Tensor | None = None
+    # The sampling each response token was drawn with, where it is not the run's (module docstring):
+    # [B, T, 3] float32 (temperature, top_k, top_p), NaN where the run's settings apply; None when
+    # every token of the batch was drawn with the run's settings (the common case).
+    sampling: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -260,6 +271,7 @@ class Experience:
         return cls(
             routed_experts=_padded_records(samples, offsets, P + T, "routed_experts"),
             indexer_topk=_padded_records(samples, offsets, P + T, "indexer_topk"),
+            sampling=_padded_sampling(samples, T),
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -272,6 +284,23 @@ class Experience:
             prompt_length=P,
             samples=samples,
         )
+
+
+def _padded_sampling(samples: list[Sample], T: int) -> torch.Tensor | None:
+    """The per-turn sampling ranges of `samples` (metadata[SAMPLING_KEY]) per token: [B, T, 3] float32,
+    NaN outside every range; None when no sample has a range."""
+    if not any(s.metadata.get(SAMPLING_KEY) for s in samples):
+        return None
+    out = torch.full((len(samples), T, 3), float("nan"))
+    for b, s in enumerate(samples):
+        for r in s.metadata.get(SAMPLING_KEY) or ():
+            start, end, *setting = r
+            if len(setting) != 3 or not 0 <= start <= end <= s.response_length:
+                raise SampleError(f"Sample.metadata[{SAMPLING_KEY!r}] has a range {r!r} outside the response's "
+                                  f"{s.response_length} tokens or not [start, end, temperature, top_k, top_p] "
+                                  f"(rollout_id={s.rollout_id})")
+            out[b, int(start):int(end)] = torch.tensor(setting, dtype=torch.float32)
+    return out
 
 
 def _padded_records(samples: list[Sample], offsets: list[int], S: int, name: str) -> torch.Tensor | None:

@@ -151,7 +151,7 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         self.policy.eval()
         from_update = self.old_logprobs_from_update()
         batch.old_logprobs = None if from_update else self.compute_logprobs(self.policy, batch)
-        if batch.old_logprobs is not None and (self.top_k > 0 or self.top_p < 1):
+        if batch.old_logprobs is not None and self.filters(batch):
             outside = (batch.old_logprobs <= LOGPROB_FLOOR).float()
             batch.stats["train/outside_kept_set_frac"] = float(masked_mean(outside, batch.loss_mask))
         batch.stats["train/old_logprobs_from_update"] = float(from_update)
@@ -287,7 +287,7 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
     def micro_batch_loss(self, mb: Experience, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         logits = self.forward_logits(self.policy, mb)
-        logprobs = self.logprobs(logits, mb.response_ids)
+        logprobs = self.logprobs(logits, mb.response_ids, mb)
         mask = mb.loss_mask
         pg, stats = self.policy_loss(mb, logprobs)
         if mb.token_weights is not None:
@@ -298,7 +298,7 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
             per_token = per_token + cfg.kl_coef * kl
             stats["train/kl"] = masked_mean(kl.detach(), mask)
         if cfg.entropy_coef or cfg.log_entropy:
-            entropy = self.entropy(logits, mask, with_grad=bool(cfg.entropy_coef))
+            entropy = self.entropy(logits, mask, with_grad=bool(cfg.entropy_coef), exp=mb)
             if cfg.entropy_coef:
                 per_token = per_token - cfg.entropy_coef * entropy
             stats["train/entropy"] = masked_mean(entropy.detach(), mask)

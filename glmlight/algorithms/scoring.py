@@ -2,6 +2,11 @@
 entropy under the engine's sampling distribution (temperature, top-k, top-p), and the reference
 model's log-probs.
 
+Per-turn sampling: tokens drawn with other settings than the run's (the agent gateway's
+`client_sampling`; `Experience.sampling`, glmlight/sample.py) are scored at the temperature, top-k and
+top-p they were drawn with, a per-token division and per-row filtering in the same log-prob op; a batch
+without such tokens (the common case) is scored with the run's numbers, as before.
+
 Replay scope (`algo.replay`): the records are the choices the policy made in the engine, so only the
 policy's own forwards replay them (the old log-probs and the update). The frozen reference, a LoRA
 policy's frozen base and trainer-side OPD teachers are other distributions: they route and select
@@ -78,24 +83,46 @@ class PolicyScoring:
     def compute_logprobs(self, model: torch.nn.Module, exp: Experience, replay: bool | None = None) -> torch.Tensor:
         """Log-probs [B, T] of the responses under `model` (`replay`: as in `forward_logits`)."""
         return self.per_row(exp, lambda mb: self.logprobs(self.forward_logits(model, mb, replay=replay),
-                                                          mb.response_ids))
+                                                          mb.response_ids, mb))
 
-    def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Log-probs [B, T] of `labels` under the sampling distribution the engine used. With top-k /
-        top-p a token outside the trainer's kept set (its logits differ from the engine's) has
-        probability 0: it gets LOGPROB_FLOOR instead of −inf, so ratios stay finite (IcePop pops
-        it, DIS masks it) and no gradient flows through it."""
-        lp = logprobs_from_logits(logits, labels, self.temperature, self.top_k, self.top_p, self.filter_order)
-        return lp.clamp(min=LOGPROB_FLOOR) if self.top_k > 0 or self.top_p < 1 else lp
+    def sampling_of(self, exp: Experience | None) -> tuple:
+        """(temperature, top_k, top_p) that `exp`'s response tokens were drawn with: the run's numbers, or
+        [B, T] tensors when some were drawn with other settings (`Experience.sampling`; NaN there: the run's)."""
+        s = None if exp is None else exp.sampling
+        if s is None:
+            return self.temperature, self.top_k, self.top_p
+        run = torch.tensor([self.temperature, float(self.top_k), self.top_p], device=s.device)
+        s = torch.where(s.isnan(), run, s)
+        return s[..., 0], s[..., 1].long(), s[..., 2]
 
-    def entropy(self, logits: torch.Tensor, mask: torch.Tensor, with_grad: bool) -> torch.Tensor:
+    def filters(self, exp: Experience | None = None) -> bool:
+        """Whether some of `exp`'s tokens (any token, without `exp`) may be scored with top-k or top-p on."""
+        return self.top_k > 0 or self.top_p < 1 or (exp is not None and exp.sampling is not None)
+
+    def logprobs(self, logits: torch.Tensor, labels: torch.Tensor, exp: Experience | None = None) -> torch.Tensor:
+        """Log-probs [B, T] of `labels` under the sampling distribution the engine used (`exp`: the batch
+        of `labels`, whose per-turn sampling applies; None: the run's). With top-k / top-p a token outside
+        the trainer's kept set (its logits differ from the engine's) has probability 0: it gets
+        LOGPROB_FLOOR instead of −inf, so ratios stay finite (IcePop pops it, DIS masks it) and no
+        gradient flows through it."""
+        lp = logprobs_from_logits(logits, labels, *self.sampling_of(exp), self.filter_order)
+        return lp.clamp(min=LOGPROB_FLOOR) if self.filters(exp) else lp
+
+    def entropy(self, logits: torch.Tensor, mask: torch.Tensor, with_grad: bool,
+                exp: Experience | None = None) -> torch.Tensor:
         """Entropy [B, T] of the sampling distribution on mask positions (0 elsewhere), computed over
-        those positions only; without gradient unless `with_grad` (an entropy loss term)."""
+        those positions only; without gradient unless `with_grad` (an entropy loss term). `exp`: as in
+        `logprobs`."""
         out = logits.new_zeros(mask.shape, dtype=torch.float32)
         keep = mask.bool()
-        args = (self.temperature, self.top_k, self.top_p, self.filter_order)
+        sampling = self.sampling_of(exp)
+        per_token = isinstance(sampling[0], torch.Tensor)
+
+        def args(*index):  # the sampling of the positions `index` selects
+            return (*(tuple(x[index] for x in sampling) if per_token else sampling), self.filter_order)
+
         if with_grad and torch.is_grad_enabled():
-            return out.masked_scatter(keep, entropy_from_logits(logits[keep], *args))
+            return out.masked_scatter(keep, entropy_from_logits(logits[keep], *args(keep)))
         # Without gradient, a few positions at a time: the vocabulary-wide temporaries of the whole batch
         # (a log-softmax, its exp, ...: 200 MB each for 1024 positions of a 49k vocabulary) cost more in
         # memory traffic and page faults than the arithmetic (3 s against 0.3 s on SmolLM2, one CPU thread).
@@ -104,7 +131,7 @@ class PolicyScoring:
         with torch.no_grad():
             for i in range(0, rows.numel(), step):
                 r, c = rows[i : i + step], cols[i : i + step]
-                out[r, c] = entropy_from_logits(logits[r, c], *args)
+                out[r, c] = entropy_from_logits(logits[r, c], *args(r, c))
         return out
 
     def reference_logprobs(self, batch: Experience) -> torch.Tensor | None:

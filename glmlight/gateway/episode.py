@@ -35,7 +35,9 @@ MAX_REGENERATIONS = 3  # a turn a weight update aborted is generated again this 
 
 class GatewayEpisode:
     """`params(context_len)`: the run's sampling params of one turn (max_new_tokens within the context
-    budget). With `client_sampling`, a request's temperature, top_p and top_k replace the run's."""
+    budget). With `client_sampling`, a request's temperature, top_p and top_k replace the run's; the
+    turns drawn with other settings than the run's are recorded per segment (`sampling`), so the
+    trainer scores them at the settings they were drawn with (glmlight.sample, SAMPLING_KEY)."""
 
     def __init__(self, index: int, prompt: Prompt, codec: TurnCodec, engine: RolloutEngine,
                  params: Callable[[int], SamplingParams], max_turns: int, max_context: int, counts: Counter,
@@ -55,6 +57,9 @@ class GatewayEpisode:
         self.final_text = ""  # the text of the last turn the gateway answered
         self.calls: list[ToolCall] = []  # every tool call the gateway answered with
         self.requests = self.rewrites = self.regenerated = 0
+        # per segment (closed ones, then the current one): [start, end, temperature, top_k, top_p] of each
+        # action turn drawn with other settings than the run's, in the segment's response positions
+        self.sampling: list[list[list[float]]] = [[]]
         self._state = threading.Lock()
         self._clock = threading.Lock()
         self._inflight, self._agent_s, self._since = 0, 0.0, time.monotonic()
@@ -124,11 +129,15 @@ class GatewayEpisode:
         with self._state:
             self._check_open()
             self.requests += 1
-            ctx, params = self._prepare(req)
+            ctx, params, own = self._prepare(req)
         g = self._generate(ctx, params)
         with self._state:
             self._check_open()
-            return self._take(req, g, len(ctx))
+            start = len(self.ep.response_ids)
+            out = self._take(req, g, len(ctx))
+            if own is not None and len(self.ep.response_ids) > start:
+                self.sampling[-1].append([start, len(self.ep.response_ids), *own])
+            return out
 
     def _check_open(self) -> None:
         if self.failure is not None:
@@ -154,7 +163,9 @@ class GatewayEpisode:
         new = req.messages[len(h):]
         return None if any(m.role == "assistant" for m in new) else new
 
-    def _prepare(self, req: TurnRequest) -> tuple[list[int], SamplingParams]:
+    def _prepare(self, req: TurnRequest) -> tuple[list[int], SamplingParams, list[float] | None]:
+        """The turn's context and sampling params, and [temperature, top_k, top_p] when those are not the
+        run's (the request's own, `client_sampling`); None when they are."""
         if self.ep.turns >= self.max_turns:
             raise self._truncate(f"the episode's turn limit ({self.max_turns} turns) is reached")
         new = self._new_messages(req)
@@ -182,7 +193,8 @@ class GatewayEpisode:
             top_p=req.top_p if mine and req.top_p is not None else p.top_p,
             top_k=req.top_k if mine and req.top_k is not None else p.top_k,
             max_new_tokens=max(cap, 1), stop_token_ids=list(p.stop_token_ids), seed=p.seed)
-        return ctx, params
+        own = [params.temperature, params.top_k, params.top_p]
+        return ctx, params, None if own == [p.temperature, p.top_k, p.top_p] else own
 
     def _new_segment(self) -> None:
         """Close the current segment (when it holds an action) and start an empty one: a rewritten history."""
@@ -190,6 +202,8 @@ class GatewayEpisode:
         if any(ep.loss_mask):
             ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
                                        ep.routed_experts, ep.indexer_topk, ep.turn_rewards))
+            self.sampling.append([])
+        self.sampling[-1] = []
         ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions = [], [], [], [], []
         ep.routed_experts = ep.indexer_topk = None
         ep.turn_rewards, ep.records_lost, ep.record_turns = [], False, 0

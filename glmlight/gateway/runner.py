@@ -20,6 +20,11 @@ The reward: `reward: task` scores the episode's last segment with the task's rew
 `metadata["gateway_tool_calls"]` every tool call it answered with, `[{name, arguments}]`);
 `reward: agent` takes the reward the agent reported (POST /reward, or what the callable returns:
 a number or `{"reward": x, "info": {...}}`), and fails the episode (`no_reward`) without one.
+
+With `client_sampling`, the turns a request drew with its own temperature / top_p / top_k are listed in
+each segment's `metadata["sampling"]` (glmlight.sample, SAMPLING_KEY; `score_episodes` adds them): the
+trainer scores those tokens at the settings they were drawn with, so the log-probs it compares with the
+engine's are of the same distribution (docs/agents.md).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from glmlight.models.tokenizer import stop_token_ids
 from glmlight.prompt import Prompt
 from glmlight.rewards.base import score_samples
 from glmlight.engines.base import RolloutEngine, SamplingParams
-from glmlight.sample import Sample, Status
+from glmlight.sample import SAMPLING_KEY, Sample, Status
 
 log = logging.getLogger(__name__)
 
@@ -264,9 +269,13 @@ class GatewayRollout:
 
 def score_episodes(episodes: list[GatewayEpisode], trajectories: list[list[Sample]], reward_fn: Any, source: str,
                    counts: Counter) -> None:
-    """Give each episode's samples its reward (module docstring); fail those without one."""
+    """Give each episode's samples its reward (module docstring); fail those without one. Each segment
+    also gets the turns drawn at a request's own sampling (metadata["sampling"], module docstring)."""
     todo = []
     for ge, segs in zip(episodes, trajectories):
+        for s, ranges in zip(segs, ge.sampling):
+            if ranges:
+                s.metadata[SAMPLING_KEY] = [list(r) for r in ranges]
         calls = [{"name": c.name, "arguments": c.arguments} for c in ge.calls]
         for s in segs:
             s.metadata.update(completion_text=ge.final_text, gateway_tool_calls=calls)
