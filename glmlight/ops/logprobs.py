@@ -11,8 +11,28 @@ Which tokens are kept when top-k and top-p are both on depends on the engine (`F
   renormalised top-k distribution;
 - "joint" (SGLang): top-k and top-p are both applied to the same full, un-renormalised
   distribution and the kept set is their intersection (`joint_kept`).
-With only one of the two filters on, both orders keep the same set. Each engine declares its order
-(`filter_order`); the trainer scores that engine's rollouts with it.
+With only one of the two filters on, both orders keep the same set up to ties (below). Each engine
+declares its order (`filter_order`); the trainer scores that engine's rollouts with it.
+
+Exact ties at a cut (frequent with bf16 logits), per engine:
+- "sequential" keeps every token tied with the k-th (`scaled < kth` drops), as vLLM 0.32.0 does
+  (vllm/v1/sample/ops/topk_topp_sampler.py `apply_top_k_top_p_pytorch` and `apply_top_k_only`:
+  `logits < kth` is masked); the kept set may then hold more than k tokens.
+- "joint" keeps exactly k tokens by rank, as SGLang 0.5.23 does (srt/layers/sampler.py
+  `top_k_top_p_min_p_sampling_from_probs_torch`: rank >= top_k is zeroed after a sort), with top-k
+  alone too (`joint_kept`). Tied tokens are ranked by token id (a stable sort); SGLang's sort is
+  unstable, so which of the tied tokens it keeps may differ, but the count and therefore every kept
+  token's probability agree.
+- Top-p: a token is dropped once the mass before it reaches top_p, ties ranked by token id (a stable
+  sort, so the engine's step and the trainer's batch, of other shapes, rank them alike). vLLM
+  computes the same cut from an ascending sort (`cumsum <= 1 - p` drops) on CPU and with a Triton
+  kernel on CUDA, so the float32 rounding of the cumulative mass (and the order of ties) differs and
+  tokens near the cut may fall on the other side. Measured on 2,048 bf16-rounded rows, top_p 0.9,
+  against vLLM 0.32.0's CPU rule: peaked rows (32,000 N(0, 8^2) logits) differ in 15 rows by at most
+  5e-7 in the kept tokens' log-probs; flat rows (32,000 or 49,152 N(0, 3^2) logits, thousands of tokens
+  near the cut) by up to 2e-4 at T = 1 and 3e-3 at T = 0.7. glmlight does not copy a
+  platform-dependent summation order; for a vLLM run with top_p < 1 on flat distributions this is
+  part of the measured train/rollout mismatch (docs/contracts.md).
 """
 
 from __future__ import annotations
@@ -32,7 +52,7 @@ def processed_logits(logits: Tensor, temperature: float | Tensor = 1.0, top_k: i
     counts as T = 1. top_k = 0 and top_p = 1 filter nothing. Top-p (Holtzman et al. 2020, arXiv
     1904.09751, §3.1) keeps the smallest set of most likely tokens whose mass reaches top_p: a
     token is dropped once the mass of the tokens strictly more likely than it already reaches
-    top_p (ties broken by sort order). `use_top_k` / `use_top_p` say whether any row filters (None:
+    top_p (ties ranked by token id, module docstring). `use_top_k` / `use_top_p` say whether any row filters (None:
     look at the arguments, which costs a device synchronisation for tensors). `order`: how top-k and
     top-p combine when both are on (module docstring; "joint": `joint_kept`).
     """
@@ -50,14 +70,14 @@ def processed_logits(logits: Tensor, temperature: float | Tensor = 1.0, top_k: i
         use_top_p = bool((top_p < 1).any())
     if order not in FILTER_ORDERS:
         raise ValueError(f"unknown top-k/top-p order {order!r}; one of {FILTER_ORDERS}")
-    if order == "joint" and use_top_k and use_top_p:
+    if order == "joint" and use_top_k:  # exactly k by rank, top-p on the same full distribution
         return scaled.masked_fill(~joint_kept(scaled, top_k, top_p), float("-inf"))
     if use_top_k:
         k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V)).expand(scaled.shape[:-1])
         kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if use_top_p:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
         probs = sorted_logits.softmax(-1)
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p.expand(scaled.shape[:-1]).unsqueeze(-1)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
@@ -72,14 +92,16 @@ def joint_kept(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     filter_apply_order="joint" on CUDA): sort the probabilities p = softmax(scaled) in descending
     order; the token of rank r is kept iff r < top_k and the mass of the tokens ranked before it,
     p_(0) + ... + p_(r-1), is at most top_p. Both tests read the full distribution: top-p is not
-    taken after renormalising over the top-k set."""
+    taken after renormalising over the top-k set. Exactly min(top_k, V) tokens pass the rank test:
+    tokens of equal probability are ranked by token id (a stable sort; module docstring)."""
     V = scaled.shape[-1]
     top_k = torch.as_tensor(top_k, device=scaled.device)
     top_p = torch.as_tensor(top_p, dtype=torch.float32, device=scaled.device)
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V)).expand(scaled.shape[:-1])
-    probs, order = scaled.float().softmax(-1).sort(dim=-1, descending=True)
+    probs, order = scaled.float().softmax(-1).sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(V, device=scaled.device)
-    keep_sorted = (rank < k.unsqueeze(-1)) & ((probs.cumsum(-1) - probs) <= top_p.expand(scaled.shape[:-1]).unsqueeze(-1))
+    p = top_p.expand(scaled.shape[:-1]).unsqueeze(-1)  # top_p >= 1: no top-p (a rounded mass may pass 1)
+    keep_sorted = (rank < k.unsqueeze(-1)) & (((probs.cumsum(-1) - probs) <= p) | (p >= 1))
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 

@@ -46,3 +46,64 @@ def test_orders_agree_with_one_filter_only():
         assert torch.equal(a.isinf(), b.isinf())
     with pytest.raises(ValueError, match="unknown top-k/top-p order"):
         processed_logits(logits, 1.0, 5, 0.5, order="flashinfer")
+
+
+# probabilities 0.4, 0.2, 0.2, 0.2: three exact ties
+TIED = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+
+
+def _lp(logits, k, p, order):
+    V = logits.shape[-1]
+    return logprobs_from_logits(logits.expand(V, V).unsqueeze(0), torch.arange(V).view(1, V), 1.0, k, p, order)[0]
+
+
+def test_top_k_ties_per_engine_by_hand():
+    """top_k = 2 with the 2nd, 3rd and 4th tied.
+    sequential (vLLM 0.32.0 masks logits < the k-th): all four kept, log 0.4, log 0.2 x3.
+    joint (SGLang 0.5.23 zeroes rank >= top_k): exactly 2, tokens 0 and 1 (ties by token id),
+    renormalised 0.4/0.6 = 2/3 and 0.2/0.6 = 1/3."""
+    seq = _lp(TIED, 2, 1.0, "sequential").tolist()
+    assert seq == pytest.approx([math.log(0.4)] + [math.log(0.2)] * 3, abs=1e-6)
+    joint = _lp(TIED, 2, 1.0, "joint").tolist()
+    assert joint[:2] == pytest.approx([math.log(2 / 3), math.log(1 / 3)], abs=1e-6) and joint[2:] == [NEG, NEG]
+    # with top-p too: top_k = 4, top_p = 0.7; the mass before rank 2 is 0.6 (kept), before rank 3 0.8 (dropped):
+    # tokens 0, 1, 2 renormalised over 0.8: 1/2, 1/4, 1/4
+    joint = _lp(TIED, 4, 0.7, "joint").tolist()
+    assert joint[:3] == pytest.approx([math.log(1 / 2), math.log(1 / 4), math.log(1 / 4)], abs=1e-6)
+    assert joint[3] == NEG
+
+
+def test_ties_are_ranked_by_token_id_in_a_large_vocabulary():
+    """4,096 tokens of equal logit (probability 2^-12 each, sums exact in float32).
+    joint, top_k = 5: tokens 0-4, log(1/5) each; the rest -inf (the tie-keeping rule kept all: log 2^-12).
+    top_p = 0.5 (either order): the mass before rank r is r / 4096, dropped from r = 2048: tokens
+    0-2047, log(1/2048) each."""
+    V = 4096
+    flat = torch.zeros(1, 1, V)
+    z = processed_logits(flat, 1.0, 5, 1.0, order="joint")[0, 0]
+    assert z.isfinite().nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    lp = logprobs_from_logits(flat.expand(1, 5, V), torch.arange(5).view(1, 5), 1.0, 5, 1.0, "joint")
+    assert lp.flatten().tolist() == pytest.approx([math.log(1 / 5)] * 5, abs=1e-6)
+    for order in ("sequential", "joint"):
+        kept = processed_logits(flat, 1.0, 0, 0.5, order=order)[0, 0].isfinite()
+        assert kept.nonzero().flatten().tolist() == list(range(2048)), order
+        lp = logprobs_from_logits(flat, torch.tensor([[7]]), 1.0, 0, 0.5, order)
+        assert float(lp) == pytest.approx(math.log(1 / 2048), abs=1e-6)
+
+
+def test_per_token_settings_equal_each_rows_own():
+    """Temperature, top-k and top-p as [B, T] tensors (a turn drawn with the client's sampling): every
+    position's log-probs are those of its own scalar settings, in both orders."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 30, generator=g)
+    labels = torch.randint(0, 30, (2, 3), generator=g)
+    temp = torch.tensor([[1.0, 0.3, 0.0], [2.0, 1.0, 0.7]])
+    top_k = torch.tensor([[0, 5, 0], [3, 0, 30]])
+    top_p = torch.tensor([[1.0, 0.8, 0.5], [1.0, 0.9, 1.0]])
+    for order in ("sequential", "joint"):
+        got = logprobs_from_logits(logits, labels, temp, top_k, top_p, order)
+        for b in range(2):
+            for t in range(3):
+                want = logprobs_from_logits(logits[b:b + 1, t:t + 1], labels[b:b + 1, t:t + 1], float(temp[b, t]),
+                                            int(top_k[b, t]), float(top_p[b, t]), order)
+                assert torch.equal(got[b, t], want[0, 0]), (order, b, t)
