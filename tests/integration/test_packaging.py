@@ -3,8 +3,10 @@ configs as package data, so a wheel installed anywhere composes its configs and 
 
 import glob
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 
 import pytest
@@ -29,6 +31,35 @@ def test_the_folder_name_callbacks_is_the_same_package_as_glmlight_callbacks():
     assert callbacks is installed and IcePop is installed.IcePop
 
 
+def running_site_packages():
+    """The directories the running interpreter imports its installed packages from: its environment's
+    site-packages, the base Python's when that environment includes them, and the user site when enabled.
+    Inside a virtual environment these are the venv's own directories; outside one, the system Python's."""
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    here = os.path.realpath(REPO)
+    out = []
+    for d in dirs:
+        if os.path.isdir(d) and d not in out and not os.path.realpath(d).startswith(here):
+            out.append(d)
+    return out
+
+
+def see_the_running_environment(py):
+    """Let the fresh environment at `py` import the running environment's packages (torch, lightning, ...)
+    without installing them again. `venv --system-site-packages` would not do: it exposes the *base*
+    Python's site-packages, which has no torch when the tests run inside a virtual environment. A .pth
+    file in the fresh environment's site-packages appends the running environment's directories to
+    sys.path after its own, so what is installed into it (the wheel) comes first. The directories are
+    added as plain paths: their own .pth files are not run, so an editable install of glmlight in the
+    running environment (a finder pointing at the source tree) stays invisible."""
+    target = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(target, "_running_environment.pth"), "w") as f:
+        f.write("".join(d + "\n" for d in running_site_packages()))
+
+
 def test_a_built_wheel_installs_alone_and_trains_from_another_directory(tmp_path):
     """Build the wheel, install it (not editable) into a fresh environment, train one step from outside the
     repository: the configs come from the installed package, and nothing but glmlight is top-level."""
@@ -41,10 +72,10 @@ def test_a_built_wheel_installs_alone_and_trains_from_another_directory(tmp_path
     assert "glmlight/conf/train.yaml" in names and "glmlight/conf/algo/grpo.yaml" in names
     assert "glmlight/callbacks/weight_sync.py" in names
     env_dir = tmp_path / "env"
-    # the fresh environment sees this machine's packages (torch, lightning, ...) but installs glmlight itself
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True)
     py = str(env_dir / "bin" / "python")
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", wheel], check=True, capture_output=True)
+    see_the_running_environment(py)  # after the install: pip sees nothing but the fresh environment
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -52,6 +83,9 @@ def test_a_built_wheel_installs_alone_and_trains_from_another_directory(tmp_path
                                       "print(glmlight.__file__); print(c.__file__); print(l.CONF_DIR)"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout.split()
     assert all(p.startswith(str(env_dir)) for p in where), where
+    path = subprocess.run([py, "-c", "import sys; print('\\n'.join(sys.path))"], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert not [p for p in path if os.path.realpath(p).startswith(os.path.realpath(REPO))], path
     out = subprocess.run([py, "-m", "glmlight.train", "model.preset=test", "model.warm_start.steps=0",
                           "trainer.max_steps=1", "logger=none", "rollout.rollout_batch_size=2",
                           "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=3", "task.num_eval_prompts=4",
