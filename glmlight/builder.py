@@ -28,8 +28,7 @@ from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.lora import apply_lora
 from glmlight.models.warm_start import label_examples, supervised_warm_start
-from glmlight.rewards import build_reward
-from glmlight.rewards.base import RewardRunner
+from glmlight.rewards import task_reward
 from glmlight.run import Run, _resume_path, save_run_config, write_run_report  # noqa: F401 - re-exported
 from glmlight.engines.factory import build_engine
 from glmlight.trainer_setup import build_loggers, hardware_kwargs, make_trainer  # noqa: F401 - re-exported
@@ -224,7 +223,7 @@ def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source:
     for name in cfg.model.warm_start.mix:
         other = _task_config(cfg, name)
         other_source, _ = build_sources(other.task, other.seed)
-        reward = RewardRunner(build_reward(other.task.reward), other.task.reward_options)
+        reward = task_reward(other.task, other_source)
         other_identity, other_examples = _warm_start_rows(
             other, tokenizer, _datamodule_factory(other, policy, tokenizer, other_source, reward))
         mix.append((other_source, other_examples or label_examples(tokenizer)))
@@ -302,7 +301,7 @@ def build_policy(cfg: DictConfig, tokenizer: Any, source: PromptSource | None = 
         policy.gradient_checkpointing_enable()
     if warm and m.warm_start.steps > 0:
         source = source if source is not None else build_sources(cfg.task, cfg.seed)[0]
-        reward = reward if reward is not None else RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
+        reward = reward if reward is not None else task_reward(cfg.task, source)
         warm_start(cfg, policy, tokenizer, source, _datamodule_factory(cfg, policy, tokenizer, source, reward))
     return policy
 
@@ -352,7 +351,7 @@ def build(cfg: DictConfig | dict) -> Run:
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     source, eval_source = build_sources(cfg.task, cfg.seed)
     eval_sets = build_eval_sets(cfg.eval, cfg.task)
-    reward = RewardRunner(build_reward(cfg.task.reward), cfg.task.reward_options)
+    reward = task_reward(cfg.task, source)
     policy = build_policy(cfg, tokenizer, source=source, reward=reward)
     dm_kwargs = _datamodule_options(cfg, policy, tokenizer)
     # the engine's own copy (the plain or merged model); it must be able to return the replay records asked for

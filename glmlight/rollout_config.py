@@ -159,11 +159,15 @@ class RewardOptions:
     at most `max_concurrency` samples are scored at once. Synchronous rewards run in worker threads
     (`executor=thread`; a timed-out call is abandoned) or worker processes (`executor=process`: for
     CPU-heavy rewards; a timed-out call's process is killed); async rewards run on an event loop, a timed-out
-    call is cancelled."""
+    call is cancelled. `style` is the reward's calling convention (glmlight/rewards/styles.py): auto (from its
+    signature), sample (`fn(sample)`), trl (TRL's `fn(prompts, completions, completion_ids, **columns)`,
+    batched per prompt group, the group's one call under timeout_s) or verl (`compute_score(data_source,
+    solution_str, ground_truth, extra_info)`)."""
 
     timeout_s: float = 120.0
     max_concurrency: int = 8
     executor: str = "thread"  # thread | process
+    style: str = "auto"  # auto | sample | trl | verl
 
 
 ranges(RewardOptions, timeout_s="> 0", max_concurrency=">= 1")

@@ -38,6 +38,7 @@ CHOICES = {
     "rollout.weight_format": ("auto", "fp8"),
     "logger.mode": ("offline", "online", "disabled"),
     "task.reward_options.executor": ("thread", "process"),
+    "task.reward_options.style": ("auto", "sample", "trl", "verl"),
     "task.agent.gateway.reward": ("task", "agent"),
     "task.agent.gateway.tool_format": ("auto", "line", "hermes", "glm"),  # glmlight/gateway/tool_format.py
 }

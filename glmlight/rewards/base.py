@@ -11,6 +11,12 @@ of their own. A call past its timeout fails its sample with metadata["reward_tim
 and is cancelled (async), abandoned (a thread: Python cannot stop one) or killed (a
 process). Hung threads are bounded: when `max_concurrency` of them are still running,
 the run stops with one line instead of leaking more.
+
+A batched reward (TRL-style, glmlight/rewards/styles.py) is called once per prompt group (the samples
+that share a group id), the group's call under the same `timeout_s`; a call that raises fails its group.
+
+A reward that raises is logged once with its traceback (the first failure of each exception type);
+later failures are only counted (`rollout/reward_failed`, the sample's metadata["reward_error"]).
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ import inspect
 import logging
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Awaitable, Callable, Union
 
 from glmlight.config import CHOICES, RewardOptions
 from glmlight.errors import ConfigError
-from glmlight.rewards.workers import ProcessWorkers, RewardError, ThreadWorkers, call_reward, unpack
+from glmlight.rewards.workers import (NoScore, ProcessWorkers, RemoteRewardError, RewardError, ThreadWorkers,
+                                      call_reward, is_batched, unpack)
 from glmlight.sample import Sample, Status
 
 log = logging.getLogger(__name__)
@@ -57,9 +65,11 @@ def reward_options(options: RewardOptions | Mapping[str, Any] | None) -> RewardO
             options = RewardOptions(**dict(options))
         except TypeError as e:
             raise ConfigError(f"config error: task.reward_options: {e}") from None
-    if options.executor not in CHOICES["task.reward_options.executor"]:
-        raise ConfigError(f"config error: task.reward_options.executor={options.executor!r} is not one of "
-                          f"{list(CHOICES['task.reward_options.executor'])}")
+    for key in ("executor", "style"):
+        allowed = CHOICES[f"task.reward_options.{key}"]
+        if getattr(options, key) not in allowed:
+            raise ConfigError(f"config error: task.reward_options.{key}={getattr(options, key)!r} is not one of "
+                              f"{list(allowed)}")
     if not options.timeout_s > 0:
         raise ConfigError(f"config error: task.reward_options.timeout_s must be > 0, got {options.timeout_s!r}")
     if isinstance(options.max_concurrency, bool) or not isinstance(options.max_concurrency, int) \
@@ -78,7 +88,8 @@ class RewardRunner:
         if not callable(fn):
             raise ConfigError(f"config error: task.reward is not callable ({type(fn).__name__})")
         self.fn, self.options = fn, reward_options(options)
-        self.is_async = _is_async(fn)
+        self.is_async = _is_async(fn) and not is_batched(fn)
+        self._logged: set[str] = set()  # exception types whose traceback was logged (once each)
         self._threads = ThreadWorkers()
         self._stuck_loops: list[threading.Thread] = []
         self._procs: ProcessWorkers | None = None
@@ -133,17 +144,38 @@ class RewardRunner:
                 counts["timeout"] += 1
             elif isinstance(r, BaseException):
                 s.status, s.reward = Status.FAILED, None
-                s.metadata["reward_error"] = f"{type(r).__name__}: {r}"
+                s.metadata["reward_error"] = _describe(r)
                 counts["failed"] += 1
-                log.warning("reward failed for rollout %s: %s: %s", s.rollout_id, type(r).__name__, r)
+                self._log_failure(s, r)
             else:
                 s.reward, info = r
                 s.metadata.setdefault("reward_info", {}).update(info)
                 counts["scored"] += 1
+        if counts["failed"]:
+            log.debug("reward failed on %d of %d samples (counted in rollout/reward_failed)", counts["failed"],
+                      len(todo))
         if counts["timeout"]:
             log.warning("reward timed out on %d of %d samples (task.reward_options.timeout_s=%g); counted as "
                         "dropped/reward_timeout", counts["timeout"], len(todo), self.options.timeout_s)
         return counts
+
+    def _log_failure(self, sample: Sample, error: BaseException) -> None:
+        """The first failure of each kind, with its traceback; the rest are counted, not logged."""
+        kind = type(error).__name__ if not isinstance(error, RemoteRewardError) else str(error).split(":")[0]
+        if kind in self._logged:
+            return
+        self._logged.add(kind)
+        if isinstance(error, NoScore):
+            log.warning("the reward returned None for rollout %s (it cannot score it): such samples are not trained "
+                        "on; they are counted in rollout/reward_failed and not logged again", sample.rollout_id)
+            return
+        if isinstance(error, RemoteRewardError):
+            trace = error.remote_traceback or f"{error}\n"
+        else:
+            trace = "".join(traceback.format_exception(error))
+        log.error("the reward failed on rollout %s (its sample is not trained on); this is logged once, later "
+                  "failures are counted in rollout/reward_failed and the samples' reward_error:\n%s",
+                  sample.rollout_id, trace.rstrip())
 
     def _run_batch(self, todo: list[Sample]) -> list[Any]:
         """Run the batch on an event loop in its own thread; watch that the loop keeps its timeouts."""
@@ -193,9 +225,30 @@ class RewardRunner:
                 except Exception as e:  # noqa: BLE001 - any reward crash is a counted failure
                     results[i] = e
 
-        await asyncio.gather(*(one(i, s) for i, s in enumerate(todo)))
+        async def group(idx: list[int]) -> None:
+            async with sem:
+                mark = lambda: [started.__setitem__(i, time.monotonic()) for i in idx]  # noqa: E731
+                try:
+                    out = await self._call([todo[i] for i in idx], mark)
+                except asyncio.TimeoutError:
+                    out = [RewardTimeout(f"timed out after {self.options.timeout_s:g}s (task.reward_options."
+                                         "timeout_s; the group's one call)")] * len(idx)
+                except RewardError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the call failed: its whole group fails
+                    out = [e] * len(idx)
+                for i, r in zip(idx, out):
+                    results[i] = r
 
-    async def _call(self, sample: Sample, mark_started: Callable[[], None]) -> tuple[float, dict[str, Any]]:
+        if is_batched(self.fn):
+            groups: dict[int, list[int]] = {}
+            for i, s in enumerate(todo):
+                groups.setdefault(s.group_id, []).append(i)
+            await asyncio.gather(*(group(idx) for idx in groups.values()))
+        else:
+            await asyncio.gather(*(one(i, s) for i, s in enumerate(todo)))
+
+    async def _call(self, sample: Sample | list[Sample], mark_started: Callable[[], Any]) -> Any:
         timeout = self.options.timeout_s
         if self._procs is not None:
             return await self._procs.call(sample, timeout, mark_started)
@@ -208,6 +261,11 @@ class RewardRunner:
         except asyncio.TimeoutError:
             self._threads.abandon(worker)
             raise
+
+
+def _describe(error: BaseException) -> str:
+    """A failure as the sample's reward_error: "Type: message" (a worker process's error as it was raised)."""
+    return str(error) if isinstance(error, RemoteRewardError) else f"{type(error).__name__}: {error}"
 
 
 async def _acall(fn: RewardFn, sample: Sample) -> tuple[float, dict[str, Any]]:

@@ -4,6 +4,10 @@
 abandoned (Python cannot stop a thread): its thread is taken out of the pool, finishes
 on its own (its result is dropped) and exits; idle threads exit after `IDLE_EXIT_S`.
 
+A batched reward (`batched = True`, glmlight/rewards/styles.py: TRL-style functions) is called on a list of
+samples (one prompt's group) and gives one result per sample: (float, info), or the exception that fails
+that sample alone (e.g. the reward returned None for it).
+
 `ProcessWorkers`: persistent worker processes forked from multiprocessing's fork server
 (the reward is pickled to each once). A call that outlives its timeout is killed with its
 whole process group (SIGKILL) and the worker replaced; a worker that dies mid-call fails
@@ -24,6 +28,7 @@ import queue
 import signal
 import sys
 import threading
+import traceback
 from typing import Any, Callable
 
 from glmlight.errors import GlmlightError
@@ -49,12 +54,52 @@ def unpack(out: Any) -> tuple[float, dict[str, Any]]:
     return value, dict(info)
 
 
-def call_reward(fn: Callable[[Any], Any], sample: Any) -> tuple[float, dict[str, Any]]:
-    """Call a reward synchronously on one sample (an awaitable result is run to completion here)."""
+class RemoteRewardError(RuntimeError):
+    """The reward raised in a worker process; `remote_traceback` is its traceback there."""
+
+    def __init__(self, message: str, remote_traceback: str = ""):
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+
+
+class NoScore(ValueError):
+    """A batched reward returned None for a sample: it cannot score it (TRL's convention)."""
+
+
+def is_batched(fn: Any) -> bool:
+    return bool(getattr(fn, "batched", False))
+
+
+def call_reward(fn: Callable[[Any], Any], sample: Any) -> Any:
+    """Call a reward synchronously on one sample (an awaitable result is run to completion here), or a
+    batched reward on a list of samples (one result per sample: (float, info) or an exception)."""
+    if is_batched(fn) and isinstance(sample, list):
+        return call_batch(fn, sample)
     out = fn(sample)
     if inspect.isawaitable(out):
         out = asyncio.run(_await(out))
     return unpack(out)
+
+
+def call_batch(fn: Any, samples: list[Any]) -> list[Any]:
+    """A batched reward's results on `samples`, one per sample; a wrong count raises for them all."""
+    out = fn.score_batch(samples)
+    if inspect.isawaitable(out):
+        out = asyncio.run(_await(out))
+    out = list(out)
+    if len(out) != len(samples):
+        raise ValueError(f"the reward returned {len(out)} rewards for {len(samples)} completions (one per "
+                         "completion expected)")
+    results: list[Any] = []
+    for r in out:
+        if r is None:
+            results.append(NoScore("the reward returned None: it cannot score this sample"))
+            continue
+        try:
+            results.append(unpack(r))
+        except Exception as e:  # noqa: BLE001 - a non-finite or malformed value fails its sample only
+            results.append(e)
+    return results
 
 
 async def _await(x):
@@ -187,11 +232,11 @@ def _process_main(conn: Any, payload: bytes) -> None:
         try:
             reply = ("ok", call_reward(fn, sample))
         except BaseException as e:  # noqa: BLE001 - any reward crash goes back to the parent
-            reply = ("error", f"{type(e).__name__}: {e}")
+            reply = ("error", (f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e))))
         try:
             conn.send(reply)
         except Exception as e:  # noqa: BLE001 - e.g. an info dict that cannot be pickled
-            conn.send(("error", f"the reward's result cannot be sent back ({type(e).__name__}: {e})"))
+            conn.send(("error", (f"the reward's result cannot be sent back ({type(e).__name__}: {e})", "")))
 
 
 class _Process:
@@ -246,7 +291,8 @@ class ProcessWorkers:
         with self._lock:
             self._idle.append(worker)
         if kind == "error":
-            raise RuntimeError(value)
+            message, remote_traceback = value if isinstance(value, tuple) else (value, "")
+            raise RemoteRewardError(message, remote_traceback)
         return value
 
     def pids(self) -> list[int]:
