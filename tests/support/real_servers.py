@@ -9,8 +9,9 @@ variable per backend and skip, saying how to enable them, without it:
                              scripts/sglang_cpu_venv.sh; .ci/run builds or reuses it and sets this variable)
 
 Other knobs, for the GPU check: GLMLIGHT_REAL_DEVICE (cpu | cuda; default cpu) picks the server
-flags below, GLMLIGHT_REAL_TOL the log-prob tolerance (default 1e-5, float32 everywhere), and
-GLMLIGHT_<BACKEND>_ARGS extra server flags (space-separated).
+flags below, GLMLIGHT_REAL_TOL the log-prob tolerance (default: derived from float32 arithmetic by
+`logprob_tol`, tests/support/tolerances.py), and GLMLIGHT_<BACKEND>_ARGS extra server flags
+(space-separated).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 ENV = {"vllm": "GLMLIGHT_VLLM_PYTHON", "sglang": "GLMLIGHT_SGLANG_PYTHON"}
 HOW = {"vllm": "scripts/vllm_cpu_venv.sh builds one (.ci/run does it for you)",
        "sglang": "scripts/sglang_cpu_venv.sh builds one (.ci/run does it for you)"}
-TOL = float(os.environ.get("GLMLIGHT_REAL_TOL", "1e-5"))
+TOL = float(os.environ["GLMLIGHT_REAL_TOL"]) if os.environ.get("GLMLIGHT_REAL_TOL") else None
+MAX_MODEL_LEN = 1024  # the servers' context (FLAGS): no compared sequence is longer
 DEVICE = os.environ.get("GLMLIGHT_REAL_DEVICE", "cpu")
 
 # Server flags per backend and device: float32 (the trainer's dtype), no graph capture.
@@ -33,20 +35,20 @@ FLAGS = {
     # vLLM's CPU build: no chunked prefill. A seeded request whose prefill is split across steps makes the CPU
     # worker rewind its torch.Generator's offset, which CPU generators do not have, and the server dies
     # (vllm 0.32.0, v1/worker/gpu_model_runner.py, _bookkeeping_sync: "CPU Generator does not use offset").
-    ("vllm", "cpu"): ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
+    ("vllm", "cpu"): ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
                       "--no-enable-chunked-prefill"],
     # float32 attention on CUDA: vLLM's Triton backend (FlashAttention and FlashInfer take 16-bit only),
     # SGLang's triton backend; SGLang honours per-request seeds only in deterministic mode
-    ("vllm", "cuda"): ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
+    ("vllm", "cuda"): ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
                        "--gpu-memory-utilization", "0.25", "--attention-backend", "TRITON_ATTN"],
     # SGLang's CPU engine: torch-native attention (the default x86 backend, intel_amx, needs AMX), no
     # warm-up request; --random-seed: the server's own sampling stream (per-request seeds are ignored
     # outside --enable-deterministic-inference, which refuses torch_native)
     ("sglang", "cpu"): ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
-                        "--max-total-tokens", "4096", "--context-length", "1024", "--skip-server-warmup",
+                        "--max-total-tokens", "4096", "--context-length", str(MAX_MODEL_LEN), "--skip-server-warmup",
                         "--random-seed", "0"],
     ("sglang", "cuda"): ["--dtype", "float32", "--disable-cuda-graph", "--mem-fraction-static", "0.25",
-                         "--context-length", "1024", "--random-seed", "0", "--attention-backend", "triton",
+                         "--context-length", str(MAX_MODEL_LEN), "--random-seed", "0", "--attention-backend", "triton",
                          "--enable-deterministic-inference"],
 }
 ENV_VARS = {
@@ -111,6 +113,19 @@ def trainer_greedy(model: Any, prompt: list[int], n: int, stop: int | None = Non
         if tok == stop:
             break
     return seq[len(prompt):]
+
+
+def logprob_tol(models: list[Any], probes: list[list[int]]) -> float:
+    """How far the server's float32 log-probs may be from the trainer's float32 forward: both compute the
+    same model in float32 with different kernels (reduction orders), each within its rounding error of the
+    exact value (tests/support/tolerances.py derives it from the reduction lengths: the models' layers,
+    hidden and intermediate sizes, a context of MAX_MODEL_LEN, the vocabulary, and the logits' magnitude on
+    `probes`). GLMLIGHT_REAL_TOL overrides it (e.g. a GPU whose float32 matmuls use TF32)."""
+    from tests.support.tolerances import model_logprob_tolerance
+
+    if TOL is not None:
+        return TOL
+    return max(model_logprob_tolerance(m, probes, context=MAX_MODEL_LEN) for m in models)
 
 
 def max_diff(a: list[float], b: list[float]) -> float:

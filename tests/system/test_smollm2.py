@@ -5,7 +5,8 @@ They need the converted checkpoint: `model=smollm2` builds it on first use from 
 minute of conversion), so the first of them takes that much longer.
 
 - the recipe's first steps: rewards vary within groups at the start (there is a signal to learn from),
-  the engine's log-probs of the sampled tokens equal the trainer's within 1e-4 (float32 on both sides),
+  the engine's log-probs of the sampled tokens equal the trainer's within float32 rounding (about 1e-3
+  for this model: tests/support/tolerances.py),
   and every weight sync reaches the engine;
 - with GLMLIGHT_VLLM_PYTHON, the same recipe with rollout=vllm: a weight sync reaches the real server,
   which then scores tokens as the trainer does;
@@ -59,17 +60,24 @@ class Batches(pl.Callback):
 
     reads_old_logprobs = False  # (the recipe's old log-probs come from the update's own forward)
 
-    def __init__(self):
-        self.rows = []
+    def __init__(self, temperature: float = 1.0):
+        self.rows, self.temperature = [], temperature
 
     def on_experience(self, trainer, module, batch):
+        from tests.support.tolerances import dims, logprob_tolerance
+
         trainer_lp = module.compute_logprobs(module.policy, batch)
         mask = batch.loss_mask.bool()
         diff = (trainer_lp - batch.rollout_logprobs)[mask].abs().max().item()
+        with torch.no_grad():  # float32 on both sides: the tolerance of two float32 computations
+            logits = module.forward_logits(module.policy, batch)
+        tol = logprob_tolerance(**dims(module.policy.config), context=batch.input_ids.shape[-1],
+                                vocab=logits.shape[-1], logit_max=float(logits[mask].abs().max()) / self.temperature)
         groups = {}
         for s in batch.samples:
             groups.setdefault(s.group_id, []).append(float(s.reward))
-        self.rows.append({"version": module.policy_version, "max_abs_logprob_diff": diff, "groups": list(groups.values()),
+        self.rows.append({"version": module.policy_version, "max_abs_logprob_diff": diff, "tol": tol,
+                          "groups": list(groups.values()),
                           "versions": sorted({v for s in batch.samples for v in s.versions})})
 
 
@@ -77,14 +85,14 @@ def test_the_recipes_first_steps_have_signal_and_the_engine_scores_as_the_traine
     cfg = compose(_overrides(tmp_path, "trainer.max_steps=2", "eval.every_n_steps=0", "~callbacks.sample_table"))
     run = glmlight.build(cfg)
     assert run.datamodule.engine.runner_kind == "dense"
-    seen = Batches()
+    seen = Batches(temperature=cfg.rollout.temperature)
     run.trainer.callbacks.append(seen)
     run.fit()
     assert [r["version"] for r in seen.rows] == [0, 1]
     for r in seen.rows:
-        print(f"\nversion {r['version']}: max |engine - trainer| log-prob {r['max_abs_logprob_diff']:.2e}, "
-              f"group rewards {[sum(g) / len(g) for g in r['groups']]}")
-        assert r["max_abs_logprob_diff"] <= 1e-4
+        print(f"\nversion {r['version']}: max |engine - trainer| log-prob {r['max_abs_logprob_diff']:.2e} "
+              f"(tolerance {r['tol']:.2e}), group rewards {[sum(g) / len(g) for g in r['groups']]}")
+        assert r["max_abs_logprob_diff"] <= r["tol"]
         assert r["versions"] == [r["version"]]  # each batch sampled with the weights the trainer had: syncs arrived
     start = seen.rows[0]["groups"]
     varying = [g for g in start if max(g) > min(g)]
@@ -98,6 +106,7 @@ def test_a_weight_sync_of_the_recipe_reaches_a_real_vllm_server(tmp_path):
     from glmlight.models.loading import load_causal_lm
     from glmlight.models.tokenizer import encode_chat
     from tests.support.real_servers import ENV_VARS, FLAGS, interpreter, trainer_logprobs
+    from tests.support.tolerances import model_logprob_tolerance
 
     python = interpreter("vllm")
     cfg = compose(_overrides(tmp_path, "rollout=vllm", "trainer.max_steps=1", "eval.every_n_steps=0",
@@ -121,9 +130,10 @@ def test_a_weight_sync_of_the_recipe_reaches_a_real_vllm_server(tmp_path):
         want = trainer_logprobs(run.module.policy.eval(), prompt, completion)
         base = trainer_logprobs(load_causal_lm(run.cfg.model.path, tok).eval(), prompt, completion)
         worst = max(abs(a - b) for a, b in zip(served, want))
-        print(f"\nmax |server - trainer| after the sync: {worst:.2e}; the base model differs by "
-              f"{max(abs(a - b) for a, b in zip(base, want)):.2e}")
-        assert worst <= 1e-4 < max(abs(a - b) for a, b in zip(base, want))
+        tol = model_logprob_tolerance(run.module.policy, [prompt + completion])
+        print(f"\nmax |server - trainer| after the sync: {worst:.2e} (tolerance {tol:.2e}); the base model "
+              f"differs by {max(abs(a - b) for a, b in zip(base, want)):.2e}")
+        assert worst <= tol < max(abs(a - b) for a, b in zip(base, want))
     finally:
         run.close()
 

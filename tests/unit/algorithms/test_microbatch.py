@@ -132,6 +132,7 @@ def test_trainer_side_teacher_scoring_keeps_the_token_budget(monkeypatch):
     from glmlight.config import validate
     from glmlight.models.loading import load_causal_lm
     from glmlight.registry import algorithm
+    from tests.support.tolerances import model_logprob_tolerance
 
     tok = build_char_tokenizer()
     teacher_model = load_causal_lm(None, tok, preset="test", seed=1).eval()
@@ -154,4 +155,6 @@ def test_trainer_side_teacher_scoring_keeps_the_token_budget(monkeypatch):
         monkeypatch.setattr(PolicyScoring, "forward_logits", real)
         if name == "tokens":
             assert len(widths) > 1 and all(b == 1 or b * t <= 64 for b, t in widths), widths
-    torch.testing.assert_close(out["rows"], out["tokens"], rtol=0, atol=2e-6)
+    # different micro-batch shapes run other matmul blockings: float32 rounding apart (tests/support/tolerances.py)
+    tol = model_logprob_tolerance(teacher_model, [s.prompt_ids + s.response_ids for s in exp.samples])
+    torch.testing.assert_close(out["rows"], out["tokens"], rtol=0, atol=tol)
