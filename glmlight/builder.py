@@ -20,7 +20,7 @@ from glmlight.registry import algorithm
 from glmlight.engines.base import filter_order_of
 from glmlight.data.evaluation import build_eval_sets
 from glmlight.data.rollout import RolloutDataModule
-from glmlight.data.sources import ArithmeticTask, HFDatasetSource, JsonlSource, PromptSource
+from glmlight.data.sources import ArithmeticTask, FileSource, PromptSource
 from glmlight.errors import ConfigError, DataError
 from glmlight.split import Side
 from glmlight.models.gguf import prepare_model
@@ -75,10 +75,8 @@ def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSour
                 system_prompt=task.system_prompt)
     if not task.path:
         raise ConfigError(f"config error: task.source={task.source} needs task.path")
-    if task.source == "jsonl":
-        return JsonlSource(task.path, **keys), (JsonlSource(task.eval_path, **keys) if task.eval_path else None)
-    return (HFDatasetSource(task.path, task.split, **keys),
-            HFDatasetSource(task.eval_path, task.split, **keys) if task.eval_path else None)
+    keys.update(format=task.format, split=task.split)  # jsonl and hf: the same reader (glmlight/data/files.py)
+    return FileSource(task.path, **keys), (FileSource(task.eval_path, **keys) if task.eval_path else None)
 
 
 def build_env_factory(agent: DictConfig):

@@ -176,12 +176,16 @@ ranges(RewardOptions, timeout_s="> 0", max_concurrency=">= 1")
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    source: str = "synthetic"  # synthetic | chat | running_sum | jsonl | hf
-    path: Optional[str] = None  # jsonl file or local datasets directory
+    # synthetic | chat | running_sum | jsonl | hf; jsonl and hf read the same local files (glmlight/data/files.py)
+    source: str = "synthetic"
+    # a local file or directory: JSON Lines, a JSON array, parquet, a directory of them, a save_to_disk dataset
+    path: Optional[str] = None
     eval_path: Optional[str] = None  # held-out prompts (same format); synthetic tasks make their own
-    split: str = "train"
-    prompt_key: str = "prompt"
-    label_key: str = "label"
+    format: str = "auto"  # auto (by the file's name) | jsonl | json | parquet | datasets (a save_to_disk directory)
+    split: str = "train"  # a DatasetDict's split, or a directory's files named after it (train.parquet, test-*.jsonl)
+    # the fields of a row; a dotted key reaches a nested field (verl: label_key=reward_model.ground_truth)
+    prompt_key: str = "prompt"  # a string, or a list of {role, content} messages
+    label_key: Optional[str] = "label"  # null: the rows carry no label (for a reward that reads none)
     domain_key: str = "domain"
     system_prompt: Optional[str] = None
     # Synthetic arithmetic: operands in [0, max_operand], these operators.

@@ -18,6 +18,7 @@ CHOICES = {
     "rollout.mode": ("sync", "async"),
     "rollout.overlong": ("none", "mask", "soft_penalty"),
     "task.source": ("synthetic", "chat", "running_sum", "jsonl", "hf"),
+    "task.format": ("auto", "jsonl", "json", "parquet", "datasets"),  # glmlight/data/files.py reads them
     "task.question": ("arithmetic", "sort", "reverse", "count_letter"),  # glmlight/data/chat_tasks.py
     "rollout.on_weight_update": ("continue", "abort"),
     "rollout.server.weight_sync": ("disk", "shm", "tensor", "distributed"),

@@ -232,7 +232,7 @@ class AgentLoop:
 def episode_to_samples(ep: Episode, group_id: int, rollout_id: int) -> list[Sample]:
     """One Sample per segment (one for an uncompacted episode); all share the rollout id,
     the terminal reward and the status of the episode."""
-    meta = {"label": ep.prompt.label, "domain": ep.prompt.domain, "turns": ep.turns, **ep.prompt.metadata,
+    meta = {**ep.prompt.metadata, "label": ep.prompt.label, "domain": ep.prompt.domain, "turns": ep.turns,
             **{f"env/{k}": v for k, v in ep.info.items()}, "num_segments": len(ep.segments) + 1,
             "action_lengths": list(ep.action_lengths), "summary_lengths": list(ep.summary_lengths)}
     if ep.error:

@@ -116,8 +116,9 @@ def preserved_rng() -> Iterator[None]:
 
 
 def build_eval_sets(cfg: EvalConfig, task: Any) -> dict[str, EvalSet]:
-    """The sets named under `eval.sets`, read as JSONL with the task's keys."""
-    from glmlight.data.sources import JsonlSource
+    """The sets named under `eval.sets`, read with the task's keys (any format glmlight/data/files.py reads, by
+    the file's name)."""
+    from glmlight.data.sources import FileSource
     from glmlight.errors import ConfigError, DataError
 
     out = {}
@@ -126,8 +127,8 @@ def build_eval_sets(cfg: EvalConfig, task: Any) -> dict[str, EvalSet]:
             raise ConfigError(f"config error: eval.sets.{DEFAULT_SET}: the name is the task's own held-out set "
                               "(task.eval_path); give this set another name")
         try:
-            source = JsonlSource(spec.path, prompt_key=task.prompt_key, label_key=task.label_key,
-                                 domain_key=task.domain_key, system_prompt=task.system_prompt)
+            source = FileSource(spec.path, prompt_key=task.prompt_key, label_key=task.label_key,
+                                domain_key=task.domain_key, system_prompt=task.system_prompt, split=task.split)
         except DataError as e:
             raise ConfigError(f"config error: eval.sets.{name}.path: {e}") from None
         out[name] = EvalSet(source, spec.num_prompts)

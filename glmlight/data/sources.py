@@ -1,28 +1,27 @@
-"""Prompt sources: JSONL files, local Hugging Face datasets, synthetic verifiable tasks.
+"""Prompt sources: local data files and datasets (JSON Lines, JSON, parquet, directories of them, `save_to_disk`
+datasets; reading them: glmlight/data/files.py), synthetic verifiable tasks.
 
 A source is an indexable sequence of `Prompt`s. The data module walks it in a
 seeded, reshuffled-every-epoch order and remembers its position (for resume).
 
-A JSONL file is read once, whole, at start-up; a run trains on that snapshot. If the
-file changes on disk while the run goes on, the run keeps its snapshot and says so
-once per change (`JsonlSource.changes_seen` counts them). Its `fingerprint` (sha256
+A file-backed source is read once, whole, at start-up; a run trains on that snapshot. If the
+files change on disk while the run goes on, the run keeps its snapshot and says so
+once per change (`FileSource.changes_seen` counts them). Its `fingerprint` (sha256
 and prompt count) goes into every checkpoint, and resuming from a checkpoint taken on
 other contents stops with one line: the saved position would point at other prompts.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import random
 import threading
 import time
 from typing import Any, Sequence
 
 from glmlight.split import Side, question_key
-from glmlight.errors import DataError
+from glmlight.data.files import read_rows, state as files_state
+from glmlight.errors import ConfigError, DataError
 from glmlight.prompt import Prompt, PromptSource  # noqa: F401  (re-exported: the sources yield Prompts)
 
 log = logging.getLogger(__name__)
@@ -30,12 +29,14 @@ CHANGE_CHECK_S = 10.0  # how often a file-backed source looks at its file's size
 
 
 def _as_messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict[str, str]]:
+    """A prompt field as chat messages: a string (one user turn) or a list of {role, content} messages, the
+    content a string or a list of text parts ({"type": "text", "text": ...}, as TRL's conversational rows)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise DataError(f"{where}: empty prompt")
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+        messages = [{"role": str(m["role"]), "content": _content(m["content"], where)} for m in prompt]
         if not any(m["content"].strip() for m in messages):
             raise DataError(f"{where}: empty prompt (every message's content is empty)")
     else:
@@ -43,6 +44,18 @@ def _as_messages(prompt: Any, system_prompt: str | None, where: str) -> list[dic
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
     return messages
+
+
+def _content(content: Any, where: str) -> str:
+    if not isinstance(content, list):
+        return "" if content is None else str(content)
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise DataError(f"{where}: a message part of type {kind!r}; only text parts are supported")
+        texts.append(str(part.get("text") or ""))
+    return "\n".join(texts)
 
 
 class ListSource:
@@ -60,40 +73,77 @@ class ListSource:
         return self.prompts[index]
 
 
-def _row_to_prompt(row: dict[str, Any], where: str, prompt_key: str, label_key: str, domain_key: str,
-                    system_prompt: str | None) -> Prompt:
-    if prompt_key not in row:
-        raise DataError(f"{where}: missing field {prompt_key!r} (fields: {sorted(row)})")
-    meta = {k: v for k, v in row.items() if k not in (prompt_key, label_key, domain_key)}
-    return Prompt(messages=_as_messages(row[prompt_key], system_prompt, where), label=row.get(label_key),
-                  domain=str(row.get(domain_key) or "default"), metadata=meta)
+_MISSING = object()
 
 
-class JsonlSource(ListSource):
-    """One JSON object per line with prompt, label and domain fields (names configurable)."""
+def field_value(row: dict[str, Any], key: str) -> Any:
+    """row[key]; a dotted key reaches into nested objects (`reward_model.ground_truth`) and lists (`prompt.0`).
+    A field named with the dots themselves wins. `_MISSING` when the row has no such field."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return _MISSING
+    return value
 
-    def __init__(self, path: str, prompt_key: str = "prompt", label_key: str = "label",
-                 domain_key: str = "domain", system_prompt: str | None = None):
-        if not os.path.isfile(path):
-            raise DataError(f"prompt file {path} does not exist")
-        self.path = path
-        data, self._stat = _read_stable(path)
-        prompts = []
-        for lineno, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            prompts.append(_row_to_prompt(row, where, prompt_key, label_key, domain_key, system_prompt))
-        if not prompts:
+
+def field_names(row: dict[str, Any], prefix: str = "", limit: int = 40) -> list[str]:
+    """The row's fields, nested objects' as dotted keys (what task.*_key may name), sorted."""
+    names = []
+    for k, v in row.items():
+        if isinstance(v, dict) and v:
+            names += field_names(v, f"{prefix}{k}.", limit)
+        else:
+            names.append(f"{prefix}{k}")
+    names = sorted(names)
+    return names if prefix or len(names) <= limit else names[:limit] + [f"... {len(names) - limit} more"]
+
+
+class FileSource(ListSource):
+    """The rows of a local file or directory (glmlight/data/files.py: JSON Lines, a JSON array, parquet, a
+    directory of them, a `save_to_disk` dataset), each a Prompt.
+
+    `prompt_key`, `label_key` and `domain_key` name the fields (dotted keys reach nested ones: verl's
+    `reward_model.ground_truth`). The prompt is a string or a list of {role, content} messages (TRL's
+    conversational rows, verl's `prompt`). The metadata holds every other field of the row, the label's and
+    domain's included, under their own names (verl's `data_source`, `ability`, `extra_info`): a reward reads
+    them from `sample.metadata`. A prompt or label field that no row has stops with one line naming it, the
+    fields there are and the key that sets it; `label_key=None` says that the rows carry no label (for a reward
+    that reads none). A domain field is optional unless `domain_key` is set to another name than `domain`.
+
+    The rows are read once, whole, at start-up: the run trains on that snapshot, and says once per change when
+    the files change on disk (`changes_seen`). Its `fingerprint` (path, sha256, prompt count) goes into every
+    checkpoint.
+    """
+
+    def __init__(self, path: str, prompt_key: str = "prompt", label_key: str | None = "label",
+                 domain_key: str = "domain", system_prompt: str | None = None, format: str = "auto",
+                 split: str = "train"):
+        self.path, self.format, self.split = path, format, split
+        read = read_rows(path, format, split)
+        if not read.rows:
             raise DataError(f"prompt file {path} holds no prompts")
+        rows = read.rows
+        _check_field(path, rows, prompt_key, "task.prompt_key")
+        messages = [_as_messages(field_value(row, prompt_key), system_prompt, where) for where, row in rows]
+        if label_key is not None:
+            _check_field(path, rows, label_key, "task.label_key", label=True)
+        if domain_key != "domain":
+            _check_field(path, rows, domain_key, "task.domain_key")
+        prompts = []
+        for (where, row), msgs in zip(rows, messages):
+            domain = field_value(row, domain_key)
+            prompts.append(Prompt(messages=msgs, label=None if label_key is None else field_value(row, label_key),
+                                  domain=str(domain) if domain not in (_MISSING, None, "") else "default",
+                                  metadata={k: v for k, v in row.items() if k != prompt_key}))
         super().__init__(prompts)
-        self.fingerprint = {"path": path, "sha256": hashlib.sha256(data).hexdigest(), "prompts": len(prompts)}
+        self._state = read.state
+        self.fingerprint = {"path": path, "sha256": read.sha256, "prompts": len(prompts)}
         self.changes_seen = 0
         self._checked = time.monotonic()
         self._lock = threading.Lock()
@@ -103,16 +153,16 @@ class JsonlSource(ListSource):
         return self.prompts[index]
 
     def check_file(self, force: bool = False) -> bool:
-        """Whether the file on disk still is what was read (size, mtime); a change is logged once."""
+        """Whether the files on disk still are what was read (sizes, mtimes, which files); a change is logged once."""
         now = time.monotonic()
         if not force and now - self._checked < CHANGE_CHECK_S:
             return True
         with self._lock:
             self._checked = now
-            stat = _stat(self.path)
-            if stat == self._stat:
+            current = files_state(self.path, self.format, self.split)
+            if current == self._state:
                 return True
-            self._stat = stat
+            self._state = current
             self.changes_seen += 1
         log.warning("prompt file %s changed on disk while the run reads it; the run keeps the %d prompts it read "
                     "at start-up (sha256 %s...). Restart with a new run to train on the new file",
@@ -120,49 +170,28 @@ class JsonlSource(ListSource):
         return False
 
 
-def _stat(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns
+JsonlSource = FileSource  # its former name, when it read JSON Lines only
 
 
-def _read_stable(path: str, attempts: int = 5) -> tuple[bytes, tuple[int, int] | None]:
-    """The file's bytes, read while it did not change (a writer may be rewriting it)."""
-    for _ in range(attempts):
-        before = _stat(path)
-        with open(path, "rb") as f:
-            data = f.read()
-        after = _stat(path)
-        if before == after and (after is None or after[0] == len(data)):
-            return data, after
-        time.sleep(0.2)
-    raise DataError(f"prompt file {path} kept changing while it was read ({attempts} attempts); "
-                    "wait until it is written completely")
-
-
-class HFDatasetSource(ListSource):
-    """A Hugging Face `datasets` dataset from a local path (save_to_disk directory or data files)."""
-
-    def __init__(self, path: str, split: str = "train", prompt_key: str = "prompt", label_key: str = "label",
-                 domain_key: str = "domain", system_prompt: str | None = None):
-        try:
-            import datasets
-        except ImportError:
-            raise DataError("task.source=hf needs the datasets package: pip install 'glmlight[datasets]'") from None
-        if not os.path.exists(path):
-            raise DataError(f"dataset path {path} does not exist (datasets are read from local paths only)")
-        try:
-            ds = datasets.load_from_disk(path)
-        except FileNotFoundError:
-            ds = datasets.load_dataset(path, split=split)
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise DataError(f"dataset {path} has no split {split!r} (splits: {list(ds)})")
-            ds = ds[split]
-        super().__init__([_row_to_prompt(dict(row), f"{path}[{i}]", prompt_key, label_key, domain_key, system_prompt)
-                          for i, row in enumerate(ds)])
+def _check_field(path: str, rows: list[tuple[str, dict[str, Any]]], key: str, setting: str,
+                 label: bool = False) -> None:
+    """One line when the field `key` is not in every row (or, for the label, is null)."""
+    lacking = [(where, row) for where, row in rows if field_value(row, key) is _MISSING]
+    if len(lacking) == len(rows):
+        hint = f"set {setting}=<field>" + (", or task.label_key=null for a reward that reads no label" if label else "")
+        raise ConfigError(f"config error: {path}: no field {key!r} (fields: {', '.join(field_names(rows[0][1]))}); "
+                          f"{hint}")
+    if lacking:
+        where, row = lacking[0]
+        raise DataError(f"{where}: no field {key!r} (fields: {', '.join(field_names(row))}; "
+                        f"{len(lacking)} of {len(rows)} rows lack it)")
+    if label:
+        nulls = [where for where, row in rows if field_value(row, key) is None]
+        if len(nulls) == len(rows):
+            raise ConfigError(f"config error: {path}: field {key!r} is null in every row; set {setting}=<field>, "
+                              "or task.label_key=null for a reward that reads no label")
+        if nulls:
+            raise DataError(f"{nulls[0]}: field {key!r} is null ({len(nulls)} of {len(rows)} rows)")
 
 
 class ArithmeticTask:

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glmlight.config import WarmStartConfig
+from glmlight.errors import ConfigError
 from glmlight.prompt import Prompt, PromptSource
 from glmlight.models.tokenizer import encode_chat
 
@@ -47,6 +48,9 @@ def label_examples(tokenizer: Any) -> ExampleFn:
     def make(prompts: list[Prompt]) -> list[Example]:
         rows = []
         for p in prompts:
+            if p.label is None:  # never teach the text "None"
+                raise ConfigError("config error: model.warm_start trains on the prompts' labels, and this task's prompts "
+                                  "carry none (task.label_key=null): set model.warm_start.steps=0")
             prompt = encode_chat(tokenizer, p.messages)
             answer = tokenizer(str(p.label), add_special_tokens=False)["input_ids"] + [eos]
             rows.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))

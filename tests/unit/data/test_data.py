@@ -11,7 +11,7 @@ from glmlight.data.groups import pad_or_drop_group, trajectories
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.shaping import apply_overlong
 from glmlight.data.sources import ArithmeticTask, JsonlSource
-from glmlight.errors import DataError
+from glmlight.errors import ConfigError, DataError
 from glmlight.agents.loop import episode_to_samples
 from glmlight.data.sources import Prompt
 from glmlight.engines.base import SamplingParams
@@ -26,7 +26,8 @@ def test_jsonl_source_and_errors(tmp_path):
     src = JsonlSource(str(path), system_prompt="be brief")
     assert len(src) == 2
     assert src[0].messages[0] == {"role": "system", "content": "be brief"}
-    assert src[0].domain == "math" and src[0].metadata == {"extra": 3} and src[1].domain == "default"
+    assert src[0].domain == "math" and src[1].domain == "default"
+    assert src[0].metadata == {"label": "2", "domain": "math", "extra": 3}  # every field but the prompt
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: malformed JSON"):
@@ -35,7 +36,7 @@ def test_jsonl_source_and_errors(tmp_path):
     empty.write_text(json.dumps({"prompt": "  "}) + "\n")
     with pytest.raises(DataError, match=r"empty.jsonl:1: empty prompt"):
         JsonlSource(str(empty))
-    with pytest.raises(DataError, match="missing field 'prompt'"):
+    with pytest.raises(ConfigError, match=r"m.jsonl: no field 'prompt' \(fields: question\); set task.prompt_key"):
         (tmp_path / "m.jsonl").write_text(json.dumps({"question": "x"}) + "\n")
         JsonlSource(str(tmp_path / "m.jsonl"))
     with pytest.raises(DataError, match="does not exist"):
@@ -43,11 +44,11 @@ def test_jsonl_source_and_errors(tmp_path):
 
 
 def test_hf_dataset_source(tmp_path):
+    """A save_to_disk directory (every format and layout: test_data_files.py)."""
     datasets = pytest.importorskip("datasets")
-    from glmlight.data.sources import HFDatasetSource
 
     datasets.Dataset.from_list([{"prompt": "2+2=", "label": "4"}]).save_to_disk(str(tmp_path / "ds"))
-    src = HFDatasetSource(str(tmp_path / "ds"))
+    src = JsonlSource(str(tmp_path / "ds"))
     assert len(src) == 1 and src[0].label == "4"
 
 
