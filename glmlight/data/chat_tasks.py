@@ -65,13 +65,14 @@ class ChatQuestionTask:
 
     def __getitem__(self, index: int) -> Prompt:
         rng = random.Random(self.seed * 1_000_003 + index)
-        text, label = self.side.draw(self._draw, lambda item: item[0], rng, f"task.question={self.question}")
+        text, label = self.side.draw(self.ask, lambda item: item[0], rng, f"task.question={self.question}")
         messages = [{"role": "user", "content": text}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return Prompt(messages=messages, label=label, domain=self.question, metadata={"question": text})
 
-    def _draw(self, rng: random.Random) -> tuple[str, str]:
+    def ask(self, rng: random.Random) -> tuple[str, str]:
+        """One question of the task's kind (suffix included) and its label, from either side of the split."""
         text, label = getattr(self, f"_{self.question}")(rng)
         return (f"{text} {self.suffix}" if self.suffix else text), label
 
