@@ -180,3 +180,28 @@ def test_the_documented_reward_examples_run(monkeypatch):
         assert [s.reward for s in samples] == [1.0, 0.0, 1.0], line
         check_reward_data(fn, "42", "math", {}, label_key)
     assert len(re.findall(r"task\.reward\._target_=my_rewards\.", section)) == 3
+
+
+@pytest.mark.parametrize("prompt", ["What is 2+2?", [{"role": "user", "content": "What is 2+2?"}]],
+                         ids=["standard", "conversational"])
+def test_a_trl_reward_in_a_run_gets_the_datas_prompts_as_they_are(tmp_path, prompt):
+    """Through a real run (task=jsonl, one RL step): TRL's `prompts` are the data's prompt column as it is, and
+    the completions strings for a plain prompt, message lists for a conversational one (TRL's GRPOTrainer)."""
+    import json
+
+    import glmlight
+    from glmlight import compose
+    from tests.conftest import overrides_for_tests
+
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "solution": "4"}) + "\n")
+    seen.clear()
+    run = glmlight.build(compose(overrides_for_tests(
+        tmp_path, "task=jsonl", f"task.path={path}", "task.label_key=solution", "model.warm_start.steps=0",
+        "task.reward._target_=tests.unit.rewards.test_reward_styles.trl_record", "trainer.max_steps=1",
+        "eval.every_n_steps=0")))
+    run.fit()
+    assert seen and all(p == prompt for call in seen for p in call["prompts"])
+    completions = [c for call in seen for c in call["completions"]]
+    assert all(isinstance(c, str) for c in completions) if isinstance(prompt, str) else \
+        all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions)
