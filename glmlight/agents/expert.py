@@ -9,7 +9,9 @@ task's own RolloutDataModule, so the warm start trains on exactly the token
 layout RL later produces: chat template, observation splicing, the summary
 request and resume prompt of compaction, the per-turn and context budgets.
 Only action tokens (loss_mask 1: tool calls, answers, summaries) are trained on;
-prompts and observations are context.
+prompts and observations are context. An expert none of whose episodes of a batch has an action
+(all failed: an agent that crashes, a request the gateway refuses, a prompt over the context) stops
+the warm start with one line counting the failures by reason.
 """
 
 from __future__ import annotations
@@ -122,11 +124,27 @@ def expert_examples(make_datamodule: Callable[[Any], Any], tokenizer: Any, exper
             if len(noted) <= n:
                 noted.append(True)
                 _note(samples, n)
-            rows += [(list(s.prompt_ids) + list(s.response_ids), [0] * len(s.prompt_ids) + list(s.loss_mask))
-                     for s in samples if s.status is not Status.FAILED and s.num_action_tokens]
+            kept = [(list(s.prompt_ids) + list(s.response_ids), [0] * len(s.prompt_ids) + list(s.loss_mask))
+                    for s in samples if s.status is not Status.FAILED and s.num_action_tokens]
+            if not kept:
+                raise RuntimeError(f"warm start: none of expert {n}'s {len(chosen)} episodes has an action to train on "
+                                   f"({_failures(samples)})")
+            rows += kept
         return rows
 
     return make
+
+
+def _failures(samples: list[Any]) -> str:
+    """Why episodes gave nothing to train on, counted by reason, with the most common reason's first message."""
+    episodes = list({s.rollout_id: s for s in samples}.values())
+    reasons = Counter(s.metadata.get("failure") or ("failed" if s.status is Status.FAILED else "no action tokens")
+                      for s in episodes)
+    top = reasons.most_common(1)[0][0] if reasons else None
+    example = next((s.metadata["env_error"] for s in episodes
+                    if s.metadata.get("failure") == top and s.metadata.get("env_error")), None)
+    text = ", ".join(f"{k}: {v}" for k, v in reasons.most_common())
+    return text + (f"; e.g. {str(example)[:300]}" if example else "")
 
 
 def _note(samples: list[Any], n: int) -> None:

@@ -9,6 +9,13 @@ assistant turn; the engine continues that exact context, and its ids go in as sa
 an assistant turn the gateway did not produce, other tools where the template renders them) closes
 the current segment and opens a new one from the request's messages, rendered by the chat template
 (as CompactionRL's segments: each segment is a sample of its own, all share the episode's reward).
+
+Nothing is trained that the agent did not see or that holds no action: an episode whose first
+request is over the context budget (`rollout.max_context`) fails as `context_exceeded` (counted,
+never a placeholder sample; the log says once which setting to raise), and a turn whose answer
+never reached the agent (its client disconnected or timed out first) is withdrawn from the record
+(`withdraw`): the record is again what it was before that request, so a retry continues from there;
+an episode that asked but received no answer fails as `client_gone`.
 """
 
 from __future__ import annotations
@@ -31,6 +38,11 @@ from glmlight.sample import Status
 log = logging.getLogger(__name__)
 
 MAX_REGENERATIONS = 3  # a turn a weight update aborted is generated again this many times at most
+
+# the fields of the record (glmlight.agents.loop.Episode) one turn changes: what `withdraw` puts back
+_RECORD = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions", "turns", "segments", "action_lengths",
+           "routed_experts", "indexer_topk", "records_lost", "record_turns", "turn_rewards")
+_context_noted = threading.Event()  # the advice to raise rollout.max_context is logged once per process
 
 
 class GatewayEpisode:
@@ -57,6 +69,8 @@ class GatewayEpisode:
         self.final_text = ""  # the text of the last turn the gateway answered
         self.calls: list[ToolCall] = []  # every tool call the gateway answered with
         self.requests = self.rewrites = self.regenerated = 0
+        self.withdrawn = 0  # turns whose answer never reached the agent (`withdraw`)
+        self._before: tuple[dict[str, Any], dict[str, Any]] | None = None  # the state before the last turn
         # per segment (closed ones, then the current one): [start, end, temperature, top_k, top_p] of each
         # action turn drawn with other settings than the run's, in the segment's response positions
         self.sampling: list[list[list[float]]] = [[]]
@@ -96,7 +110,9 @@ class GatewayEpisode:
     def _fail(self, reason: str, message: str) -> None:
         if self.failure is None and self.truncated is None and not self.closed:
             self.failure = (reason, message)
-            log.warning("gateway %s failed (%s): %s", self.id, reason, message)
+            # context_exceeded is logged once for all episodes (`_prepare`)
+            log.log(logging.DEBUG if reason == "context_exceeded" else logging.WARNING,
+                    "gateway %s failed (%s): %s", self.id, reason, message)
 
     def report(self, reward: float, info: dict[str, Any]) -> None:
         with self._state:
@@ -109,19 +125,60 @@ class GatewayEpisode:
         with self._state:
             if agent_failure is not None:
                 self._fail(*agent_failure)
-            if self.failure is None and self.truncated is None and self.ep.turns == 0:
-                self._fail("agent_no_requests", "the agent ended without asking the model anything")
+            self._no_turn_fails()
             self.closed = True
-            ep = self.ep
-            if not ep.prompt_ids:  # it never got as far as a prompt (a Sample needs one)
-                ep.prompt_ids = [self.codec.tokenizer.eos_token_id]
-            if self.failure is not None:
-                ep.finish(Status.FAILED, f"{self.failure[0]}: {self.failure[1]}")
-            else:
-                ep.finish(Status.TRUNCATED if self.truncated else Status.COMPLETED, self.truncated)
-            ep.info.update(requests=self.requests, rewrites=self.rewrites, tool_calls=len(self.calls),
-                           regenerated=self.regenerated)
-            return ep
+            self._set_status()
+            return self.ep
+
+    def _no_turn_fails(self) -> None:
+        """An episode without a turn the agent received fails (it has nothing to train on)."""
+        if self.failure is None and self.ep.turns == 0:  # (also after close: `withdraw`)
+            self.truncated = None  # a budget reached before any turn is no ending to train on
+            self.failure = (("client_gone", f"the agent received none of its answers ({self.requests} request(s); "
+                                            "it or its client went away before they arrived)") if self.requests
+                            else ("agent_no_requests", "the agent ended without asking the model anything"))
+            log.warning("gateway %s failed (%s): %s", self.id, *self.failure)
+
+    def _set_status(self) -> None:
+        ep = self.ep
+        if not ep.prompt_ids:  # it never got as far as a prompt (a Sample needs one; a failed one is not trained)
+            ep.prompt_ids = [self.codec.tokenizer.eos_token_id]
+        if self.failure is not None:
+            ep.finish(Status.FAILED, f"{self.failure[0]}: {self.failure[1]}")
+        else:
+            ep.finish(Status.TRUNCATED if self.truncated else Status.COMPLETED, self.truncated)
+        ep.info.update(requests=self.requests, rewrites=self.rewrites, tool_calls=len(self.calls),
+                       regenerated=self.regenerated, withdrawn=self.withdrawn)
+
+    # ----------------------------------------------------------------- an answer the agent never received
+    def _snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        copy = lambda v: list(v) if isinstance(v, list) else v  # noqa: E731 - turns only append to these lists
+        return ({k: copy(getattr(self.ep, k)) for k in _RECORD},
+                {"history": copy(self.history), "tools": list(self.tools), "last_action": list(self.last_action),
+                 "sampling": [list(s) for s in self.sampling], "calls": list(self.calls),
+                 "final_text": self.final_text, "rewrites": self.rewrites})
+
+    def withdraw(self, why: str) -> None:
+        """The last turn's answer never reached the agent (`why`): the record, the conversation and the
+        answered tool calls go back to what they were before its request, so the answer is not trained on
+        and a retry of the request continues the record from there. Called before the episode's next
+        request is served (the server holds the episode's lock until the answer is sent)."""
+        with self._state:
+            if self._before is None:
+                return
+            record, own = self._before
+            self._before = None
+            for k, v in record.items():
+                setattr(self.ep, k, v)
+            for k, v in own.items():
+                setattr(self, k, v)
+            self.withdrawn += 1
+            self.counts["gateway_withdrawn_turns"] += 1
+            log.warning("gateway %s: turn %d withdrawn from the record, its answer never reached the agent (%s)",
+                        self.id, record["turns"] + 1, why)
+            if self.closed:  # the agent ended meanwhile: its record's status again
+                self._no_turn_fails()
+                self._set_status()
 
     # ----------------------------------------------------------------- a turn
     def turn(self, req: TurnRequest) -> TurnResult:
@@ -129,6 +186,8 @@ class GatewayEpisode:
         with self._state:
             self._check_open()
             self.requests += 1
+            self._before = None
+            before = self._snapshot()
             ctx, params, own = self._prepare(req)
         g = self._generate(ctx, params)
         with self._state:
@@ -137,6 +196,7 @@ class GatewayEpisode:
             out = self._take(req, g, len(ctx))
             if own is not None and len(self.ep.response_ids) > start:
                 self.sampling[-1].append([start, len(self.ep.response_ids), *own])
+            self._before = before
             return out
 
     def _check_open(self) -> None:
@@ -178,8 +238,17 @@ class GatewayEpisode:
         else:
             prompt = self.codec.encode(req.messages, req.tools)
             if len(prompt) >= self.max_context:
-                raise self._truncate(f"the messages take {len(prompt)} tokens, the episode's context budget is "
-                                     f"{self.max_context}")
+                why = f"the messages take {len(prompt)} tokens, the episode's context budget is {self.max_context}"
+                if self.ep.turns == 0:  # nothing to train on: the episode is dropped, not truncated
+                    self._fail("context_exceeded", why)
+                    if not _context_noted.is_set():
+                        _context_noted.set()
+                        log.warning("gateway: an agent's first request takes %d tokens, over rollout.max_context="
+                                    "%d; such episodes are dropped and counted (rollout/dropped/context_exceeded): "
+                                    "raise rollout.max_context above the agent's prompts (logged once)",
+                                    len(prompt), self.max_context)
+                    raise WireError(400, CONTEXT, why)
+                raise self._truncate(why)
             if self.history is not None:
                 self._new_segment()
             self.ep.prompt_ids = prompt

@@ -2,18 +2,20 @@
 
 Each episode gets a `GatewayEpisode` (its key and base URL on a gateway server started for this
 rollout) and an agent: a Python callable `agent(task: AgentTask)`, run in a thread of its own
-(a coroutine function on an event loop of its own), or a command, run as a process of its own
-(in a session of its own, so that a kill takes its children too) with the episode's URLs, key and
-prompt in its environment (`AgentTask.environ`). The agent runs unchanged against the episode's
-URL; the gateway records the exact tokens.
+(a coroutine function as a task on the process's one agent event loop, glmlight.gateway.event_loop,
+so that the clients a framework keeps for the whole process work in every episode), or a command,
+run as a process of its own (in a session of its own, so that a kill takes its children too) with
+the episode's URLs, key and prompt in its environment (`AgentTask.environ`). The agent runs
+unchanged against the episode's URL; the gateway records the exact tokens.
 
 An agent has `timeout_s` seconds of its own time: the time its requests wait for the engine does
-not count (a paused or busy engine never times an agent out). Past it, a process is killed and a
-thread is left behind (its episode is closed: its next request is refused). The episode then
-fails: `agent_timeout`; a callable that raises or a command that exits non-zero: `agent_crashed`;
-an agent that asked nothing: `agent_no_requests` (and the gateway's own: `bad_request`,
-`engine_failed`, `aborted`). Failed episodes are counted and never trained on; the others of the
-rollout are not touched.
+not count (a paused or busy engine never times an agent out). Past it, a process is killed, a
+coroutine cancelled (with the tasks it started) and a thread left behind (its episode is
+closed: its next request is refused). The episode then fails: `agent_timeout`; a callable that
+raises or a command that exits non-zero: `agent_crashed`; an agent that asked nothing:
+`agent_no_requests`; one that received none of its answers: `client_gone` (and the gateway's own:
+`bad_request`, `context_exceeded`, `engine_failed`, `aborted`). Failed episodes are counted and
+never trained on; the others of the rollout are not touched.
 
 The reward: `reward: task` scores the episode's last segment with the task's reward
 (`metadata["completion_text"]` is the text of the last turn the gateway answered,
@@ -29,7 +31,7 @@ engine's are of the same distribution (docs/agents.md).
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import importlib
 import importlib.util
 import inspect
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from glmlight.gateway.episode import GatewayEpisode
+from glmlight.gateway.event_loop import AGENT_LOOP
 from glmlight.gateway.server import GatewayServer
 from glmlight.gateway.template import TurnCodec
 from glmlight.gateway.tool_format import tool_format
@@ -148,30 +151,36 @@ class _AgentRun:
 
 
 class _ThreadRun(_AgentRun):
+    """A callable agent: a plain function in a thread of its own; a coroutine function as a task on the
+    process's one agent loop (`AgentEventLoop`)."""
+
     def start(self, agent: Callable[[AgentTask], Any]) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
+        self._future: concurrent.futures.Future | None = None
+        if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None)):
+            self._future = AGENT_LOOP.submit(agent(self.task), self.ep.id)
+            self._future.add_done_callback(self._coroutine_done)
+            return
         threading.Thread(target=self._main, args=(agent,), name=f"glmlight-agent-{self.ep.id}", daemon=True).start()
 
     def _main(self, agent: Callable[[AgentTask], Any]) -> None:
         try:
-            if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None)):
-                self._loop = asyncio.new_event_loop()
-                self._task = self._loop.create_task(agent(self.task))
-                out = self._loop.run_until_complete(self._task)
-            else:
-                out = agent(self.task)
+            out = agent(self.task)
             self._finished(_take_result(self.ep, out))
         except BaseException as e:  # noqa: BLE001 - the agent's failure is its episode's
             self._finished(("agent_crashed", f"{type(e).__name__}: {e}"))
-        finally:
-            if self._loop is not None:
-                self._loop.close()
+
+    def _coroutine_done(self, future: concurrent.futures.Future) -> None:
+        if future.cancelled():
+            self._finished(("agent_crashed", "the agent's coroutine was cancelled"))
+        elif future.exception() is not None:
+            e = future.exception()
+            self._finished(("agent_crashed", f"{type(e).__name__}: {e}"))
+        else:
+            self._finished(_take_result(self.ep, future.result()))
 
     def kill(self) -> None:
-        loop, task = self._loop, self._task
-        if loop is not None and task is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(task.cancel)
+        if self._future is not None:
+            self._future.cancel()
 
 
 class _ProcessRun(_AgentRun):

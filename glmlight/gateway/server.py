@@ -10,8 +10,10 @@ Routes (each also under `/e/<key>`, the episode's own base URL, for agents that 
 
 An episode's requests are served one at a time, in the order they arrive; the engine call runs in
 a worker thread, so requests of many episodes reach the engine together (the embedded engine
-batches them). Every error goes back in the wire's own error form with `x-should-retry: false`
-(the official clients would otherwise retry some of them); a malformed request fails its episode.
+batches them). A turn whose client went away before its whole answer was written (disconnected or
+timed out) is withdrawn from the episode's record: the agent never saw it, so it is not trained on.
+Every error goes back in the wire's own error form with `x-should-retry: false` (the official
+clients would otherwise retry some of them); a malformed request fails its episode.
 """
 
 from __future__ import annotations
@@ -126,8 +128,9 @@ class GatewayServer:
             try:
                 req = wire.parse_request(await _json(request))
                 lock = self._locks.setdefault(ep.key, asyncio.Lock())
-                async with lock:
-                    result = await asyncio.get_running_loop().run_in_executor(self._pool, ep.turn, req)
+                async with lock:  # held until the answer is sent: `_answer` may withdraw the turn
+                    result = await _served(asyncio.get_running_loop().run_in_executor(self._pool, ep.turn, req), ep)
+                    return await self._answer(request, wire, req, result, ep)
             finally:
                 ep.leave()
         except WireError as e:
@@ -140,16 +143,30 @@ class GatewayServer:
                 ep.fail("gateway_error", f"{type(e).__name__}: {e}")
             err = WireError(500, "server", f"the gateway failed on this request: {type(e).__name__}: {e}")
             return web.json_response(wire.error_body(err), status=500, headers=NO_RETRY)
+
+    async def _answer(self, request: web.Request, wire: Any, req: Any, result: Any,
+                      ep: GatewayEpisode) -> web.StreamResponse:
+        """Send the turn. A client gone before the whole answer was written (disconnected, timed out) never
+        received it: the turn is withdrawn from the episode's record (`GatewayEpisode.withdraw`)."""
         model = req.model or self.model_name
-        if not req.stream:
-            return web.json_response(wire.response(result, model))
-        events = (openai_wire.stream(result, model, req.include_usage) if wire is openai_wire
-                  else anthropic_wire.stream(result, model))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        for e in events:
-            await resp.write(e)
-        await resp.write_eof()
+        if req.stream:
+            events = (openai_wire.stream(result, model, req.include_usage) if wire is openai_wire
+                      else anthropic_wire.stream(result, model))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        else:
+            events, resp = [], web.json_response(wire.response(result, model))
+        try:
+            if _gone(request):
+                raise ConnectionResetError("the client closed the connection while the turn was generated")
+            await resp.prepare(request)
+            for e in events:
+                await resp.write(e)
+            await resp.write_eof()
+        except ConnectionResetError as e:
+            ep.withdraw(f"{'streamed' if req.stream else 'non-streamed'} answer: {e}")
+        except asyncio.CancelledError:
+            ep.withdraw("the request was cancelled while its answer was sent")
+            raise
         return resp
 
     async def _reward(self, request: web.Request) -> web.Response:
@@ -173,6 +190,26 @@ class GatewayServer:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "glmlight"}]})
+
+
+async def _served(turn: asyncio.Future, ep: GatewayEpisode) -> Any:
+    """The turn's result. A handler cancelled meanwhile (a server that cancels handlers when their client
+    disconnects, or the rollout's end) still waits for the turn, then withdraws it: its client is gone."""
+    try:
+        return await asyncio.shield(turn)
+    except asyncio.CancelledError:
+        try:
+            await turn
+        except Exception:  # noqa: BLE001 - the turn's own error: nothing was recorded to withdraw
+            raise asyncio.CancelledError from None
+        ep.withdraw("the request was cancelled while its turn was generated")
+        raise
+
+
+def _gone(request: web.Request) -> bool:
+    """Whether the client has closed its connection."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 async def _json(request: web.Request) -> Any:

@@ -131,7 +131,10 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer: Any, source: Prompt
              *((src, make, n) for (src, make), n in zip(mix, sizes, strict=True))]
 
     def make_rows(step: int) -> list[Example]:
-        return [row for src, make, n in parts for row in make(batch_prompts(src, step, n))]
+        rows = [row for src, make, n in parts for row in make(batch_prompts(src, step, n))]
+        if not rows:
+            raise RuntimeError(f"warm start: step {step + 1} has no training rows (its examples gave none)")
+        return rows
 
     first = make_rows(0)
     key = warm_start_key(model, cfg, task_identity, _fingerprint(first))

@@ -32,3 +32,39 @@ def test_a_tied_embedding_model_is_warm_started_cached_and_loaded_back(tokenizer
     for k, v in trained.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
     assert not torch.equal(trained.model.embed_tokens.weight, model().model.embed_tokens.weight)  # it trained
+
+
+def test_a_warm_start_whose_expert_episodes_all_fail_stops_with_their_reasons(tokenizer, tiny_model, tmp_path):
+    """Expert episodes through the agent gateway that all fail (a route the gateway does not serve, a refused
+    tool_choice, a first request over the context): the warm start stops with one line counting the
+    failures by reason (before: `ValueError: max() arg is an empty sequence` in the loss)."""
+    import openai
+    import pytest
+
+    from glmlight.agents.expert import expert_examples
+    from glmlight.config import RolloutConfig
+    from glmlight.data.rollout import RolloutDataModule
+    from glmlight.gateway.runner import GatewayOptions
+
+    def agent(task):
+        kind = task.messages[0]["content"]
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            if kind == "404":
+                c.post("/responses", body={"model": "m", "input": "hi"}, cast_to=object)
+            tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+            c.chat.completions.create(model="m", messages=task.messages, tools=tools,
+                                      tool_choice="required" if kind == "forced" else "auto")
+
+    source = ListSource([Prompt(messages=[{"role": "user", "content": k}], label="0")
+                         for k in ("404", "forced", "7" * 80)])
+    cfg = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=1, max_new_tokens=4, max_context=64)
+    make = expert_examples(lambda engine: RolloutDataModule(engine, tokenizer, source, lambda s: 0.0, cfg,
+                                                            gateway=GatewayOptions(agent=agent), max_turns=2),
+                           tokenizer, [(lambda messages, summarize: "answer: 0", 1.0)])
+    ws = WarmStartConfig(steps=1, lr=1e-2, batch_size=3, cache_dir=str(tmp_path))
+    with pytest.raises(RuntimeError) as e:
+        supervised_warm_start(tiny_model, tokenizer, source, ws, {"task": "failing"}, examples=make)
+    line = str(e.value)
+    assert "\n" not in line and "none of expert 0's 3 episodes has an action to train on" in line, line
+    for reason in ("agent_crashed: 1", "bad_request: 1", "context_exceeded: 1"):
+        assert reason in line, line
