@@ -207,7 +207,21 @@ def test_top_k_top_p_engine_and_trainer_log_probs_are_the_same_quantity(tmp_path
     path = glob.glob(os.path.join(str(tmp_path), "csv", "*", "metrics.csv"))[0]
     rows = [r for r in csv.DictReader(open(path)) if r.get("mismatch/mismatch_kl")]
     assert len(rows) == 2
+    # Engine and trainer are two float32 computations: each token's log-prob within d of the other's
+    # (tests/support/tolerances.py; the tiny model's logits at 1/0.7, context under 64), and the k1 mismatch KL
+    # and the log-perplexity difference are means of such differences, within d plus their own rounding. The
+    # defect this test is for (the trainer's log-prob of the unfiltered distribution) moves every token by
+    # log(kept mass) <= log(0.9): 0.1 or more.
+    from tests.support.tolerances import mean_tolerance, model_logprob_tolerance
+
+    g = torch.Generator().manual_seed(0)
+    probes = [encode(run.datamodule.tokenizer, "13+22=?") + torch.randint(5, 95, (8,), generator=g).tolist()
+              for _ in range(4)]
+    d = model_logprob_tolerance(run.module.policy.eval(), probes, context=64, temperature=0.7)
+    tokens = 4 * 4 * 8  # rollout_batch_size x n_samples_per_prompt x max_new_tokens
+    kl_tol = mean_tolerance(d, tokens=tokens, magnitude=d)  # a mean of the differences themselves
     for r in rows:
-        assert abs(float(r["mismatch/mismatch_kl"])) < 1e-6, r["mismatch/mismatch_kl"]
-        assert abs(float(r["mismatch/log_ppl_diff"])) < 1e-5
+        assert abs(float(r["mismatch/mismatch_kl"])) <= kl_tol, (r["mismatch/mismatch_kl"], kl_tol)
+        ppl_tol = mean_tolerance(d, tokens=tokens, magnitude=abs(float(r["mismatch/train_log_ppl"])))
+        assert abs(float(r["mismatch/log_ppl_diff"])) <= ppl_tol, (r["mismatch/log_ppl_diff"], ppl_tol)
         assert float(r["train/outside_kept_set_frac"]) == 0.0

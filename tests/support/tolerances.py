@@ -42,10 +42,32 @@ difference two correct float32 computations of those models were seen to have on
 tests/unit/models/test_float32_tolerances.py checks the estimate against the float64 forward on
 whatever CPU runs the suite.
 
-This covers the log-probs (and, through logit_error, the logits) of a forward. A mean of such differences
-over many tokens (a mismatch KL, a log-perplexity difference) is bounded by the same tolerance in the worst
-case and is far smaller in practice, the per-token errors having either sign; gradients and parameters after
-optimiser steps are outside its scope.
+This covers the log-probs (and, through logit_error, the logits) of a forward. Three derived quantities:
+
+Means over tokens (mean_tolerance). The mismatch KL of glmlight/ops/mismatch.py is the k1 estimate
+mean(log p_rollout - log p_train) over the sampled tokens, not the expectation under p: with every token's
+difference within d it is within d (all of one sign in the worst case), not d^2/2 (the second-order bound
+of the exact KL of two normalised distributions, which the finite sample does not inherit). The difference
+of two log-perplexities is a difference of two means of such terms, within d as well. Each side's float32
+mean of n terms adds lambda * sqrt(n) * u * mean|log p| of rounding, so the bound is d plus twice that.
+
+Gradients (gradient_tolerance). A weight's gradient is a sum over the n token positions of the batch of
+terms c_k (one outer product of a backward signal and an activation per position); two computations split
+it differently (micro-batches, ranks, a shared prompt's forward: m partial float32 sums, then a float32 sum
+of the m partials), and each c_k carries the forward's and the backward's rounding (the backward reduces
+over the same lengths transposed: 2N in quadrature). By step 1 the error is lambda * sqrt(2N + n) * u *
+sum|c_k| in each computation. sum|c_k| is not recorded; with advantages of either sign the c_k add like a
+random walk, |g| ~ sqrt(n) rms(c), sum|c| ~ n mean|c|, so sum|c_k| ~ sqrt(n) |g|, and |g| is bounded by the
+largest gradient entry of the step. A summation-order difference stays within this; a defect (a micro-batch
+counted twice, a wrong normaliser) moves gradients by a fraction of |g| itself, 1e3 to 1e4 times more.
+
+Parameters after one AdamW step (adamw_first_step_tolerance). At step 1, m = (1 - b1) g and v = (1 - b2) g^2,
+so the bias-corrected update is lr * g / (|g| + eps) (plus weight decay, the same on both sides): a
+gradient difference dg moves it by lr * eps * dg / (|g| + eps)^2 (the derivative of g / (|g| + eps)), at most
+2 lr where the sign flips. A gradient much larger than eps gives lr * sign(g) on both sides; one within dg of
+zero may move by up to lr. The parameter's own rounding (the subtraction, the decay) adds 2u|theta| per
+computation. After several steps the parameters differ and so do the next gradients; those comparisons
+are best made on the gradients, before the optimiser.
 
 A comparison that is exact by construction (the same kernel on the same numbers: a replay, a cache of
 the same rows) needs no such tolerance and should compare with ==.
@@ -121,3 +143,47 @@ def float32_error_of(model: Any, ids: list[int]) -> float:
         lp32 = torch.log_softmax(model(input_ids=x).logits.float(), -1).double()
         lp64 = torch.log_softmax(copy.deepcopy(model).double()(input_ids=x).logits, -1)
     return float((lp32 - lp64).abs().max())
+
+
+def model_logit_tolerance(model: Any, token_ids: list[list[int]], context: int | None = None) -> float:
+    """How far two float32 computations of the same logits may be apart (twice logit_error, step 2)."""
+    import torch
+
+    with torch.no_grad():
+        logit_max = max(float(model(input_ids=torch.tensor([ids])).logits.float().abs().max())
+                        for ids in token_ids)
+    context = max(len(ids) for ids in token_ids) if context is None else context
+    return 2 * logit_error(**dims(model.config), context=context, logit_max=logit_max)
+
+
+def mean_tolerance(per_token: float, *, tokens: int, magnitude: float, lam: float = 2.0) -> float:
+    """A mean over `tokens` of differences each within `per_token` (a mismatch KL, a log-perplexity
+    difference): per_token in the worst case, plus each side's float32 rounding of a mean of terms of
+    size `magnitude` (|log p|)."""
+    return per_token + 2 * lam * math.sqrt(tokens) * U32 * magnitude
+
+
+def gradient_tolerance(grads: dict, *, hidden: int, intermediate: int, context: int, tokens: int,
+                       lam: float = 2.0) -> float:
+    """How far two float32 computations of a step's gradients may be apart, element-wise: twice
+    lambda * sqrt(2N + n) * u * sqrt(n) * max|g| (`grads`: one computation's gradients by name, `tokens`: the
+    batch's token positions n, N: reduction_length)."""
+    n_path = 2 * reduction_length(hidden=hidden, intermediate=intermediate, context=context)
+    scale = max(float(g.abs().max()) for g in grads.values())
+    return 2 * lam * math.sqrt(n_path + tokens) * U32 * math.sqrt(tokens) * scale
+
+
+def adamw_first_step_tolerance(grad: Any, grad_tol: float, param: Any, *, lr: float, eps: float = 1e-8) -> Any:
+    """Element-wise: how far two parameters may be apart after one AdamW step from the same values, their
+    gradients within grad_tol of `grad`."""
+    import torch
+
+    g = (grad.abs() - grad_tol).clamp(min=0)
+    moved = (lr * eps * grad_tol / (g + eps) ** 2).clamp(max=2 * lr)
+    return moved + 4 * U32 * (param.abs() + lr)
+
+
+def within(a: dict, b: dict, bound: dict) -> list[str]:
+    """The names whose tensors differ by more than their element-wise bound (empty: all within); a name
+    without a bound (no gradient, no step) must be equal."""
+    return [k for k in a if not bool(((a[k] - b[k]).abs() <= bound.get(k, 0.0)).all())]

@@ -162,11 +162,18 @@ class _OldLogprobGap(pl.Callback):
     """Per RL step: the largest |trainer's old log-prob - engine's| over the trained tokens."""
 
     def __init__(self):
-        self.gaps = []
+        self.gaps, self.tols = [], []
 
     def on_experience(self, trainer, module, batch):
+        from tests.support.tolerances import model_logprob_tolerance
+
         mask = batch.loss_mask.bool()
         self.gaps.append(float((batch.old_logprobs - batch.rollout_logprobs)[mask].abs().max()))
+        # the engine's decode and the trainer's forward are two float32 computations of the same log-probs
+        self.tols.append(model_logprob_tolerance(module.policy, [s.prompt_ids + s.response_ids for s in batch.samples]))
+
+    def within(self) -> bool:
+        return all(g <= t for g, t in zip(self.gaps, self.tols))
 
 
 def _metrics(root) -> list[dict]:
@@ -217,7 +224,7 @@ def test_grpo_against_sglang_replays_both(tmp_path, tokenizer):
     for r in rows:
         assert float(r["routing_agreement/mean"]) == 1.0 and float(r["index_agreement/mean"]) == 1.0
         assert float(r["rollout/replay_bytes_per_token"]) > 0
-    assert max(gap.gaps) < 1e-5, gap.gaps
+    assert gap.gaps and gap.within(), (gap.gaps, gap.tols)
     t = run.datamodule.totals
     assert t["dropped/no_replay_records"] == 1
     assert run.datamodule.engine.num_missing_records == 1
@@ -244,7 +251,7 @@ def test_grpo_against_vllm_replays_routing(tmp_path, tokenizer):
     assert len(calls) >= 32 and all(c.body["routed_experts_prompt_start"] == 0 for c in calls)
     rows = _metrics(tmp_path)
     assert len(rows) == 2 and all(float(r["routing_agreement/mean"]) == 1.0 for r in rows)
-    assert max(gap.gaps) < 1e-5, gap.gaps
+    assert gap.gaps and gap.within(), (gap.gaps, gap.tols)
     t = run.datamodule.totals
     assert t["dropped/no_replay_records"] == 1 and run.datamodule.engine.num_missing_records == 1
     assert t["produced"] == t["trained"] + sum(v for k, v in t.items() if k.startswith("dropped/"))

@@ -63,7 +63,16 @@ def test_a_shared_prompt_forward_makes_the_same_update(tmp_path, monkeypatch):
     each = _step(tmp_path, "each", path, samples, "algo.share_prompt_forward=false", *extra)
     assert not calls
     assert len(shared["grads"]) == len(each["grads"]) == 1
-    scale = max(float(v.abs().max()) for v in each["grads"][0].values())
-    assert max_gap(shared["grads"][0], each["grads"][0]) <= 1e-5 * scale
-    # AdamW's first step is about lr x sign(gradient): elements whose gradient is ~0 may move by up to lr
-    assert max_gap(shared["params"][-1], each["params"][-1]) <= 0.05 * 5e-4
+    # the same sums over the batch's tokens from other forwards: float32 reassociation (tests/support/tolerances.py)
+    from transformers import AutoConfig
+
+    from tests.support.tolerances import adamw_first_step_tolerance, dims, gradient_tolerance, within
+
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    tol = gradient_tolerance(each["grads"][0], **dims(AutoConfig.from_pretrained(path)), context=max(lengths),
+                             tokens=sum(lengths))
+    assert max_gap(shared["grads"][0], each["grads"][0]) <= tol, (max_gap(shared["grads"][0], each["grads"][0]), tol)
+    # AdamW's first step is about lr x sign(gradient): elements whose gradient is within tol of 0 may move by up to lr
+    lr = compose(overrides_for_tests(tmp_path)).algo.lr
+    bound = {k: adamw_first_step_tolerance(g, tol, each["params"][-1][k], lr=lr) for k, g in each["grads"][0].items()}
+    assert within(shared["params"][-1], each["params"][-1], bound) == []

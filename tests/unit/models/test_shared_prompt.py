@@ -10,6 +10,7 @@ import torch
 
 from glmlight.models import shared_prompt
 from glmlight.sample import Experience, Sample
+from tests.support.tolerances import model_logit_tolerance
 
 VOCAB = 97
 
@@ -88,7 +89,9 @@ def test_shared_prompt_forward_gives_the_logits_and_gradients_of_the_full_forwar
     got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
     assert shared.shape == full.shape
-    assert (shared - full)[mask].abs().max() < 1e-5
+    # one forward per prompt against one per row: other shapes, float32 rounding apart
+    tol = model_logit_tolerance(model, [s.prompt_ids + s.response_ids for s in exp.samples])
+    assert (shared - full)[mask].abs().max() <= tol
     assert got.keys() == want.keys()
     for k in want:
         assert torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
@@ -101,7 +104,8 @@ def test_one_token_responses_need_only_the_prompt_forward():
     samples = [Sample(prompt_ids=prompt, response_ids=[g.randrange(2, VOCAB)], loss_mask=[1], rollout_logprobs=[-1.0],
                       versions=[0], reward=0.0, group_id=0) for _ in range(3)]
     exp = Experience.collate(samples, 0)
-    assert torch.allclose(shared_prompt.plan(model, exp)(), _full_logits(model, exp), atol=1e-5)
+    tol = model_logit_tolerance(model, [s.prompt_ids + s.response_ids for s in samples])
+    assert torch.allclose(shared_prompt.plan(model, exp)(), _full_logits(model, exp), atol=tol, rtol=0)
 
 
 def test_it_does_not_apply_where_it_would_not_be_exact():
