@@ -37,9 +37,10 @@ else:
     from .mismatch import MismatchMonitor
     from .retokenization import RetokenizationCheck
     from .routing_agreement import RoutingAgreement
+    from .run_health import RunHealth
     from .sample_logging import SampleTable
     from .version_gate import PolicyVersionGate
     from .weight_sync import WeightSync
 
 __all__ = ["Correction", "ExperienceHook", "HeldOutEval", "IcePop", "IndexAgreement", "MaskedIS", "MismatchMonitor",
-           "PolicyVersionGate", "RejectionSampling", "RoutingAgreement", "SampleTable", "TruncatedIS", "WeightSync"]
+           "PolicyVersionGate", "RejectionSampling", "RoutingAgreement", "RunHealth", "SampleTable", "TruncatedIS", "WeightSync"]

@@ -11,9 +11,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from glmlight.checkpoint import checkpoint_callback
 from glmlight.config import validate
 from glmlight.progress import RLProgressBar
 from glmlight.registry import algorithm
@@ -366,10 +366,8 @@ def build(cfg: DictConfig | dict) -> Run:
                                    policy_version=lambda: module.policy_version, **dm_kwargs)
     callbacks = build_callbacks(cfg)
     steps = module.optimizer_steps_per_rl_step
-    ckpt_every = cfg.trainer.checkpoint_every_n_steps
-    callbacks.append(ModelCheckpoint(dirpath=os.path.join(cfg.trainer.default_root_dir, "checkpoints"),
-                                     every_n_train_steps=ckpt_every * steps if ckpt_every else None,
-                                     save_last=True, save_top_k=-1 if ckpt_every else 0))
+    checkpoints = checkpoint_callback(cfg.trainer, steps)
+    callbacks += [checkpoints] if checkpoints is not None else []
     t = cfg.trainer
     if t.enable_progress_bar:
         callbacks.append(RLProgressBar())
@@ -378,6 +376,6 @@ def build(cfg: DictConfig | dict) -> Run:
         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
         deterministic=t.deterministic, default_root_dir=t.default_root_dir, callbacks=callbacks,
         logger=build_loggers(cfg) or False, num_sanity_val_steps=0, limit_val_batches=0,
-        enable_model_summary=False,
+        enable_model_summary=False, enable_checkpointing=checkpoints is not None,
     )
     return Run(trainer=trainer, module=module, datamodule=datamodule, cfg=cfg)

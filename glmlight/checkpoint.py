@@ -1,4 +1,10 @@
-"""Checkpoint files: written atomically, checked before a resume; each rank's own RL state.
+"""Checkpoint files: which are written and kept, written atomically, checked before a resume, what an
+interrupted run keeps; each rank's own RL state.
+
+`checkpoint_callback` writes `checkpoints/epoch=0-step=N.ckpt` every `trainer.checkpoint_every_n_steps` RL
+steps (N counts optimizer steps) and `checkpoints/last.ckpt` beside them (at each, and at the end of
+training), keeping the newest `trainer.keep_last_k_checkpoints` periodic ones; with
+`checkpoint_every_n_steps=0` nothing is written.
 
 A checkpoint is written to a temporary file and renamed into place, so a run
 killed mid-write leaves the previous checkpoint intact (a sharded FSDP2 checkpoint
@@ -18,11 +24,37 @@ import os
 import zipfile
 from typing import Any
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from glmlight.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def checkpoint_callback(trainer_cfg: Any, optimizer_steps_per_rl_step: int) -> ModelCheckpoint | None:
+    """The run's checkpoints (module docstring), or None when `checkpoint_every_n_steps` is 0. The newest k
+    are told apart by Lightning's always-present `step` (the global step, larger = newer)."""
+    every = trainer_cfg.checkpoint_every_n_steps
+    if not every:
+        return None
+    keep = trainer_cfg.get("keep_last_k_checkpoints", None)
+    return ModelCheckpoint(dirpath=os.path.join(trainer_cfg.default_root_dir, "checkpoints"),
+                           every_n_train_steps=every * optimizer_steps_per_rl_step, save_last=True,
+                           monitor="step" if keep else None, mode="max", save_top_k=keep or -1)
+
+
+def checkpoint_global_step(path: str) -> int | None:
+    """The global (optimizer) step a checkpoint was written at, read without loading its tensors (memory-
+    mapped); None when it cannot be read."""
+    import torch
+
+    target = os.path.join(path, "meta.pt") if os.path.isdir(path) else path
+    try:
+        state = torch.load(target, map_location="cpu", mmap=True, weights_only=True)
+        return int(state["global_step"])
+    except Exception:  # noqa: BLE001 - any unreadable checkpoint: the step is just not known
+        return None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

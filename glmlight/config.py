@@ -197,12 +197,17 @@ class TrainerConfig:
     deterministic: bool = False
     num_threads: Optional[int] = None  # intra-op CPU threads of the training thread (None: torch's setting)
     default_root_dir: str = "${run_dir:${run_name}}"  # runs/<run_name>, or runs/default
-    checkpoint_every_n_steps: int = 20  # 0 = only at the end
+    # checkpoints/epoch=0-step=N.ckpt every this many RL steps, and checkpoints/last.ckpt (what trainer.resume=last
+    # continues: at each of them and at the end); 0 = no checkpoint at all (the end-of-run export still happens)
+    checkpoint_every_n_steps: int = 20
+    # the periodic checkpoints kept: the newest k (older ones are deleted as new ones are written, also after a
+    # resume); last.ckpt is kept besides; null = keep every one
+    keep_last_k_checkpoints: Optional[int] = 3
     resume: Optional[str] = None  # a checkpoint path, or "last"
 
 
 ranges(TrainerConfig, max_steps=">= 1", num_nodes=">= 1", num_threads=">= 1", zero_stage="[0, 3]", log_every_n_steps=">= 1",
-       checkpoint_every_n_steps=">= 0")
+       checkpoint_every_n_steps=">= 0", keep_last_k_checkpoints=">= 1")
 
 
 @dataclass

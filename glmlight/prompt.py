@@ -20,3 +20,17 @@ class PromptSource(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> Prompt: ...
+
+
+def last_user_message(messages: Any) -> str | None:
+    """The text of the last user message of chat `messages` (the question a prompt asks), or None."""
+    if not isinstance(messages, (list, tuple)):
+        return None
+    for m in reversed(messages):
+        if isinstance(m, dict) and m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: their text
+                content = " ".join(str(c.get("text", "")) if isinstance(c, dict) else str(c) for c in content)
+            return None if content is None else str(content)
+    return None
+

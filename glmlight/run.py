@@ -1,5 +1,6 @@
 """A built run: the one home of what happens around `Trainer.fit` — the run's config saved beside
-it, the resume checkpoint, the export of the trained policy, the run report, and closing the
+it, the resume checkpoint, the export of the trained policy, the run report, what an interrupted run
+says (its last checkpoint's RL step, the steps lost, the command that continues it), and closing the
 engine and servers however the run ends. `glmlight.builder.build` returns a `Run`.
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +16,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from glmlight.checkpoint import verified_resume_path
+from glmlight.checkpoint import checkpoint_global_step, verified_resume_path
 from glmlight.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -29,6 +31,9 @@ class Run:
     module: pl.LightningModule
     datamodule: RolloutDataModule
     cfg: DictConfig
+    # the command line that started this run, without trainer.resume (scripts/train.py sets it): an interrupted
+    # run says it with trainer.resume=last as the way to continue
+    command: str | None = None
 
     def fit(self, close: bool = True) -> None:
         """Train. However it ends (done, an error, Ctrl-C, SIGTERM), the run report is written and the run
@@ -44,7 +49,12 @@ class Run:
                 log.warning("resuming from %s: the rollout engine ignores per-request seeds (an SGLang server without "
                             "--enable-deterministic-inference), so the samples from here on differ from the "
                             "interrupted run's; steps, weights, optimizer and prompt stream resume exactly", ckpt_path)
-            self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=ckpt_path, weights_only=True)
+            try:
+                self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=ckpt_path, weights_only=True)
+            except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C (Lightning exits with 1) or SIGTERM
+                if self.trainer.interrupted and self.trainer.is_global_zero:
+                    log.warning(self.interruption_message(e))
+                raise
             if self.cfg.export.enabled and not self.trainer.interrupted:
                 self.export()
         finally:
@@ -55,6 +65,36 @@ class Run:
             finally:
                 if close:
                     self.close()
+
+    def interruption_message(self, e: BaseException) -> str:
+        """What an interrupted fit keeps: the RL step it stopped in, its newest checkpoint's RL step, the
+        steps lost, and the command that continues it."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        what = "SIGTERM" if isinstance(e, SIGTERMException) or getattr(self.trainer, "received_sigterm", False) \
+            else "Ctrl-C" if isinstance(e, KeyboardInterrupt) or isinstance(e.__context__, KeyboardInterrupt) \
+            else "an interruption"
+        per_step = self.module.optimizer_steps_per_rl_step
+        during = min(self.trainer.global_step // per_step + 1, self.cfg.trainer.max_steps)
+        every = self.cfg.trainer.checkpoint_every_n_steps
+        head = f"interrupted ({what}) during RL step {during}"
+        if not every:
+            return (f"{head}: checkpoints are off (trainer.checkpoint_every_n_steps=0), so nothing of the training "
+                    f"is kept; a new run starts at RL step 1")
+        newest = newest_checkpoint(os.path.join(self.cfg.trainer.default_root_dir, "checkpoints"))
+        if newest is None:
+            return (f"{head}: no checkpoint was written yet (one every {every} RL steps: "
+                    f"trainer.checkpoint_every_n_steps), so steps 1-{during} are lost; a new run starts at RL step 1")
+        path, step = newest
+        resume = "last" if os.path.basename(path) == "last.ckpt" else path
+        command = (f"{self.command} trainer.resume={shlex.quote(resume)}" if self.command
+                   else f"the same command with trainer.resume={resume}")
+        if step is None:
+            return (f"{head}: the last checkpoint is {path} (its step could not be read); the steps after it are "
+                    f"lost and run again. Continue with: {command}")
+        kept = step // per_step
+        lost = f"steps {kept + 1}-{during} are lost and run again" if during > kept else "no step is lost"
+        return f"{head}: the last checkpoint {path} holds RL step {kept}; {lost}. Continue with: {command}"
 
     def _pin_threads(self) -> None:
         """trainer.num_threads, or with trainer.deterministic=true os.cpu_count(): the training thread's
@@ -120,6 +160,27 @@ def write_run_report(root: str) -> None:
         log.warning("run report not written: %s: %s", type(e).__name__, e)
 
 
+def newest_checkpoint(folder: str) -> tuple[str, int | None] | None:
+    """The checkpoint of `folder` written at the latest global step, and that step (last.ckpt first among
+    equals: a kill can land between a periodic checkpoint and last.ckpt); when no step can be read,
+    last.ckpt (or the newest file) and None; None when there is no checkpoint."""
+    names = [n for n in (sorted(os.listdir(folder)) if os.path.isdir(folder) else [])
+             if n.endswith(".ckpt") and ".tmp-" not in n]
+    found = []
+    for name in names:
+        step = checkpoint_global_step(os.path.join(folder, name))
+        if step is not None:
+            found.append((step, name == "last.ckpt", os.path.join(folder, name)))
+    if found:
+        step, _, path = max(found)
+        return path, step
+    if not names:
+        return None
+    paths = [os.path.join(folder, n) for n in names]
+    last = os.path.join(folder, "last.ckpt")
+    return (last if last in paths else max(paths, key=os.path.getmtime)), None
+
+
 def save_run_config(cfg: DictConfig, root: str) -> str:
     """The resolved config, stored with the run (it names env variables, never holds their values)."""
     os.makedirs(root, exist_ok=True)
@@ -134,7 +195,10 @@ def _resume_path(cfg: DictConfig) -> str | None:
         return None
     if resume == "last":
         path = os.path.join(cfg.trainer.default_root_dir, "checkpoints", "last.ckpt")
-        return verified_resume_path(path) if os.path.exists(path) else None
+        if not os.path.exists(path):
+            log.info("trainer.resume=last: no checkpoint at %s, the run starts at RL step 1", path)
+            return None
+        return verified_resume_path(path)
     if not os.path.exists(resume):
         raise ConfigError(f"config error: trainer.resume={resume!r} does not exist")
     return verified_resume_path(resume)

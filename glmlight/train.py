@@ -7,12 +7,16 @@
 
 (`python scripts/train.py ...` and the `glmlight-train` command are the same.) Overrides are Hydra's
 `key=value`, `group=option`, `+new.key=value`, `~key`. A bad key or value stops the run with one line
-naming it.
+naming it. Ctrl-C stops the run at once (exit status 1), SIGTERM at the next RL step (exit status 143);
+either way the run says which RL step its last checkpoint holds, which steps are lost and the command that
+continues it (the same one with trainer.resume=last).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import sys
 
 
@@ -47,10 +51,28 @@ def main(argv: list[str]) -> int:
             print(OmegaConf.to_yaml(validate(cfg), resolve=show == "resolved"))
             return
         import glmlight
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        glmlight.build(cfg).fit()
+        run = glmlight.build(cfg)
+        run.command = run_command(sys.argv[0], overrides)
+        try:
+            run.fit()
+        except SIGTERMException:  # Lightning's own exits with status 0: a stopped run must not look finished
+            raise SystemExit(128 + signal.SIGTERM) from None
 
     return run_with_one_line_errors(go)
+
+
+def run_command(argv0: str, overrides: list[str]) -> str:
+    """This run's command line without trainer.resume: the program and the other overrides."""
+    if os.path.basename(argv0) == "train.py" and os.path.basename(os.path.dirname(os.path.abspath(argv0))) == "glmlight":
+        prog = "python -m glmlight.train"
+    elif argv0.endswith(".py"):
+        prog = f"python {shlex.quote(argv0)}"
+    else:
+        prog = os.path.basename(argv0) or "glmlight-train"
+    kept = [o for o in overrides if not o.lstrip("+~").startswith("trainer.resume=")]
+    return " ".join([prog, *(shlex.quote(o) for o in kept)])
 
 
 def cli() -> None:

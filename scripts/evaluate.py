@@ -8,7 +8,8 @@ maj@k, the greedy pass rate) through the same engine, prompts and reward a train
     python scripts/evaluate.py ... --json out.json     # also write the metrics
 
 Overrides are those of scripts/train.py. Prints one line per held-out set and, with --show N, the
-first N greedy answers.
+first N greedy answers, one JSON line each: the question (the prompt's last user message), the label, the
+reward, the completion and the prompt's messages.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main(argv: list[str]) -> int:
     def go() -> None:
         import glmlight
         from glmlight.data.evaluation import LocalIds, SeededEngine
+        from glmlight.prompt import last_user_message
 
         root = tempfile.mkdtemp(prefix="glmlight-eval-")
         cfg = compose(overrides + ["logger=none", f"trainer.default_root_dir={root}", "export.enabled=false"])
@@ -62,10 +64,11 @@ def main(argv: list[str]) -> int:
                 prompts = dm.eval_sets["heldout"].prompts()[:show]
                 samples = dm.rollout(prompts, 1, Counter(), greedy=True, engine=SeededEngine(dm.engine, "show", 0),
                                      ids=LocalIds())
-                for s in samples:
-                    print(json.dumps({"prompt": s.metadata.get("question") or s.metadata.get("prompt"),
-                                      "label": s.metadata.get("label"), "reward": s.reward,
-                                      "completion": s.metadata.get("completion_text")}))
+                for p, s in zip(prompts, samples):  # one greedy answer per prompt, in order
+                    question = p.metadata.get("question") or last_user_message(p.messages)
+                    print(json.dumps({"question": question, "label": s.metadata.get("label"), "reward": s.reward,
+                                      "completion": s.metadata.get("completion_text"), "prompt": p.messages},
+                                     default=str))
         print(f"({time.perf_counter() - t0:.0f} s)")
         if out_json:
             with open(out_json, "w") as f:

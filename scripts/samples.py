@@ -6,6 +6,9 @@ from runs/<name>/samples.jsonl (written by callbacks.SampleTable every sample_ta
     python scripts/samples.py runs/default --masked 10       # the 10 with most tokens masked by corrections
     python scripts/samples.py runs/default --dropped 10      # dropped samples and why
     python scripts/samples.py runs/default --step 11 --all   # every row of RL step 11
+
+Each row shows the question (the prompt's last user message), the completion, the label the reward compared
+it with and the reward's info (e.g. the verifier's extracted answer, `pred`).
 """
 
 from __future__ import annotations
@@ -56,9 +59,15 @@ def _reward(r: dict[str, Any]) -> tuple[float, int]:
 
 
 def show(r: dict[str, Any], width: int = 100) -> str:
+    """One row as text: the question (the prompt's last user message; for rows without one, the prompt's
+    end, where a chat template puts it), the completion, the label, the reward's info and the tokens."""
     def clip(text: Any) -> str:
         text = str(text).replace("\n", "\\n")
         return text if len(text) <= width else text[: width - 3] + "..."
+
+    def clip_start(text: Any) -> str:
+        text = str(text).replace("\n", "\\n")
+        return text if len(text) <= width else "..." + text[len(text) - width + 3:]
 
     head = (f"step {r.get('rl_step')}  v{r.get('policy_version')}  group {r.get('group_id')}  "
             f"rollout {r.get('rollout_id')}  reward {r.get('reward')}  {r.get('status')}")
@@ -69,8 +78,12 @@ def show(r: dict[str, Any], width: int = 100) -> str:
         tokens += f", {r['masked_tokens']} masked, {r.get('zero_weight_tokens')} zero-weight by corrections"
     tokens += f"; versions {r.get('versions')}"
     info = json.dumps(r.get("reward_info"), default=str)
-    return "\n".join([head, f"  prompt:     {clip(r.get('prompt'))}", f"  completion: {clip(r.get('completion'))}",
-                      f"  info:       {clip(info)}", tokens])
+    asked = (f"  question:   {clip(r['question'])}" if r.get("question") is not None
+             else f"  prompt:     {clip_start(r.get('prompt'))}")
+    lines = [head, asked, f"  completion: {clip(r.get('completion'))}"]
+    if "label" in r:
+        lines.append(f"  label:      {clip(json.dumps(r['label'], default=str) if not isinstance(r['label'], str) else r['label'])}")
+    return "\n".join(lines + [f"  info:       {clip(info)}", tokens])
 
 
 def main(argv: list[str]) -> int:

@@ -50,6 +50,9 @@ class NonFiniteLossError(RuntimeError):
 class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
     # Whether compute_advantages reads batch.old_logprobs (then they are computed before the update).
     advantages_read_old_logprobs = False
+    # Whether the advantages' baseline is the group's own rewards, so a group whose rewards are all equal
+    # carries no learning signal (callbacks.RunHealth says so when that is most groups).
+    group_baseline = False
 
     def __init__(self, cfg: AlgoConfig, policy: torch.nn.Module, *, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, max_new_tokens: int = 64, pad_token_id: int = 0, use_glm_forward: bool = False):

@@ -26,6 +26,7 @@ class GRPOConfig(AlgoConfig):
 @register_algorithm("grpo", GRPOConfig)
 class GRPO(RLModule):
     cfg: GRPOConfig
+    group_baseline = True
 
     def compute_advantages(self, batch: Experience) -> None:
         group_ids = torch.tensor([s.group_id for s in batch.samples], device=batch.rewards.device)

@@ -1,6 +1,7 @@
 """What a rollout batch is measured by: the reward before length shaping (`outcome`) and the
-`rollout/*` metrics logged every step (rewards, lengths, throughput, agent statistics, replay
-record memory, drop counts by reason)."""
+`rollout/*` metrics logged every step (rewards, lengths, the share of answers cut at the length limit
+and of groups whose rewards are all equal, throughput, agent statistics, replay record memory, drop
+counts by reason)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,19 @@ def outcome(sample: Sample) -> float | None:
     if sample.reward is None:
         return None
     return sample.reward - sample.metadata.get("overlong_penalty", 0.0)
+
+
+def equal_reward_group_frac(batch: list[Sample]) -> float | None:
+    """The share of the batch's groups of two or more trajectories whose rewards are all equal: they have
+    no learning signal under a group baseline (GRPO's advantages are 0); None when no group has two. An
+    agent trajectory's segments count once (they share its reward)."""
+    groups: dict[int, dict[int, float]] = {}
+    for s in batch:
+        groups.setdefault(s.group_id, {})[s.rollout_id] = s.reward
+    sized = [set(g.values()) for g in groups.values() if len(g) > 1]
+    if not sized:
+        return None
+    return sum(len(rewards) == 1 for rewards in sized) / len(sized)
 
 
 def rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
@@ -36,6 +50,9 @@ def rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         "rollout/segments_per_trajectory": len(batch) / max(len({(s.group_id, s.rollout_id) for s in batch}), 1),
         "rollout/trained": float(counts["trained"]),
     }
+    flat = equal_reward_group_frac(batch)
+    if flat is not None:
+        stats["rollout/equal_reward_group_frac"] = flat
     episodes = {(s.group_id, s.rollout_id): s.metadata for s in batch if "num_segments" in s.metadata}  # agents
     if episodes:
         stats["rollout/turns_per_episode"] = sum(m["turns"] for m in episodes.values()) / len(episodes)

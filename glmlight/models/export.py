@@ -3,7 +3,10 @@
 `export_hf(policy, tokenizer, out)` writes `out/`: the policy (LoRA merged into the base weights) with
 `save_pretrained` (safetensors only: config.json, generation_config.json, model*.safetensors) and the
 tokenizer, atomically — everything is written into a temporary directory beside `out`, which then
-replaces `out` by renames, so `out` is either the old export or the new one, never a mixture.
+replaces `out` by renames, so `out` is either the old export or the new one, never a mixture. Every file
+and folder gets the mode any file the user writes gets (0666 / 0777 less the umask): transformers writes
+model.safetensors through a private temporary file (mode 0600), which would keep it from other users and
+from a server running under another account.
 
 `fp8=True` writes the block-FP8 checkpoint layout instead (`glmlight.models.fp8_checkpoint`: float8_e4m3fn
 weights with `weight_scale_inv`, one per expert, and a `quantization_config` in config.json): what an
@@ -38,10 +41,39 @@ def export_hf(policy: torch.nn.Module, tokenizer: Any, out: str, *, fp8: bool = 
             _rewrite_fp8(policy, model, tmp, block)
         tokenizer.save_pretrained(tmp)
         _no_pickles(tmp)
+        user_modes(tmp)
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def current_umask() -> int:
+    """The process's umask (read from /proc where it is shown, so that it is never changed, even briefly)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def user_modes(root: str) -> None:
+    """Give `root` and everything under it the modes a file or folder the user creates gets: 0666 (files)
+    and 0777 (folders) less the umask."""
+    mask = current_umask()
+    os.chmod(root, 0o777 & ~mask)
+    for folder, dirs, files in os.walk(root):
+        for d in dirs:
+            os.chmod(os.path.join(folder, d), 0o777 & ~mask)
+        for f in files:
+            path = os.path.join(folder, f)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def replace_dir(src: str, dst: str) -> None:

@@ -59,7 +59,7 @@ def _run(tmp_path, *extra):
                                    # the model options experiment=consistency sets: every path builds the same policy
                                    ["model.n_routed_experts=16", "model.num_experts_per_tok=4", "model.index_topk=4"]])
 def test_fit_exports_a_checkpoint_transformers_loads_with_the_trainers_logprobs(tmp_path, tokenizer, extra):
-    run = _run(tmp_path, *extra)
+    run = _run(tmp_path, "trainer.checkpoint_every_n_steps=2", *extra)
     out = os.path.join(str(tmp_path), "hf")
     files = sorted(os.listdir(out))
     assert "model.safetensors" in files and "config.json" in files and "tokenizer.json" in files
@@ -166,3 +166,17 @@ def test_real_vllm_serves_an_exported_llama_with_the_trainers_scores(tmp_path, t
     finally:
         os.killpg(proc.pid, 15)
         proc.wait()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_files_are_readable_as_the_users_other_files(tmp_path, tokenizer, tiny_model, umask):
+    """Every exported file and folder has the mode any file the user writes gets (0666 / 0777 less the umask),
+    model.safetensors included (transformers writes it through a private temporary file)."""
+    previous = os.umask(umask)
+    try:
+        out = export_hf(tiny_model, tokenizer, str(tmp_path / "hf"))
+    finally:
+        os.umask(previous)
+    modes = {name: oct(os.stat(os.path.join(out, name)).st_mode & 0o777) for name in os.listdir(out)}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~umask)}, modes
+    assert oct(os.stat(out).st_mode & 0o777) == oct(0o777 & ~umask)

@@ -115,7 +115,7 @@ def test_lora_grpo_trains_only_the_adapters_and_syncs_merged_weights(tmp_path, t
 
 def test_lora_checkpoint_of_other_adapters_is_refused(tmp_path):
     run = _build(tmp_path, "model.lora.rank=4", "model.lora.target_modules=[o_proj]", "trainer.max_steps=1",
-                 "~callbacks.held_out_eval")
+                 "~callbacks.held_out_eval", "trainer.checkpoint_every_n_steps=1")
     run.fit()
     other = _build(tmp_path, "model.lora.rank=4", "trainer.max_steps=2", "trainer.resume=last",
                    "~callbacks.held_out_eval")
@@ -134,7 +134,7 @@ def test_lora_uses_the_models_own_forward(tmp_path):
 
 def test_lora_sao_trains_the_adapters_and_the_value_head(tmp_path):
     run = _build(tmp_path, "algo=sao", "model.lora.rank=4", "trainer.max_steps=2", "rollout.mode=sync",
-                 "~callbacks.held_out_eval")
+                 "~callbacks.held_out_eval", "trainer.checkpoint_every_n_steps=2")
     critic = run.module.critic
     assert [n for n, p in critic.named_parameters()] == ["value_head.weight", "value_head.bias"]
     head = critic.value_head.weight.clone()

@@ -280,3 +280,65 @@ def test_sigterm_during_a_held_out_evaluation_stops_it_before_the_next_generatio
         signal.signal(signal.SIGTERM, previous)
     assert done == ["heldout/sampled"], done  # the greedy generation of the same evaluation never ran
     assert run.module.rl_step == 0
+
+
+def _periodic(root):
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(str(root), "checkpoints", "*step=*.ckpt")))
+
+
+def test_only_the_last_k_checkpoints_are_kept_also_across_a_resume(tmp_path):
+    """trainer.keep_last_k_checkpoints (default 3) periodic checkpoints stay beside last.ckpt; null keeps all."""
+    glmlight.build(compose(_overrides(tmp_path, "trainer.max_steps=5"))).fit()
+    assert _periodic(tmp_path) == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt"]
+    assert os.path.exists(os.path.join(str(tmp_path), "checkpoints", "last.ckpt"))
+    resumed = glmlight.build(compose(_overrides(tmp_path, "trainer.max_steps=6", "trainer.resume=last")))
+    resumed.fit()
+    assert resumed.module.rl_step == 6
+    assert _periodic(tmp_path) == ["epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt", "epoch=0-step=6.ckpt"]
+    every = tmp_path / "every"
+    glmlight.build(compose(_overrides(every, "trainer.max_steps=4", "trainer.keep_last_k_checkpoints=null"))).fit()
+    assert len(_periodic(every)) == 4
+
+
+def test_checkpointing_off_writes_no_checkpoint_and_the_export_still_happens(tmp_path):
+    run = glmlight.build(compose(_overrides(tmp_path, "trainer.checkpoint_every_n_steps=0", "trainer.max_steps=2")))
+    run.fit()
+    assert not glob.glob(os.path.join(str(tmp_path), "checkpoints", "*")), os.listdir(str(tmp_path))
+    assert os.path.isfile(os.path.join(str(tmp_path), "hf", "model.safetensors"))
+    again = glmlight.build(compose(_overrides(tmp_path, "trainer.checkpoint_every_n_steps=0", "trainer.max_steps=2",
+                                              "trainer.resume=last")))
+    again.fit()  # nothing to resume from: a new run from step 1
+    assert again.module.rl_step == 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_an_interrupted_run_says_how_to_resume_and_which_steps_are_lost(tmp_path, sig):
+    """Ctrl-C or SIGTERM during `python scripts/train.py ...`: the run names its last checkpoint's RL step,
+    the steps that are lost, and the command that continues it."""
+    import re
+    import shlex
+
+    overrides = _overrides(tmp_path, "trainer.max_steps=200", "trainer.checkpoint_every_n_steps=2")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.Popen([sys.executable, "scripts/train.py", *overrides], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    last = os.path.join(str(tmp_path), "checkpoints", "last.ckpt")
+    try:
+        wait_until(lambda: _periodic(tmp_path) and os.path.exists(last), alive=running(proc), poll_s=0.05,
+                   what="a checkpoint")
+    finally:
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=300)
+    assert proc.returncode == (1 if sig == signal.SIGINT else 128 + signal.SIGTERM), proc.returncode  # never 0
+    said = re.search(r"interrupted \((Ctrl-C|SIGTERM)\) during RL step (\d+): the last checkpoint (\S+) holds RL step "
+                     r"(\d+); steps (\d+)-(\d+) are lost", err)
+    assert said, err[-3000:]
+    during, kept, first_lost, last_lost = (int(said.group(i)) for i in (2, 4, 5, 6))
+    assert said.group(1) == ("Ctrl-C" if sig == signal.SIGINT else "SIGTERM")
+    assert kept % 2 == 0 and kept >= 2 and (first_lost, last_lost) == (kept + 1, during) and during > kept
+    # last.ckpt, unless the signal came between a periodic checkpoint and last.ckpt's copy of it
+    resume = "last" if said.group(3) == last else said.group(3)
+    assert said.group(3) == last or said.group(3).endswith(f"step={kept}.ckpt"), said.group(3)
+    command = "python scripts/train.py " + shlex.join(overrides) + f" trainer.resume={resume}"
+    assert command in err, err[-3000:]

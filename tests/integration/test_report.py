@@ -121,3 +121,88 @@ def test_samples_table_and_the_samples_command(tmp_path, capsys):
     assert script.main([str(tmp_path), "--masked", "1"]) == 0
     most = max(r["masked_tokens"] for r in trained)
     assert f"{most} masked" in capsys.readouterr().out
+
+
+def test_sample_rows_carry_the_label_and_the_question_and_the_samples_command_shows_them(tokenizer):
+    """A row holds the label the reward compared with and the prompt's question (its last user message);
+    scripts/samples.py shows both by default, also behind a long system message."""
+    from types import SimpleNamespace
+
+    from glmlight.callbacks import SampleTable
+    from glmlight.models.tokenizer import encode_chat
+    from glmlight.prompt import Prompt
+    from glmlight.sample import Sample
+
+    system = "You are a careful assistant who shows the work and boxes the final answer. " * 4
+    prompt = Prompt(messages=[{"role": "system", "content": system}, {"role": "user", "content": "What is 17 + 25?"}],
+                    label="42")
+    ids, answer = encode_chat(tokenizer, prompt.messages), encode_chat(tokenizer, [{"role": "user", "content": "41"}])
+    s = Sample(prompt_ids=ids, response_ids=answer[:3], loss_mask=[1] * 3, rollout_logprobs=[0.0] * 3,
+               versions=[0] * 3, reward=0.0,
+               metadata={"label": "42", "prompt_index": 0, "reward_info": {"pred": "41"}})
+    row = SampleTable().row(tokenizer, SimpleNamespace(rl_step=1, policy_version=1), s, source=[prompt])
+    assert row["label"] == "42" and row["question"] == "What is 17 + 25?" and row["reward_info"] == {"pred": "41"}
+
+    script = load_script("samples")
+    shown = script.show(row, width=60)
+    assert "question:   What is 17 + 25?" in shown and "label:      42" in shown and '"pred": "41"' in shown
+    older = {k: v for k, v in row.items() if k not in ("question", "label")}  # a file written before these columns
+    assert "What is 17 + 25?" in script.show(older, width=60)  # the prompt's tail, where the question is
+
+
+def test_a_run_warns_once_when_answers_hit_the_length_limit_and_groups_carry_no_signal(tmp_path, caplog):
+    """2 new tokens cut nearly every answer, and a constant reward leaves every group without signal: each
+    is said once, with the setting to change and the metric that shows it, which metrics.jsonl holds."""
+    import logging
+
+    run = glmlight.build(compose(overrides_for_tests(
+        tmp_path, "trainer.max_steps=3", "~callbacks.held_out_eval", "rollout.max_new_tokens=2",
+        "task.reward._target_=tests.conftest.constant_reward")))
+    with caplog.at_level(logging.WARNING, logger="glmlight"):
+        run.fit()
+    metrics, _ = read_metrics(str(tmp_path))
+    steps = [m for m in metrics.values() if "rollout/truncated_frac" in m]
+    assert len(steps) == 3 and all(m["rollout/truncated_frac"] > 0.5 for m in steps)
+    assert all(m["rollout/equal_reward_group_frac"] == 1.0 for m in steps)
+    cut = [r.getMessage() for r in caplog.records if "rollout.max_new_tokens" in r.getMessage()]
+    flat = [r.getMessage() for r in caplog.records if "rollout/equal_reward_group_frac" in r.getMessage()]
+    assert len(cut) == 1 and "rollout.max_new_tokens=2" in cut[0] and "rollout/truncated_frac" in cut[0], cut
+    assert len(flat) == 1 and "rollout.n_samples_per_prompt" in flat[0] and "task" in flat[0], flat
+
+
+def test_run_health_counts_groups_by_trajectory_and_stays_quiet_below_its_thresholds(caplog):
+    """Segments of one agent trajectory count once; groups of one have no baseline to compare with; a critic
+    algorithm (no group baseline) is never told about equal rewards; each warning comes once."""
+    import logging
+    from types import SimpleNamespace
+
+    from glmlight.callbacks import RunHealth
+    from glmlight.data.rollout_stats import equal_reward_group_frac
+    from glmlight.sample import Sample
+
+    def sample(group, rollout, reward, status="completed"):
+        return Sample(prompt_ids=[1], response_ids=[2], loss_mask=[1], rollout_logprobs=[0.0], versions=[0],
+                      reward=reward, status=status, group_id=group, rollout_id=rollout)
+
+    # group 0: two segments of one trajectory and another trajectory, rewards differ; group 1: all equal
+    batch = [sample(0, 0, 1.0), sample(0, 0, 1.0), sample(0, 1, 0.0), sample(1, 2, 0.5), sample(1, 3, 0.5)]
+    assert equal_reward_group_frac(batch) == 0.5
+    assert equal_reward_group_frac([sample(0, 0, 1.0), sample(1, 1, 1.0)]) is None  # groups of one
+
+    cfg = SimpleNamespace(max_new_tokens=7, max_context=64, n_samples_per_prompt=2, dynamic_sampling=False)
+    trainer = SimpleNamespace(is_global_zero=True, datamodule=SimpleNamespace(cfg=cfg))
+    grpo, critic = SimpleNamespace(rl_step=3, group_baseline=True), SimpleNamespace(rl_step=3, group_baseline=False)
+    health = RunHealth()
+    with caplog.at_level(logging.WARNING, logger="glmlight"):
+        health.on_train_batch_end(trainer, grpo, None, SimpleNamespace(samples=batch), 0)  # 50%: not most
+        assert not caplog.records
+        flat = [sample(0, 0, 1.0, "truncated"), sample(0, 1, 1.0, "truncated"), sample(1, 2, 0.0)]
+        health_critic = RunHealth()
+        health_critic.on_train_batch_end(trainer, critic, None, SimpleNamespace(samples=flat), 0)
+        assert [r.getMessage().split(":")[0] for r in caplog.records] == ["RL step 3"]  # only the length
+        assert "rollout.max_new_tokens=7" in caplog.records[0].getMessage()
+        caplog.clear()
+        for _ in range(2):
+            health.on_train_batch_end(trainer, grpo, None, SimpleNamespace(samples=flat), 0)
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and "rollout.n_samples_per_prompt=2" in said[1] and "100%" in said[1], said

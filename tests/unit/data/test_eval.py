@@ -161,3 +161,23 @@ def test_default_run_logs_the_evaluation(tmp_path):
         assert r["eval/seconds"] > 0 and r["eval/tokens"] > 0 and r["eval/heldout/prompts"] == 8
     [cb] = [c for c in run.trainer.callbacks if type(c).__name__ == "HeldOutEval"]
     assert [step for step, _ in cb.history] == [0, 2]
+
+
+def test_evaluate_script_shows_the_prompt_of_a_jsonl_task(tmp_path, capsys):
+    """scripts/evaluate.py --show N prints each shown answer with its prompt (the question), label and reward."""
+    import json
+
+    from tests.conftest import load_script, overrides_for_tests
+
+    path = tmp_path / "test.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) + "\n" for i in range(4)))
+    script = load_script("evaluate")
+    overrides = overrides_for_tests(tmp_path, "task=jsonl", f"task.path={path}", f"task.eval_path={path}",
+                                    "task.num_eval_prompts=2", "eval.k=1")
+    assert script.main(overrides + ["--show", "2"]) == 0
+    shown = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(shown) == 2, shown
+    for row in shown:
+        assert row["prompt"] is not None, row
+        assert row["question"].startswith("What is ") and row["prompt"] == [{"role": "user", "content": row["question"]}]
+        assert row["label"] == str(int(row["question"].split()[2]) + 1)
