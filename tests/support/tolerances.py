@@ -60,13 +60,18 @@ sum|c_k| in each computation. sum|c_k| is not recorded; with advantages of eithe
 random walk, |g| ~ sqrt(n) rms(c), sum|c| ~ n mean|c|, so sum|c_k| ~ sqrt(n) |g|, and |g| is bounded by the
 largest gradient entry of the step. A summation-order difference stays within this; a defect (a micro-batch
 counted twice, a wrong normaliser) moves gradients by a fraction of |g| itself, 1e3 to 1e4 times more.
+gradient_tolerances bounds each tensor from its own largest entry instead: a router's or a norm's gradient,
+orders of magnitude below an embedding's, is then held to its own scale.
 
 Parameters after one AdamW step (adamw_first_step_tolerance). At step 1, m = (1 - b1) g and v = (1 - b2) g^2,
 so the bias-corrected update is lr * g / (|g| + eps) (plus weight decay, the same on both sides): a
 gradient difference dg moves it by lr * eps * dg / (|g| + eps)^2 (the derivative of g / (|g| + eps)), at most
 2 lr where the sign flips. A gradient much larger than eps gives lr * sign(g) on both sides; one within dg of
 zero may move by up to lr. The parameter's own rounding (the subtraction, the decay) adds 2u|theta| per
-computation. After several steps the parameters differ and so do the next gradients; those comparisons
+computation, and the update's own float32 evaluation about ten roundings of its size (at most lr): the two
+moments, the bias corrections, the square root, the sum with eps, the quotient, the product with lr; two
+implementations (torch's fused AdamW in one process, its per-tensor loop over DTensor shards) order them
+otherwise, so 2 * 10 u lr (a parameter near zero, stepped by lr in both, was seen 5 u lr apart). After several steps the parameters differ and so do the next gradients; those comparisons
 are best made on the gradients, before the optimiser.
 
 A comparison that is exact by construction (the same kernel on the same numbers: a replay, a cache of
@@ -173,6 +178,17 @@ def gradient_tolerance(grads: dict, *, hidden: int, intermediate: int, context: 
     return 2 * lam * math.sqrt(n_path + tokens) * U32 * math.sqrt(tokens) * scale
 
 
+def gradient_tolerances(grads: dict, *, hidden: int, intermediate: int, context: int, tokens: int,
+                        lam: float = 2.0) -> dict:
+    """gradient_tolerance for each tensor of `grads` from its own largest entry, by name (a bound for
+    `within`). An entry's rounding is relative to its own terms' sum|c_k|, and a tensor's terms share a
+    scale (one layer's activations and backward signals), while the tensors of one model differ by orders
+    of magnitude (an embedding's gradient ~1e-3, a router's or a norm's ~1e-6): one bound from the largest
+    gradient of the step would let a small tensor's gradient be wrong by all of itself."""
+    return {name: gradient_tolerance({name: g}, hidden=hidden, intermediate=intermediate, context=context,
+                                     tokens=tokens, lam=lam) for name, g in grads.items()}
+
+
 def adamw_first_step_tolerance(grad: Any, grad_tol: float, param: Any, *, lr: float, eps: float = 1e-8) -> Any:
     """Element-wise: how far two parameters may be apart after one AdamW step from the same values, their
     gradients within grad_tol of `grad`."""
@@ -180,7 +196,7 @@ def adamw_first_step_tolerance(grad: Any, grad_tol: float, param: Any, *, lr: fl
 
     g = (grad.abs() - grad_tol).clamp(min=0)
     moved = (lr * eps * grad_tol / (g + eps) ** 2).clamp(max=2 * lr)
-    return moved + 4 * U32 * (param.abs() + lr)
+    return moved + 4 * U32 * param.abs() + 20 * U32 * lr
 
 
 def within(a: dict, b: dict, bound: dict) -> list[str]:

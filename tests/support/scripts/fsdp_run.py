@@ -102,9 +102,12 @@ def main(argv: list[str]) -> None:
     run.fit()
 
 
-def replay_single_process(out_dir: str, algo: str, record: dict[str, Any], extra: list[str]) -> list[dict]:
-    """One process trains on the union of the ranks' recorded samples, step by step; its parameters
-    after every step (group and rollout ids made distinct per rank: each rank numbers its own)."""
+def replay_single_process(out_dir: str, algo: str, record: dict[str, Any], extra: list[str]) -> dict[str, list]:
+    """One process trains on the union of the ranks' recorded samples, step by step (group and rollout ids
+    made distinct per rank: each rank numbers its own). Returns its parameters after every RL step
+    ("params"), the gradients of every optimizer step of the first RL step ("grads": what AdamW stepped on,
+    after clipping), the first step's samples ("samples") and the largest learning rate of its optimizers
+    ("lr": the policy's, a critic's)."""
     steps = []
     for per_rank in record["samples"]:
         union = []
@@ -116,14 +119,21 @@ def replay_single_process(out_dir: str, algo: str, record: dict[str, Any], extra
     run = glmlight.build(compose(overrides(out_dir, algo, 1, "auto", ["trainer.checkpoint_every_n_steps=0", *extra])))
     run.datamodule = ReplayData(run.datamodule, [steps])
     params: list[dict[str, torch.Tensor]] = []
+    grads: list[dict[str, torch.Tensor]] = []
 
     class Params(pl.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            if not params:  # the first RL step
+                grads.append({n: full(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=torch.float64)
+                              for n, p in module.named_parameters() if p.requires_grad})
+
         def on_train_batch_end(self, trainer, module, *args):
             params.append({n: full(p) for n, p in module.named_parameters()})
 
     run.trainer.callbacks.append(Params())
+    lr = max(run.module.cfg.lr, getattr(run.module.cfg, "critic_lr", 0.0))
     run.fit()
-    return params
+    return {"params": params, "grads": grads, "samples": steps[0], "lr": lr}
 
 
 if __name__ == "__main__":

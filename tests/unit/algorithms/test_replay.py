@@ -23,6 +23,7 @@ from glmlight.engines.base import SamplingParams
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Experience, Sample, SampleError
 from tests.conftest import encode, overrides_for_tests
+from tests.support.tolerances import dims, gradient_tolerances, model_logit_tolerance, model_logprob_tolerance, within
 
 PROMPTS = ["1+2=", "33+44=", "5", "12345+6=", "7*8=", "9"]
 
@@ -69,6 +70,10 @@ def _module(tokenizer, model, replay="both", forward="glmlight", *extra):
     cfg = validate(compose(["model.preset=test", f"algo.replay={replay}", *extra]))
     return algorithm("grpo").module(cfg.algo, model, pad_token_id=tokenizer.pad_token_id,
                                     use_glm_forward=forward == "glmlight")
+
+
+def _sequences(exp: Experience) -> list[list[int]]:
+    return [s.prompt_ids + s.response_ids for s in exp.samples]
 
 
 def _agreements(exp: Experience, used: dict) -> tuple[list[float], list[float]]:
@@ -168,9 +173,10 @@ def test_replay_makes_engine_and_trainer_logprobs_agree_on_near_ties(tokenizer, 
         gaps[mode] = float(((lp - exp.rollout_logprobs) * exp.loss_mask).abs().max())
         agree[mode] = _agreements(exp, used)
     routing, index = agree["none"]
-    assert min(routing) < 0.9 and min(index) < 0.99 and gaps["none"] > 1e-2  # today: other experts and keys
+    tol = model_logprob_tolerance(model, _sequences(exp))  # two float32 forwards of other shapes: ~1e-5
+    assert min(routing) < 0.9 and min(index) < 0.99 and gaps["none"] > 1e-2 > 100 * tol  # other experts and keys
     assert agree["both"] == ([1.0], [1.0, 1.0])
-    assert gaps["both"] < 2e-6  # fp32 reassociation only (engine runner vs trainer forward)
+    assert gaps["both"] <= tol, (gaps["both"], tol)  # fp32 reassociation only (engine runner vs trainer forward)
 
 
 @pytest.mark.parametrize("forward", ["glmlight", "transformers"])
@@ -181,15 +187,16 @@ def test_replay_survives_token_budget_micro_batches(tokenizer, forward):
     model = _near_ties(_model(tokenizer))
     samples = _rollout(model, tokenizer)
     exp = Experience.collate(samples, pad_token_id=tokenizer.pad_token_id)
+    tol = model_logprob_tolerance(model, _sequences(exp))  # engine runner vs trainer forward: float32 rounding
     for extra in ([], ["algo.micro_batch_tokens=40"], ["algo.micro_batch_tokens=16"]):
         module = _module(tokenizer, model, "both", forward, *extra)
         old = module.compute_logprobs(model, exp)
         gap = float(((old - exp.rollout_logprobs) * exp.loss_mask).abs().max())
-        assert gap < 2e-6, (extra, gap)
+        assert gap <= tol, (extra, gap, tol)
         for idx in module._micro_batches(torch.arange(exp.batch_size), exp):
             mb = module._select(exp, idx)
             lp = module.logprobs(module.forward_logits(model, mb), mb.response_ids).detach()
-            assert float(((lp - mb.rollout_logprobs) * mb.loss_mask).abs().max()) < 2e-6, (extra, idx.tolist())
+            assert float(((lp - mb.rollout_logprobs) * mb.loss_mask).abs().max()) <= tol, (extra, idx.tolist())
 
 
 @pytest.mark.parametrize("forward", ["glmlight", "transformers"])
@@ -211,7 +218,8 @@ def test_only_the_policys_own_forwards_replay(tokenizer, forward):
     teacher = ModelTeacher("t", other)
     assert torch.equal(teacher.logprobs(on, exp) * exp.loss_mask, teacher.logprobs(off, exp) * exp.loss_mask)
     own = on.compute_logprobs(policy, exp)
-    assert float(((own - exp.rollout_logprobs) * exp.loss_mask).abs().max()) < 2e-6
+    tol = model_logprob_tolerance(policy, _sequences(exp))  # engine runner vs trainer forward: float32 rounding
+    assert float(((own - exp.rollout_logprobs) * exp.loss_mask).abs().max()) <= tol
 
 
 def test_replay_only_replaces_choices_and_gradients_reach_the_router(tokenizer):
@@ -227,12 +235,16 @@ def test_replay_only_replaces_choices_and_gradients_reach_the_router(tokenizer):
         (out.float().square().mean()).backward()
         logits[mode] = out.detach()
         grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    torch.testing.assert_close(logits["none"], logits["both"], rtol=1e-6, atol=1e-6)
+    # the same forward but for the order of a k-term sum: within any float32 tolerance of the model
+    seqs = _sequences(exp)
+    torch.testing.assert_close(logits["none"], logits["both"], rtol=0, atol=model_logit_tolerance(model.eval(), seqs))
     gate = "model.layers.1.mlp.gate.weight"
     assert gate in grads["both"] and grads["both"][gate].abs().sum() > 0
     assert grads["none"].keys() == grads["both"].keys()
-    for n, g in grads["both"].items():
-        torch.testing.assert_close(grads["none"][n], g, rtol=1e-5, atol=1e-7)
+    # the loss sums over every position of the batch; each tensor against its own largest entry, so that a
+    # router gradient changed by replay, small beside the embeddings', would not pass
+    size = {**dims(model.config), "context": exp.input_ids.shape[1], "tokens": exp.input_ids.numel()}
+    assert within(grads["none"], grads["both"], gradient_tolerances(grads["none"], **size)) == []
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -260,8 +272,9 @@ def test_generic_moe_routing_replay_through_hooks(tokenizer, arch):
             rows = e[..., 0] >= 0
             assert float(set_agreement(e[rows], t[rows])) == 1.0
     lp = logprobs_from_logits(logits["routing"], exp.response_ids, 1.0)
-    assert float(((lp - exp.rollout_logprobs) * exp.loss_mask).abs().max()) < 2e-6
-    torch.testing.assert_close(logits["none"], logits["routing"], rtol=1e-6, atol=1e-6)
+    seqs = _sequences(exp)
+    assert float(((lp - exp.rollout_logprobs) * exp.loss_mask).abs().max()) <= model_logprob_tolerance(model, seqs)
+    torch.testing.assert_close(logits["none"], logits["routing"], rtol=0, atol=model_logit_tolerance(model, seqs))
 
 
 # ----------------------------------------------------------------- missing records

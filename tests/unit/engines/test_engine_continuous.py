@@ -248,8 +248,9 @@ def test_glm_runner_with_sparse_attention_equals_the_model(tokenizer, monkeypatc
                     runner.refresh()
             logits = runner.step(nxt)
             if step % 50 == 13 or step == 299:
-                for s, lg in zip(seqs, logits):
-                    torch.testing.assert_close(lg, model(torch.tensor([s])).logits[0, -1], atol=1e-4, rtol=1e-4)
+                for s, lg in zip(seqs, logits):  # the cache's sums against one forward: float32 rounding
+                    tol = model_logit_tolerance(model, [s])  # a context of up to ~300: ~1e-5
+                    torch.testing.assert_close(lg, model(torch.tensor([s])).logits[0, -1], atol=tol, rtol=0)
     # compiled: one graph for all of it (rows 3 -> 2, the cache and the rotary table grown, new weights)
     assert counters["stats"]["unique_graphs"] - graphs == int(compile)
 
