@@ -224,8 +224,9 @@ def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source:
         reward = task_reward(other.task, other_source)
         other_identity, other_examples = _warm_start_rows(
             other, tokenizer, _datamodule_factory(other, policy, tokenizer, other_source, reward))
-        mix.append((other_source, other_examples or label_examples(tokenizer)))
+        mix.append((other_source, other_examples or label_examples(tokenizer, other.task.answer_format)))
         identity.setdefault("mix", []).append(other_identity)
+    examples = examples or label_examples(tokenizer, cfg.task.answer_format)
     return supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity, examples, mix)
 
 

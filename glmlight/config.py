@@ -96,7 +96,9 @@ class ModelConfig:
     index_topk: Optional[int] = None  # tiny GLM-5: DSA indexer top-k (below the sequence length = sparse)
     n_routed_experts: Optional[int] = None  # tiny GLM-5: routed experts per MoE layer (preset's if None)
     num_experts_per_tok: Optional[int] = None  # tiny GLM-5: experts each token is routed to (preset's if None)
-    dtype: str = "float32"  # training dtype
+    # The training dtype. None: a checkpoint's own (config.json's dtype, or torch_dtype as older transformers
+    # wrote it; float32 where it names none), float32 for the tiny GLM-5. An export keeps the dtype trained in.
+    dtype: Optional[str] = None
     seed: int = 0
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False

@@ -188,6 +188,9 @@ class TaskConfig:
     label_key: Optional[str] = "label"  # null: the rows carry no label (for a reward that reads none)
     domain_key: str = "domain"
     system_prompt: Optional[str] = None
+    # The answer the supervised warm start (model.warm_start) teaches for a prompt, "{label}" standing for its
+    # label: \boxed{{label}} for a reward that reads the boxed answer (task=jsonl's MathVerify).
+    answer_format: str = "{label}"
     # Synthetic arithmetic: operands in [0, max_operand], these operators.
     max_operand: int = 9
     operators: str = "+"

@@ -65,6 +65,10 @@ def check_rules(cfg: DictConfig) -> None:
             OmegaConf.select(cfg, "algo.ppo_epochs") > 1 or OmegaConf.select(cfg, "algo.num_minibatches") > 1):
         raise ConfigError("config error: algo.old_logprobs=update needs ppo_epochs=1 and num_minibatches=1 (every "
                           "token trained once, at θ_old); use forward or auto")
+    answer_format = OmegaConf.select(cfg, "task.answer_format")
+    if answer_format is not None and "{label}" not in answer_format:
+        raise ConfigError(f"config error: task.answer_format={answer_format!r} must contain {{label}} (where the warm "
+                          "start puts each prompt's label, e.g. \\boxed{{label}})")
     betas = OmegaConf.select(cfg, "algo.betas")
     if betas is not None and len(betas) != 2:
         raise ConfigError(f"config error: algo.betas must be two numbers [beta1, beta2], got {list(betas)}")

@@ -2,7 +2,8 @@
 
 `model.path` names a local Hugging Face checkpoint (weights as safetensors);
 without it the tiny GLM-5 default is built, randomly initialised from `seed`,
-with the local character tokenizer. Nothing is downloaded.
+with the local character tokenizer. Nothing is downloaded. A checkpoint loads in its own dtype (config.json's
+`dtype` / `torch_dtype`, float32 where it names none) unless `model.dtype` names another; the tiny GLM-5 in float32.
 
 A checkpoint directory that cannot serve (no tokenizer, no or an unreadable config.json,
 no safetensors weights, weights whose shapes or names disagree with config.json) stops the
@@ -59,10 +60,11 @@ def load_tokenizer(path: str | None, trust_remote_code: bool = False, key: str =
 
 
 def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, preset: str = "tiny",
-                   dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False, key: str = "model.path",
+                   dtype: str | None = None, seed: int = 0, trust_remote_code: bool = False, key: str = "model.path",
                    **tiny_overrides) -> PreTrainedModel:
-    """A local checkpoint (safetensors only), or the tiny GLM-5 initialised from `seed`."""
-    torch_dtype = resolve_dtype(dtype)
+    """A local checkpoint (safetensors only), or the tiny GLM-5 initialised from `seed`, in `dtype`; None: the
+    checkpoint's own (`checkpoint_dtype`), float32 for the tiny GLM-5."""
+    torch_dtype = resolve_dtype(dtype) if dtype is not None else torch.float32
     if path is None:
         if preset not in PRESETS:
             where = key.rsplit(".", 1)[0] + ".preset"
@@ -76,6 +78,8 @@ def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, pres
         install_fast_indexer(model)
         return model.to(torch_dtype)
     config = check_checkpoint(path, key)
+    if dtype is None:
+        torch_dtype = checkpoint_dtype(path, config, key)
     try:
         with _quiet_transformers():
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -87,6 +91,28 @@ def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, pres
     _check_loading_info(path, key, config, info)
     install_fast_indexer(model)
     return model
+
+
+def checkpoint_dtype(path: str, config: dict, key: str = "model.path") -> torch.dtype:
+    """The dtype a checkpoint names in config.json (`dtype`, or `torch_dtype` as transformers before 4.56 wrote it;
+    a multimodal config's `text_config` too), float32 where it names none; logged, with how to choose another."""
+    where = "dtype" if config.get("dtype") else "torch_dtype"
+    name = config.get("dtype") or config.get("torch_dtype")
+    if name is None and isinstance(config.get("text_config"), dict):
+        text = config["text_config"]
+        where, name = "text_config.dtype", text.get("dtype") or text.get("torch_dtype")
+    setting = key.rsplit(".", 1)[0] + ".dtype"
+    if name is None:
+        log.info("%s names no dtype in config.json: loaded in float32 (%s=... chooses)", path, setting)
+        return torch.float32
+    try:
+        dtype = resolve_dtype(str(name).removeprefix("torch."))
+    except ValueError:
+        raise ConfigError(f"config error: {key}={path!r}: config.json's {where} {name!r} is not a dtype glmlight "
+                          f"trains in; set {setting}=float32 or bfloat16") from None
+    log.info("%s: loaded in its own dtype, %s (config.json's %s; %s=... chooses another)", path,
+             str(dtype).removeprefix("torch."), where, setting)
+    return dtype
 
 
 def check_checkpoint(path: str, key: str = "model.path") -> dict:

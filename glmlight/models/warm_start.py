@@ -41,8 +41,9 @@ Example = tuple[list[int], list[int]]
 ExampleFn = Callable[[list[Prompt]], list[Example]]
 
 
-def label_examples(tokenizer: Any) -> ExampleFn:
-    """(prompt, reference answer) pairs: the chat prompt, then the label and <eos> (trained on)."""
+def label_examples(tokenizer: Any, answer_format: str = "{label}") -> ExampleFn:
+    """(prompt, reference answer) pairs: the chat prompt, then the answer and <eos> (trained on). The answer is
+    `answer_format` with "{label}" replaced by the prompt's label (task.answer_format, e.g. \\boxed{{label}})."""
     eos = tokenizer.eos_token_id
 
     def make(prompts: list[Prompt]) -> list[Example]:
@@ -52,7 +53,8 @@ def label_examples(tokenizer: Any) -> ExampleFn:
                 raise ConfigError("config error: model.warm_start trains on the prompts' labels, and this task's prompts "
                                   "carry none (task.label_key=null): set model.warm_start.steps=0")
             prompt = encode_chat(tokenizer, p.messages)
-            answer = tokenizer(str(p.label), add_special_tokens=False)["input_ids"] + [eos]
+            text = answer_format.replace("{label}", str(p.label), 1)
+            answer = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
             rows.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
         return rows
 

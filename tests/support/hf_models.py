@@ -37,17 +37,18 @@ def _configs(tok):
 ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
-def build_tiny_hf(name: str, root: str, seed: int = 0) -> str:
-    """Write a tiny randomly initialised `name` checkpoint (safetensors + tokenizer) under root; its path."""
+def build_tiny_hf(name: str, root: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
+    """Write a tiny randomly initialised `name` checkpoint (safetensors + tokenizer) under root, its weights and
+    config.json's dtype `dtype`; its path."""
     from glmlight.models.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     config_cls, model_cls, kw = _configs(tok)[name]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(config_cls(**kw)).to(torch.float32)
+        model = model_cls(config_cls(**kw)).to(dtype)
     model.generation_config.pad_token_id = tok.pad_token_id
-    path = os.path.join(root, f"tiny-{name}")
+    path = os.path.join(root, f"tiny-{name}" + ("" if dtype == torch.float32 else f"-{str(dtype).removeprefix('torch.')}"))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
