@@ -14,6 +14,9 @@ class Prompt:
     label: Any = None
     domain: str = "default"
     metadata: dict[str, Any] = field(default_factory=dict)
+    # the prompt as a data file holds it (a string, or TRL's / verl's message list): what a TRL-style reward
+    # receives as `prompts`; None for prompts made by a synthetic task
+    original: Any = None
 
 
 class PromptSource(Protocol):

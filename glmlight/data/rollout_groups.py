@@ -25,7 +25,8 @@ def answer_samples(todo: list[tuple[Prompt, list[int]]], gens: list[Generation |
         first = id_source.take_rollout_ids(n)
         for j in range(n):
             g = gens[k * n + j]
-            meta = {**prompt.metadata, "label": prompt.label, "domain": prompt.domain}  # not a row's own "label" field
+            meta = {**prompt.metadata, "label": prompt.label, "domain": prompt.domain,  # not a row's own "label" field
+                    "prompt_messages": prompt.original if prompt.original is not None else prompt.messages}
             if g is None:  # the engine failed (after retries) or answered garbage
                 samples.append(Sample(prompt_ids=list(ids), status=Status.FAILED, group_id=group_id,
                                       rollout_id=first + j, metadata={**meta, "engine_error": True}))

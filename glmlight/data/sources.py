@@ -140,10 +140,8 @@ class FileSource(ListSource):
             domain = field_value(row, domain_key)
             prompts.append(Prompt(messages=msgs, label=None if label_key is None else field_value(row, label_key),
                                   domain=str(domain) if domain not in (_MISSING, None, "") else "default",
-                                  metadata={**{k: v for k, v in row.items() if k != prompt_key},
-                                            # the prompt as the data holds it (a string, or TRL's / verl's message
-                                            # list): what a TRL-style reward receives as `prompts`
-                                            "prompt_messages": field_value(row, prompt_key)}))
+                                  metadata={k: v for k, v in row.items() if k != prompt_key},
+                                  original=field_value(row, prompt_key)))
         super().__init__(prompts)
         self._state = read.state
         self.fingerprint = {"path": path, "sha256": read.sha256, "prompts": len(prompts)}
