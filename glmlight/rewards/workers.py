@@ -205,8 +205,11 @@ class ThreadWorkers:
 
 
 # ----------------------------------------------------------------------------------------------- processes
-def _process_main(conn: Any, payload: bytes) -> None:
-    """A worker process: load the reward once, then answer one sample at a time."""
+def _process_main(conn: Any, payload: bytes, environ: dict[str, str]) -> None:
+    """A worker process: take the parent's environment of the moment it was started (not the fork server's),
+    load the reward once, then answer one sample at a time."""
+    os.environ.clear()
+    os.environ.update(environ)
     os.setpgid(0, 0)  # its own process group: a timeout kills whatever it started too; Ctrl-C is the parent's
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
@@ -242,7 +245,8 @@ def _process_main(conn: Any, payload: bytes) -> None:
 class _Process:
     def __init__(self, ctx: Any, payload: bytes):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_process_main, args=(child, payload), daemon=True,
+        # the parent's environment as it is now: a fork server started earlier holds the environment of then
+        self.proc = ctx.Process(target=_process_main, args=(child, payload, dict(os.environ)), daemon=True,
                                 name=f"glmlight-reward-{next(_names)}")
         self.proc.start()
         child.close()

@@ -67,6 +67,10 @@ def dies_on_odd(sample) -> float:
     return 1.0
 
 
+def env_mark(sample) -> float:
+    return float(os.environ.get("GLMLIGHT_TEST_ENV_MARK") == "set after the fork server started")
+
+
 def _samples(n):
     return [Sample(prompt_ids=[1], rollout_id=i, metadata={"completion_text": "1", "label": "1"}) for i in range(n)]
 
@@ -228,3 +232,17 @@ def test_a_generative_judge_is_asked_concurrently_and_its_engine_batches(tokeniz
         assert engine.stats()["max_batch"] > 1  # several judge prompts decoded together
     finally:
         engine.close()
+
+
+def test_a_worker_process_sees_the_environment_of_when_it_starts(monkeypatch):
+    """A reward worker is forked from a fork server that may have started long before (another run in this
+    process): it still sees the environment the parent has when the worker starts."""
+    first = RewardRunner(half_a_second, {"executor": "process", "timeout_s": 30})
+    first.score(_samples(1))  # the fork server starts here (if no earlier test started it)
+    first.close()
+    monkeypatch.setenv("GLMLIGHT_TEST_ENV_MARK", "set after the fork server started")
+    runner = RewardRunner(env_mark, {"executor": "process", "timeout_s": 30})
+    samples = _samples(2)
+    runner.score(samples)
+    runner.close()
+    assert [s.reward for s in samples] == [1.0, 1.0]
