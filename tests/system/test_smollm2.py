@@ -36,8 +36,9 @@ from glmlight import compose
 
 pytestmark = pytest.mark.slow
 
-# The GRPO and SAO recipes' measured rises (docs/results.md) were 0.65 or more on every seed; the tests ask
-# for 0.2 on seed 0. The agent's held-out pass@1 rose by 0.6 or more by step 10 on every measured seed.
+# On held-out sums no seed trains on, the GRPO recipe's pass@1 rose by 0.65-0.70 on seeds 0-2 and SAO's by 0.64
+# on seed 0, their greedy pass rates by 0.41-0.50 (docs/results.md); the tests ask for 0.2 on seed 0. The
+# agent's held-out pass@1 rose by 0.6 or more by step 10 on every measured seed.
 MIN_RISE = 0.2
 AGENT_MIN_RISE = 0.4
 PIPELINE_GAP = 0.1  # the student's pass@1 on an expert's domain: at most this far below the expert's
