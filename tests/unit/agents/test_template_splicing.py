@@ -10,11 +10,12 @@ import glmlight
 from glmlight import compose
 from glmlight.agents import AgentLoop, StepResult
 from glmlight.data.sources import Prompt
-from glmlight.engines.base import Generation, SamplingParams
+from glmlight.engines.base import SamplingParams
 from glmlight.errors import ConfigError
 from glmlight.models.tokenizer import encode_chat, stop_token_ids
 from glmlight.sample import Status
 from tests.support.chat_templates import ANSWER_PREFIX, TOKENIZERS, TOOL_ROLE, end_token, glm45_tokenizer
+from tests.support.scripted_engine import ScriptedEngine
 
 
 class ToolEnv:
@@ -29,18 +30,6 @@ class ToolEnv:
     def step(self, action):
         self.t += 1
         return StepResult(None, reward=1.0, done=True) if self.t >= 3 else StepResult(f"tool says {5 + self.t}")
-
-
-class RecordingEngine:
-    """Answers each call with the next scripted (ids, finish reason); records every context it was given."""
-
-    def __init__(self, answers):
-        self.answers, self.contexts, self.version = list(answers), [], 0
-
-    def generate(self, prompts, params):
-        self.contexts += [list(p) for p in prompts]
-        ids, finish = self.answers.pop(0)
-        return [Generation(ids, [-0.5] * len(ids), finish, [0] * len(ids))]
 
 
 def _ids(tok, text):
@@ -58,7 +47,7 @@ def test_every_context_is_the_templates_rendering_of_the_conversation(name, foll
     role = TOOL_ROLE[name] if follow == "tool" else "user"
     stop = end_token(name, tok, role)
     texts = [ANSWER_PREFIX[name] + t for t in ("calc: 2*3", "calc: 6+", "answer: 7")]
-    engine = RecordingEngine([(_ids(tok, texts[0]) + [stop], "stop"), (_ids(tok, texts[1]), "length"),
+    engine = ScriptedEngine([(_ids(tok, texts[0]) + [stop], "stop"), (_ids(tok, texts[1]), "length"),
                               (_ids(tok, texts[2]) + [stop], "stop")])
     params = lambda n: SamplingParams(max_new_tokens=32, stop_token_ids=stop_token_ids(tok))  # noqa: E731
     loop = AgentLoop(engine, tok, ToolEnv, params, max_turns=5, max_context=2048, observation_role=role)
@@ -84,7 +73,7 @@ def test_the_default_observation_role_renders_the_environments_text(name, role):
     tok = TOKENIZERS[name]()
     stop = end_token(name, tok, role)
     answer = _ids(tok, ANSWER_PREFIX[name] + "calc: 2*3") + [stop]
-    engine = RecordingEngine([(answer, "stop")] * 3)
+    engine = ScriptedEngine([(answer, "stop")] * 3)
     params = lambda n: SamplingParams(max_new_tokens=32, stop_token_ids=stop_token_ids(tok))  # noqa: E731
     loop = AgentLoop(engine, tok, ToolEnv, params, max_turns=5, max_context=2048)
     assert loop.observation_role == role
@@ -102,7 +91,7 @@ def test_an_observation_role_that_renders_nothing_is_a_config_error():
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve_observation_role(tok, "observation")
     with pytest.raises(ConfigError, match=re.escape(message)):
-        AgentLoop(RecordingEngine([]), tok, ToolEnv, lambda n: SamplingParams(), observation_role="observation")
+        AgentLoop(ScriptedEngine([]), tok, ToolEnv, lambda n: SamplingParams(), observation_role="observation")
     assert resolve_observation_role(tok, "auto") == "tool"
     assert resolve_observation_role(tok, "user") == "user"
 

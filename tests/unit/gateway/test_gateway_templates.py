@@ -10,26 +10,15 @@ import openai
 import pytest
 
 from glmlight.data.sources import Prompt
-from glmlight.engines.base import Generation, SamplingParams
+from glmlight.engines.base import SamplingParams
 from glmlight.gateway.runner import GatewayOptions, GatewayRollout
 from glmlight.models.tokenizer import encode_chat, stop_token_ids
 from glmlight.sample import Status
 from tests.support.chat_templates import ANSWER_PREFIX, TOKENIZERS, end_token
+from tests.support.scripted_engine import ScriptedEngine
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "exact value", "parameters": {
     "type": "object", "properties": {"expr": {"type": "string"}}}}}]
-
-
-class ScriptedEngine:
-    """Answers the i-th request with the i-th scripted (ids, finish reason); records every context."""
-
-    def __init__(self, answers):
-        self.answers, self.contexts, self.version = list(answers), [], 0
-
-    def generate(self, prompts, params):
-        self.contexts += [list(p) for p in prompts]
-        ids, finish = self.answers.pop(0)
-        return [Generation(ids, [-0.5] * len(ids), finish, [0] * len(ids))]
 
 
 def _script(name, tok, cut):
