@@ -171,7 +171,6 @@ class FileSource(ListSource):
         return False
 
 
-JsonlSource = FileSource  # its former name, when it read JSON Lines only
 
 
 def _check_field(path: str, rows: list[tuple[str, dict[str, Any]]], key: str, setting: str,

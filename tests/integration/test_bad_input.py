@@ -17,7 +17,7 @@ from glmlight import compose
 from glmlight.agents import AgentLoop, StepResult
 from glmlight.config import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
-from glmlight.data.sources import JsonlSource, ListSource, Prompt
+from glmlight.data.sources import FileSource, ListSource, Prompt
 from glmlight.errors import ConfigError, DataError
 from glmlight.models.loading import load_causal_lm, load_tokenizer, save_checkpoint
 from glmlight.models.tokenizer import build_char_tokenizer, encode_chat
@@ -39,7 +39,7 @@ def _prompt(text):
 def test_a_prompt_file_changed_under_a_running_job_is_noticed_once_and_the_snapshot_kept(tmp_path, caplog):
     path = tmp_path / "p.jsonl"
     _lines(path, [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}])
-    src = JsonlSource(str(path))
+    src = FileSource(str(path))
     assert src.check_file(force=True) and src.changes_seen == 0
     _lines(path, [{"prompt": "9+9=", "label": "18"}])
     with caplog.at_level(logging.WARNING, logger="glmlight.data.sources"):
@@ -71,7 +71,7 @@ def test_a_prompt_of_empty_messages_is_named_with_its_line(tmp_path):
     path = tmp_path / "p.jsonl"
     _lines(path, [{"prompt": "ok"}, {"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": " "}]}])
     with pytest.raises(DataError, match=r"p.jsonl:2: empty prompt \(every message's content is empty\)"):
-        JsonlSource(str(path))
+        FileSource(str(path))
 
 
 def test_prompts_the_chat_template_cannot_use_are_counted_skips(tokenizer, tiny_model):

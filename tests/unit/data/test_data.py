@@ -10,7 +10,7 @@ from glmlight.config import RolloutConfig
 from glmlight.data.groups import pad_or_drop_group, trajectories
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.shaping import apply_overlong
-from glmlight.data.sources import ArithmeticTask, JsonlSource
+from glmlight.data.sources import ArithmeticTask, FileSource
 from glmlight.errors import ConfigError, DataError
 from glmlight.agents.loop import episode_to_samples
 from glmlight.data.sources import Prompt
@@ -23,7 +23,7 @@ def test_jsonl_source_and_errors(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "label": "2", "domain": "math", "extra": 3}) + "\n\n"
                     + json.dumps({"prompt": [{"role": "user", "content": "hi"}], "label": "x"}) + "\n")
-    src = JsonlSource(str(path), system_prompt="be brief")
+    src = FileSource(str(path), system_prompt="be brief")
     assert len(src) == 2
     assert src[0].messages[0] == {"role": "system", "content": "be brief"}
     assert src[0].domain == "math" and src[1].domain == "default"
@@ -31,16 +31,16 @@ def test_jsonl_source_and_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: malformed JSON"):
-        JsonlSource(str(bad))
+        FileSource(str(bad))
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"prompt": "  "}) + "\n")
     with pytest.raises(DataError, match=r"empty.jsonl:1: empty prompt"):
-        JsonlSource(str(empty))
+        FileSource(str(empty))
     with pytest.raises(ConfigError, match=r"m.jsonl: no field 'prompt' \(fields: question\); set task.prompt_key"):
         (tmp_path / "m.jsonl").write_text(json.dumps({"question": "x"}) + "\n")
-        JsonlSource(str(tmp_path / "m.jsonl"))
+        FileSource(str(tmp_path / "m.jsonl"))
     with pytest.raises(DataError, match="does not exist"):
-        JsonlSource(str(tmp_path / "nope.jsonl"))
+        FileSource(str(tmp_path / "nope.jsonl"))
 
 
 def test_hf_dataset_source(tmp_path):
@@ -48,7 +48,7 @@ def test_hf_dataset_source(tmp_path):
     datasets = pytest.importorskip("datasets")
 
     datasets.Dataset.from_list([{"prompt": "2+2=", "label": "4"}]).save_to_disk(str(tmp_path / "ds"))
-    src = JsonlSource(str(tmp_path / "ds"))
+    src = FileSource(str(tmp_path / "ds"))
     assert len(src) == 1 and src[0].label == "4"
 
 

@@ -122,9 +122,9 @@ def test_named_sets_are_evaluated_and_reported_under_their_names(tokenizer, tiny
     path = tmp_path / "extra.jsonl"
     rows = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2)]]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    from glmlight.data.sources import JsonlSource
+    from glmlight.data.sources import FileSource
 
-    dm = _dm(tokenizer, tiny_model, EvalConfig(k=2, greedy=False), sets={"extra": JsonlSource(str(path))})
+    dm = _dm(tokenizer, tiny_model, EvalConfig(k=2, greedy=False), sets={"extra": FileSource(str(path))})
     m = dm.evaluate()
     assert m["eval/extra/prompts"] == 3.0 and m["eval/heldout/prompts"] == 4.0
     assert "eval/extra/pass@2" in m and "eval/extra/greedy/pass_rate" not in m

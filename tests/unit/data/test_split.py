@@ -11,7 +11,7 @@ from glmlight.cli import compose
 from glmlight.config import EvalConfig, RolloutConfig, validate
 from glmlight.data.chat_tasks import ChatQuestionTask
 from glmlight.data.rollout import RolloutDataModule
-from glmlight.data.sources import ArithmeticTask, JsonlSource
+from glmlight.data.sources import ArithmeticTask, FileSource
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.errors import ConfigError, DataError
 from glmlight.rewards.verifiers import ExactMatch
@@ -69,7 +69,7 @@ def test_overlap_of_files_and_synthetic_sources(tmp_path):
     def jsonl(name, questions):
         path = tmp_path / name
         path.write_text("".join(json.dumps({"prompt": q, "label": "0"}) + "\n" for q in questions))
-        return JsonlSource(str(path))
+        return FileSource(str(path))
 
     train = jsonl("train.jsonl", ["1+2=", "3+4=", "5+6="])
     evalset = jsonl("eval.jsonl", ["3+4=", "7+8=", "9+9=", "1+2="])
@@ -88,7 +88,7 @@ def test_the_run_logs_the_overlap_and_warns_once_when_a_set_is_not_held_out(toke
     rc = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4)
     dm = RolloutDataModule(LocalEngine(tiny_model), tokenizer, train, ExactMatch(), rc,
                            eval_source=ArithmeticTask(seed=1, side=Side(True)), num_eval_prompts=4,
-                           eval_sets={"trained": JsonlSource(str(path))}, eval_cfg=EvalConfig(k=2, greedy=False))
+                           eval_sets={"trained": FileSource(str(path))}, eval_cfg=EvalConfig(k=2, greedy=False))
     with caplog.at_level(logging.WARNING, logger="glmlight.data.rollout"):
         dm.setup("fit")
     warned = [r.getMessage() for r in caplog.records if "not held out" in r.getMessage()]
