@@ -15,6 +15,8 @@ keys by themselves, as slime's routing replay falls through for its reference an
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from glmlight.algorithms import replay as replay_
@@ -48,6 +50,20 @@ class PolicyScoring:
     replay_mode, use_glm_forward, policy, the reference and `per_row`. `filter_order`: how the engine
     whose rollouts are scored combines top-k and top-p (glmlight/ops/logprobs.py; the builder sets it
     from the engine)."""
+
+    # read from the class this is part of, defined there
+    cfg: Any
+    policy: torch.nn.Module
+    device: torch.device
+    temperature: float
+    top_k: int
+    top_p: float
+    replay_mode: Any
+    use_glm_forward: bool
+    sharded: bool
+    _reference: Any
+    _reference_is_base: bool
+    per_row: Callable[..., Any]
 
     filter_order = "sequential"
 

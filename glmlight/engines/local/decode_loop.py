@@ -5,6 +5,8 @@ another). Also what ends every request at once (`_abort_locked`)."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import logging
 import threading
 import time
@@ -21,9 +23,26 @@ IDLE_EXIT_S = 2.0  # an idle decode thread exits after this long; the next submi
 
 
 class DecodeLoop:
-    """Uses the engine's `model`, `device`, `filter_order`, `num_threads`, `share_prefill`, `max_batch_size`,
-    `on_step`, `_runner`, `_batch`, `_pending`, `_admitting`, `_iteration`, `_version`, `_stats`, `_capture`,
-    `_capture_since`, `_thread`, `_closed` and the locks `_turn`, `_lock`, `_cv`."""
+    """The decode thread of LocalEngine (glmlight/engines/local/engine.py); what it reads from the engine is
+    declared below."""
+
+    # read from the class this is part of, defined there
+    model: torch.nn.Module
+    device: torch.device
+    filter_order: str
+    num_threads: int | None
+    share_prefill: bool
+    max_batch_size: int
+    on_step: Callable[..., Any] | None
+    _runner: Any
+    _version: int
+    _stats: Any
+    _capture: Any
+    _capture_since: Any
+    _closed: bool
+    _turn: threading.Lock
+    _lock: threading.Lock
+    _cv: threading.Condition
 
     def _attach_records(self, done: list[tuple[Request, Generation]], rows: list[int]) -> None:
         """Replay records of finished rows (requests admitted while capturing; aborts get none)."""

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -21,9 +21,26 @@ log = logging.getLogger("glmlight.engines.servers.base")
 
 
 class FleetUpdate:
-    """Uses the engine's `name`, `http`, `resync`, `verify_updates`, `confirm_timeout_s`,
-    `poll_interval_s`, `_version`, `_current`, `_expect`, `_url_version`, `_suspects`, `_shapes`,
-    `_failed` and the protocol hooks `_pause`, `_push`, `_flush`, `_resume`, `_served_label`."""
+    """The fleet update of ServerEngineBase (glmlight/engines/servers/base.py); what it reads from the engine,
+    the protocol hooks `_pause`, `_push`, `_flush`, `_resume`, `_served_label` included, is declared below."""
+
+    # read from the class this is part of, defined there
+    name: str
+    http: Any
+    resync: bool
+    verify_updates: bool
+    confirm_timeout_s: float
+    poll_interval_s: float
+    _version: int
+    _current: Any
+    _expect: Any
+    _url_version: Any
+    _suspects: Any
+    _pause: Callable[..., Any]
+    _push: Callable[..., Any]
+    _flush: Callable[..., Any]
+    _resume: Callable[..., Any]
+    _served_label: Callable[..., Any]
 
     def _update_fleet(self, urls: Sequence[str], named: list | None, path: str | None, version: int,
                       fingerprint: torch.Tensor | None) -> Source:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,9 +28,22 @@ log = logging.getLogger("glmlight.engines.servers.sglang")
 
 
 class TensorSync:
-    """Uses the engine's `weight_sync`, `bucket_bytes`, `sync_backend`, `sync_master_address`,
-    `confirm_timeout_s`, `http`, `_group`, `_group_name`, `_tp_sizes`, `_sessions`, `_server_info`,
-    `_post_each`, `_sync_urls` and `_destroy_group`."""
+    """SGLang's tensor and distributed weight sync, part of SGLangEngine (glmlight/engines/servers/sglang.py);
+    what it reads from the engine is declared below."""
+
+    # read from the class this is part of, defined there
+    weight_sync: str
+    bucket_bytes: int
+    sync_backend: str
+    sync_master_address: str | None
+    confirm_timeout_s: float
+    http: Any
+    _tp_sizes: Any
+    _sessions: Any
+    _server_info: Callable[..., Any]
+    _post_each: Callable[..., Any]
+    _sync_urls: Callable[..., Any]
+    _destroy_group: Callable[..., Any]
 
     def _push_tensors(self, urls: Sequence[str], named: list, version: int, tp: dict[str, int]) -> None:
         parts = list(wt.buckets(named, self.bucket_bytes)) or [[]]
