@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -26,6 +27,9 @@ from glmlight.rules import CHOICES, check_rules  # noqa: F401 - CHOICES re-expor
 
 # ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
 OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default'}", replace=True)
+# ${glmlight_data:word_problems/train.jsonl} -> that file in the installed package's glmlight/data/.
+OmegaConf.register_new_resolver(
+    "glmlight_data", lambda rel: str(Path(__file__).resolve().parent / "data" / rel), replace=True)
 
 
 @dataclass

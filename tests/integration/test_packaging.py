@@ -71,6 +71,7 @@ def test_a_built_wheel_installs_alone_and_trains_from_another_directory(tmp_path
     assert {n.split("/")[0] for n in names} == {"glmlight", os.path.basename(wheel).split("-py")[0] + ".dist-info"}
     assert "glmlight/conf/train.yaml" in names and "glmlight/conf/algo/grpo.yaml" in names
     assert "glmlight/callbacks/weight_sync.py" in names
+    assert "glmlight/data/word_problems/train.jsonl" in names  # experiment=smollm2_math's data
     env_dir = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True)
     py = str(env_dir / "bin" / "python")
