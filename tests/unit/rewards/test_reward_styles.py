@@ -1,10 +1,8 @@
 """TRL- and verl-style reward functions as they are (glmlight/rewards/styles.py): the calling conventions,
-the start-up check against the data's columns, one logged traceback for a failing reward, and the examples
-of docs/configuration.md's "Bring your own reward" run as written."""
+the start-up check against the data's columns, one logged traceback for a failing reward, and the reward examples
+of docs/configuration.md's "Bring your own reward" (examples/byo/rewards.py) scoring right and wrong answers."""
 
 import logging
-import re
-import sys
 import types
 from pathlib import Path
 
@@ -156,22 +154,15 @@ def test_a_failing_reward_logs_its_traceback_once_and_counts_the_rest(caplog, ta
 
 
 # --------------------------------------------------------------------------- the documented examples, as written
-def _documented():
-    text = (ROOT / "docs/configuration.md").read_text()
-    section = text.split("## Bring your own reward", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    module = types.ModuleType("my_rewards")
-    for block in blocks:
-        exec(compile(block, "docs/configuration.md", "exec"), module.__dict__)
-    return section, blocks, module
-
-
-def test_the_documented_reward_examples_run(monkeypatch):
-    section, blocks, module = _documented()
-    assert len(blocks) == 3
-    monkeypatch.setitem(sys.modules, "my_rewards", module)
-    for line in re.findall(r"`((?:task=\S+ )?(?:task\.\S+ )*task\.reward\._target_=my_rewards\.\w+)`", section):
-        overrides = dict(x.split("=", 1) for x in line.split())
+def test_the_documented_reward_examples_score_as_they_should(monkeypatch):
+    """Each reward docs/configuration.md's "Bring your own reward" runs (examples/byo/rewards.py, whose code the doc
+    shows: tests/integration/test_docs_byo.py), with that command's label key, on right and wrong answers."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    section = (ROOT / "docs/configuration.md").read_text().split("## Bring your own reward", 1)[1].split("\n## ", 1)[0]
+    commands = [line for line in section.splitlines() if "task.reward._target_=examples.byo.rewards." in line]
+    assert len(commands) == 3
+    for line in commands:
+        overrides = dict(x.split("=", 1) for x in line.split() if "=" in x and not x.startswith('"'))
         label_key = overrides.get("task.label_key", "label")
         fn = build_reward({"_target_": overrides["task.reward._target_"]}, label_key=label_key)
         samples = [_s("42", "42", 0, 0, data_source="gsm8k"), _s("41", "42", 0, 1), _s("7", "7", 1, 2)]
@@ -179,7 +170,6 @@ def test_the_documented_reward_examples_run(monkeypatch):
         assert counts["scored"] == 3, (line, [s.metadata.get("reward_error") for s in samples])
         assert [s.reward for s in samples] == [1.0, 0.0, 1.0], line
         check_reward_data(fn, "42", "math", {}, label_key)
-    assert len(re.findall(r"task\.reward\._target_=my_rewards\.", section)) == 3
 
 
 @pytest.mark.parametrize("prompt", ["What is 2+2?", [{"role": "user", "content": "What is 2+2?"}]],
