@@ -1,6 +1,6 @@
-"""The gateway's own form of a chat turn, shared by both wire formats.
+"""The gateway's own form of a chat turn, shared by the wire formats.
 
-Each wire module (`openai_wire`, `anthropic_wire`) turns a request into a `TurnRequest` (the
+Each wire module (`openai_wire`, `responses_wire`, `anthropic_wire`) turns a request into a `TurnRequest` (the
 conversation as `Message`s, the declared `ToolSpec`s, the sampling options) and a `TurnResult`
 back into its own response. A request the gateway cannot serve raises `WireError`: an HTTP status,
 a kind (what the error means for the episode) and a message the agent gets in its wire's error body.

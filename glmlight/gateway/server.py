@@ -2,8 +2,9 @@
 
 Routes (each also under `/e/<key>`, the episode's own base URL, for agents that cannot set a key):
 
-- POST /v1/chat/completions (`openai_wire`) and POST /v1/messages (`anthropic_wire`): one turn of
-  the episode the key names (`Authorization: Bearer <key>` or `x-api-key: <key>`);
+- POST /v1/chat/completions (`openai_wire`), POST /v1/responses (`responses_wire`) and POST /v1/messages
+  (`anthropic_wire`): one turn of the episode the key names (`Authorization: Bearer <key>` or
+  `x-api-key: <key>`);
 - POST /reward (or /v1/reward) `{"reward": <number>, "info": {...}}`: the agent reports its episode's
   reward;
 - GET /v1/models: the one model served.
@@ -27,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from glmlight.gateway import anthropic_wire, openai_wire
+from glmlight.gateway import anthropic_wire, openai_wire, responses_wire
 from glmlight.gateway.episode import GatewayEpisode
 from glmlight.gateway.messages import AUTH, BAD_REQUEST, WireError, bad_request
 
@@ -81,6 +82,7 @@ class GatewayServer:
         app = web.Application(client_max_size=64 * 2**20)
         for prefix in ("", "/e/{key}"):
             app.router.add_post(prefix + "/v1/chat/completions", lambda r: self._turn(r, openai_wire))
+            app.router.add_post(prefix + "/v1/responses", lambda r: self._turn(r, responses_wire))
             app.router.add_post(prefix + "/v1/messages", lambda r: self._turn(r, anthropic_wire))
             app.router.add_post(prefix + "/reward", self._reward)
             app.router.add_post(prefix + "/v1/reward", self._reward)
@@ -151,10 +153,13 @@ class GatewayServer:
         model = req.model or self.model_name
         if req.stream:
             events = (openai_wire.stream(result, model, req.include_usage) if wire is openai_wire
+                      else responses_wire.stream(result, model, req) if wire is responses_wire
                       else anthropic_wire.stream(result, model))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        else:
-            events, resp = [], web.json_response(wire.response(result, model))
+        else:  # a Responses answer repeats the request's settings
+            body = (responses_wire.response(result, model, req) if wire is responses_wire
+                    else wire.response(result, model))
+            events, resp = [], web.json_response(body)
         try:
             if _gone(request):
                 raise ConnectionResetError("the client closed the connection while the turn was generated")

@@ -50,7 +50,7 @@ def test_a_warm_start_whose_expert_episodes_all_fail_stops_with_their_reasons(to
         kind = task.messages[0]["content"]
         with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
             if kind == "404":
-                c.post("/responses", body={"model": "m", "input": "hi"}, cast_to=object)
+                c.post("/completions", body={"model": "m", "prompt": "hi"}, cast_to=object)
             tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
             c.chat.completions.create(model="m", messages=task.messages, tools=tools,
                                       tool_choice="required" if kind == "forced" else "auto")

@@ -1,0 +1,268 @@
+"""The agent gateway's OpenAI Responses wire (POST /v1/responses, glmlight/gateway/responses_wire.py): its
+answers and stream events validated as the `openai` package's own pydantic types, driven by the official
+`openai` client, streamed and not; its episodes token for token the Chat Completions wire's and the
+calculator environment's; the requests it refuses, each in the wire's error form."""
+
+import json
+
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from glmlight.agents import AgentLoop
+from glmlight.agents.envs import CalculatorEnv
+from glmlight.agents.expert import ExpertEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.local.engine import LocalEngine
+from glmlight.gateway import responses_wire
+from glmlight.gateway.messages import Message, ToolCall, WireError
+from glmlight.sample import Status
+from tests.unit.gateway.test_gateway import Recorder, _check_record, _example, _greedy, _prompt, _rollout
+
+EVENTS = TypeAdapter(ResponseStreamEvent)
+TOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+          "parameters": t["function"]["parameters"], "strict": False}
+         for t in _example("calculator_openai_agent", "TOOLS")]
+
+
+def _calculator(tokenizer):
+    env = CalculatorEnv(system_prompt=None, expert_calc_rate=1.0)
+    return Recorder(ExpertEngine(tokenizer, env.expert)), env
+
+
+def _sse(lines):
+    """(event name, data) of each server-sent event in `lines`."""
+    out, name = [], None
+    for line in lines:
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            out.append((name, json.loads(line[6:])))
+    return out
+
+
+def _validated(events):
+    """The stream's events as the openai package's types (validated, not constructed): every event once,
+    numbered in order, named as its type; returns the final Response."""
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    assert all(name == d["type"] for name, d in events)
+    typed = [EVENTS.validate_python(d) for _, d in events]
+    assert [e.type for e in typed[:2]] == ["response.created", "response.in_progress"]
+    assert typed[-1].type in ("response.completed", "response.incomplete")
+    return typed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_answers_are_the_openai_types_and_tool_calls_round_trip(tokenizer, stream):
+    """The calculator through /v1/responses: a function_call item, its function_call_output sent back, the
+    answer as a message item. Each answer (the raw JSON, and each stream event) validates as the openai
+    package's Response and event types; the usage counts the turn's tokens; the second request goes to
+    the bare /v1/responses with the episode's key. The episode is token for token the calculator
+    environment's, as through the other wires."""
+    engine, env = _calculator(tokenizer)
+    run_tool = _example("calculator_openai_agent", "run_tool")
+    got = {}
+
+    def ask(client, items):
+        kwargs = dict(model="m", instructions=None, input=items, tools=TOOLS, max_output_tokens=64, temperature=0.7,
+                      parallel_tool_calls=False, store=True, metadata={"k": "v"})
+        if not stream:
+            raw = client.responses.with_raw_response.create(**kwargs)
+            body = raw.http_response.json()
+            return Response.model_validate(body), body
+        with client.responses.with_streaming_response.create(stream=True, **kwargs) as raw:
+            events = _sse(raw.iter_lines())
+        typed = _validated(events)
+        final = typed[-1].response
+        added = [e.item.id for e in typed if e.type == "response.output_item.added"]
+        assert added == [e.item.id for e in typed if e.type == "response.output_item.done"] == [o.id for o in final.output]
+        return final, events[-1][1]["response"]
+
+    def agent(task):
+        root = task.base_url.rsplit("/e/", 1)[0] + "/v1"
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c, \
+                openai.OpenAI(base_url=root, api_key=task.api_key, max_retries=0) as bare:
+            items = list(task.messages)
+            first, body = ask(c, items)
+            got["first"] = body
+            (call,) = first.output
+            items += [o.model_dump(exclude_none=True) for o in first.output]
+            items.append({"type": "function_call_output", "call_id": call.call_id,
+                          "output": run_tool(call.name, json.loads(call.arguments))})
+            second, got["second"] = ask(bare, items)
+            got["text"] = second.output_text
+
+    (ge,), counts = _rollout(tokenizer, engine, agent, [_prompt("37*58=", "2146")],
+                             params=lambda n: SamplingParams(max_new_tokens=16, stop_token_ids=[1]))
+    assert ge.failure is None and ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and ge.ep.turns == 2
+    first = got["first"]
+    assert first["status"] == "completed" and first["object"] == "response" and first["output"][0]["status"] == "completed"
+    item = first["output"][0]
+    assert (item["type"], item["name"], json.loads(item["arguments"])) == ("function_call", "calc", {"expr": "37*58"})
+    assert item["call_id"] == ge.calls[0].id
+    assert first["tools"] == TOOLS and first["tool_choice"] == "auto" and first["parallel_tool_calls"] is False
+    assert first["max_output_tokens"] == 64 and first["temperature"] == 0.7 and first["metadata"] == {"k": "v"}
+    (ctx1, g1), (ctx2, g2) = engine.calls
+    for body, ctx, g in ((first, ctx1, g1), (got["second"], ctx2, g2)):
+        assert body["usage"] == {"input_tokens": len(ctx), "output_tokens": len(g.token_ids),
+                                 "total_tokens": len(ctx) + len(g.token_ids),
+                                 "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                                 "output_tokens_details": {"reasoning_tokens": 0}}
+    assert got["text"] == "answer: 2146" and got["second"]["output"][0]["type"] == "message"
+    assert _check_record(ge.ep, engine.calls) == 2
+    loop = AgentLoop(ExpertEngine(tokenizer, env.expert), tokenizer, lambda: CalculatorEnv(system_prompt=None),
+                     lambda n: SamplingParams(max_new_tokens=16, stop_token_ids=[tokenizer.eos_token_id]), max_turns=3)
+    (ref,) = loop.run([_prompt("37*58=", "2146")])
+    assert (ge.ep.prompt_ids, ge.ep.response_ids, ge.ep.loss_mask) == (ref.prompt_ids, ref.response_ids, ref.loss_mask)
+
+
+def _responses_agent(turns, stream):
+    """Asks `turns` times through the openai client's Responses API (a stream read through the client's
+    own `responses.stream` helper, which checks each event against the ones before it), sending
+    back each answer's output items as the client returned them and then a user message."""
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as client:
+            items = [{"role": "user", "content": [{"type": "input_text", "text": task.messages[-1]["content"]}]}]
+            for t in range(turns):
+                if stream:
+                    with client.responses.stream(model="m", instructions="Be brief.", input=items) as s:
+                        # get_final_response() wants response.completed; a turn cut at the budget ends incomplete
+                        r = [e.response for e in s if e.type in ("response.completed", "response.incomplete")][-1]
+                else:
+                    r = client.responses.create(model="m", instructions="Be brief.", input=items)
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+                items.append({"role": "user", "content": f"more {t}"})
+    return agent
+
+
+def _chat_agent(turns):
+    """The same conversation through Chat Completions."""
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as client:
+            messages = [{"role": "system", "content": "Be brief."}, *task.messages]
+            for t in range(turns):
+                m = client.chat.completions.create(model="m", messages=messages).choices[0].message
+                messages += [{"role": "assistant", "content": m.content}, {"role": "user", "content": f"more {t}"}]
+    return agent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_turns_are_the_engines_ids_exactly(tokenizer, tiny_model, stream):
+    """Three turns of the real tiny engine through /v1/responses: every action is the engine's answer as
+    produced (ids, log-probs, versions), each later request extends the record (no new segment), and the
+    episode is token for token the same conversation's through /v1/chat/completions (greedy)."""
+    engine = Recorder(LocalEngine(tiny_model))
+    (ge,), _ = _rollout(tokenizer, engine, _responses_agent(3, stream), [_prompt()])
+    assert ge.failure is None and ge.rewrites == 0 and ge.ep.turns == 3
+    assert _check_record(ge.ep, engine.calls) == 3
+    (chat,), _ = _rollout(tokenizer, LocalEngine(tiny_model), _chat_agent(3), [_prompt()])
+    assert chat.rewrites == 0
+    assert (ge.ep.prompt_ids, ge.ep.response_ids, ge.ep.loss_mask, ge.ep.logprobs) == \
+        (chat.ep.prompt_ids, chat.ep.response_ids, chat.ep.loss_mask, chat.ep.logprobs)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_cut_at_the_budget_is_incomplete(tokenizer, stream):
+    """A turn cut at max_output_tokens is `status: incomplete` with `incomplete_details.reason:
+    max_output_tokens`, its items incomplete, and a stream ends with response.incomplete; the turn is
+    trained on as produced."""
+    engine, _ = _calculator(tokenizer)
+    got = {}
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            kwargs = dict(model="m", input=task.messages[-1]["content"], max_output_tokens=3)
+            if stream:
+                with c.responses.with_streaming_response.create(stream=True, **kwargs) as raw:
+                    typed = _validated(_sse(raw.iter_lines()))
+                got["last"] = typed[-1].type
+                got["r"] = typed[-1].response
+            else:
+                got["r"] = Response.model_validate(c.responses.with_raw_response.create(**kwargs).http_response.json())
+
+    (ge,), _ = _rollout(tokenizer, engine, agent, [_prompt("37*58=", "2146")],
+                        params=lambda n: SamplingParams(max_new_tokens=16, stop_token_ids=[1]))
+    r = got["r"]
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens" and r.completed_at is None
+    assert r.output[0].status == "incomplete" and r.output_text == "cal" and r.usage.output_tokens == 3
+    assert got.get("last", "response.incomplete") == "response.incomplete"
+    assert ge.ep.status is Status.COMPLETED and ge.ep.loss_mask == [1, 1, 1]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input": []}, "input must be a string or a non-empty list of input items"),
+    ({"input": "hi", "previous_response_id": "resp_1"},
+     "previous_response_id is not supported: the gateway keeps no responses; send the whole conversation in input"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation is not supported"),
+    ({"input": "hi", "background": True}, "background responses are not supported"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice='required' is not supported"),
+    ({"input": "hi", "tool_choice": {"type": "function", "name": "calc"}}, "tool_choice={'type': 'function'"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]: only function tools"),
+    ({"input": "hi", "tools": [{"type": "function", "function": {"name": "calc"}}]}, "tools[0]: only function tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]: only text parts (input_text, output_text) are supported, got 'input_image'"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0]: reasoning items are not supported"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]: item references are not supported"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0]: role must be one of"),
+    ({"input": [{"type": "function_call", "name": "calc", "call_id": "c", "arguments": "{"}]},
+     "input[0].arguments is not valid JSON"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+     "text.format is not supported (only type text)"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "logprobs are not returned"),
+    ({"input": "hi", "top_logprobs": 3}, "logprobs are not returned"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens must be a positive integer, got 0"),
+    ({"input": "hi", "temperature": 3}, "temperature must be a number in [0.0, 2.0], got 3"),
+    ({"input": "hi", "instructions": [{"role": "system", "content": "x"}]}, "instructions must be a string"),
+])
+def test_refused_requests_name_what_is_refused(body, message):
+    with pytest.raises(WireError) as e:
+        responses_wire.parse_request(body)
+    assert e.value.status == 400 and e.value.message.startswith(message), e.value.message
+
+
+def test_input_items_become_the_shared_conversation():
+    """instructions first as a system turn; developer as system; a function_call joins the assistant message
+    before it (one answer: its text and calls); a function_call without one opens an assistant turn;
+    function_call_output is a tool turn; ignored fields stay ignored."""
+    req = responses_wire.parse_request({
+        "model": "m", "instructions": "Be brief.", "store": False, "parallel_tool_calls": True, "truncation": "auto",
+        "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"], "text": {"format": {"type": "text"}},
+        "tools": TOOLS, "tool_choice": "none", "max_output_tokens": 5, "top_p": 0.5, "stream": True,
+        "input": [
+            {"role": "developer", "content": "Use tools."},
+            {"role": "user", "content": [{"type": "input_text", "text": "2*3"}, {"type": "input_text", "text": "="}]},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "let me see", "annotations": [], "logprobs": []}]},
+            {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "calc", "arguments": '{"expr": "2*3"}',
+             "status": "completed"},
+            {"type": "function_call_output", "call_id": "c1", "output": "= 6"},
+            {"type": "function_call", "call_id": "c2", "name": "est", "arguments": '{"expr": "2*3"}'},
+            {"type": "function_call_output", "call_id": "c2",
+             "output": [{"type": "input_text", "text": "~ 6"}]},
+        ]})
+    assert req.messages == [
+        Message("system", "Be brief."), Message("system", "Use tools."), Message("user", "2*3="),
+        Message("assistant", "let me see", [ToolCall("c1", "calc", {"expr": "2*3"})]),
+        Message("tool", "= 6", tool_call_id="c1"), Message("assistant", "", [ToolCall("c2", "est", {"expr": "2*3"})]),
+        Message("tool", "~ 6", tool_call_id="c2")]
+    assert [t.name for t in req.tools] == ["calc", "est"] and req.tool_choice == "none"
+    assert (req.max_tokens, req.top_p, req.temperature, req.stream) == (5, 0.5, None, True)
+    assert responses_wire.parse_request({"input": "hi"}).messages == [Message("user", "hi")]
+
+
+def test_a_refused_request_is_a_400_in_the_wire_form_and_fails_the_episode(tokenizer, tiny_model):
+    got = {}
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            try:
+                c.responses.create(model="m", input="hi", previous_response_id="resp_episode-0_1")
+            except openai.BadRequestError as e:
+                got["bad"] = (e.status_code, e.body, e.response.headers.get("x-should-retry"))
+
+    (ge,), _ = _rollout(tokenizer, LocalEngine(tiny_model), agent, [_prompt()], params=_greedy)
+    status, body, retry = got["bad"]
+    assert status == 400 and retry == "false" and body["type"] == "invalid_request_error"
+    assert body["message"].startswith("previous_response_id is not supported")
+    assert ge.ep.status is Status.FAILED and ge.failure[0] == "bad_request"
