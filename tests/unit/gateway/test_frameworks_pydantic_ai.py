@@ -1,0 +1,87 @@
+"""pydantic-ai (`pydantic-ai-slim[openai]`, a dev extra) through the agent gateway on its default OpenAI path:
+`OpenAIResponsesModel` (the Responses API, /v1/responses; what an `openai:<model>` string makes), an `Agent`
+made once with a tool, run per episode with that episode's model (`OpenAIProvider(base_url=..., api_key=...)`,
+whose clients share pydantic-ai's one cached httpx client), non-streamed (`Agent.run`) and streamed
+(`Agent.run_stream`). A scripted calculator policy shows a tool call round trip (no history rewritten); three
+train.py steps per way show every episode working and every action trained on being the engine's ids and
+log-probs as produced (tests/support/tito.py: `gateway_train_steps`)."""
+
+import logging
+import os
+from collections import Counter
+
+import pytest
+from pydantic_ai import Agent
+from pydantic_ai.models import infer_model
+from pydantic_ai.models.openai import OpenAIResponsesModel
+from pydantic_ai.providers.openai import OpenAIProvider
+
+from glmlight.agents.envs import CalculatorEnv
+from glmlight.agents.expert import ExpertEngine
+from glmlight.engines.base import SamplingParams
+from glmlight.gateway.runner import GatewayOptions, GatewayRollout
+from glmlight.prompt import Prompt
+from glmlight.sample import Status
+from tests.support.tito import gateway_train_steps
+from tests.unit.gateway.test_gateway import Recorder, _check_record
+
+_AGENT = Agent(instructions="Use calc, then answer with the number.")
+
+
+@_AGENT.tool_plain
+def calc(expression: str) -> str:
+    """Evaluate an arithmetic expression such as 37*58."""
+    a, _, b = expression.partition("*")
+    try:
+        return f"= {int(a) * int(b)}"
+    except ValueError:
+        return "error: expected a*b"
+
+
+def _model(task) -> OpenAIResponsesModel:
+    return OpenAIResponsesModel("glmlight", provider=OpenAIProvider(base_url=task.openai_base_url, api_key=task.api_key))
+
+
+async def run(task):
+    """One episode: the agent's run against the episode's model."""
+    result = await _AGENT.run(task.messages[-1]["content"], model=_model(task))
+    return {"reward": 0.0, "info": {"output": result.output}}
+
+
+async def run_streamed(task):
+    async with _AGENT.run_stream(task.messages[-1]["content"], model=_model(task)) as result:
+        output = await result.get_output()
+    return {"reward": 0.0, "info": {"output": output}}
+
+
+def test_an_openai_model_string_is_the_responses_model(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", os.environ.get("OPENAI_API_KEY", "unset"))
+    assert isinstance(infer_model("openai:glmlight"), OpenAIResponsesModel)
+
+
+@pytest.mark.parametrize("agent", [run, run_streamed])
+def test_tool_call_round_trip(tokenizer, agent):
+    """A policy that calls `calc` and then answers with its result (the calculator environment's expert):
+    pydantic-ai runs the tool, sends its return back as a function_call_output item, and takes the answer as
+    its output; each request extends the episode's record (no history rewritten), whose actions are the
+    engine's answers as produced."""
+    env = CalculatorEnv(system_prompt=None, expert_calc_rate=1.0)
+    engine = Recorder(ExpertEngine(tokenizer, env.expert))
+    (ge,) = GatewayRollout(engine, tokenizer, GatewayOptions(agent=agent, reward="agent"),
+                           lambda n: SamplingParams(max_new_tokens=16, stop_token_ids=[tokenizer.eos_token_id]),
+                           4, 512, Counter()).run([Prompt(messages=[{"role": "user", "content": "37*58="}])])
+    assert ge.failure is None and ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and ge.ep.turns == 2
+    assert [(c.name, c.arguments) for c in ge.calls] == [("calc", {"expression": "37*58"})]
+    assert ge.reported["info"] == {"output": "answer: 2146"}
+    assert tokenizer.decode(ge.ep.prompt_ids + ge.ep.response_ids) == (
+        "<|system|>Use calc, then answer with the number.<|user|>37*58=<|assistant|>calc: 37*58<eos>"
+        "<|observation|>= 2146<|assistant|>answer: 2146<eos>")
+    assert _check_record(ge.ep, engine.calls) == 2
+
+
+@pytest.mark.parametrize("agent", ["run", "run_streamed"])
+def test_pydantic_ai_agent_through_train_steps(tmp_path, caplog, agent):
+    caplog.set_level(logging.WARNING)
+    gateway_train_steps(tmp_path, f"tests.unit.gateway.test_frameworks_pydantic_ai:{agent}")
+    for bad in ("Event loop is closed", "bound to a different event loop", "never retrieved"):
+        assert bad not in caplog.text
