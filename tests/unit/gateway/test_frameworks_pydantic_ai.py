@@ -19,6 +19,7 @@ from pydantic_ai.providers.openai import OpenAIProvider
 from glmlight.agents.envs import CalculatorEnv
 from glmlight.agents.expert import ExpertEngine
 from glmlight.engines.base import SamplingParams
+from glmlight.gateway import responses_wire
 from glmlight.gateway.runner import GatewayOptions, GatewayRollout
 from glmlight.prompt import Prompt
 from glmlight.sample import Status
@@ -39,7 +40,8 @@ def calc(expression: str) -> str:
 
 
 def _model(task) -> OpenAIResponsesModel:
-    return OpenAIResponsesModel("glmlight", provider=OpenAIProvider(base_url=task.openai_base_url, api_key=task.api_key))
+    provider = OpenAIProvider(base_url=task.openai_base_url, api_key=task.api_key)
+    return OpenAIResponsesModel("glmlight", provider=provider)
 
 
 async def run(task):
@@ -59,12 +61,20 @@ def test_an_openai_model_string_is_the_responses_model(monkeypatch):
     assert isinstance(infer_model("openai:glmlight"), OpenAIResponsesModel)
 
 
+def _sent(monkeypatch):
+    """The bodies of the episode's /v1/responses requests, as the framework sent them."""
+    bodies, parse = [], responses_wire.parse_request
+    monkeypatch.setattr(responses_wire, "parse_request", lambda body: (bodies.append(body), parse(body))[1])
+    return bodies
+
+
 @pytest.mark.parametrize("agent", [run, run_streamed])
-def test_tool_call_round_trip(tokenizer, agent):
+def test_tool_call_round_trip(tokenizer, monkeypatch, agent):
     """A policy that calls `calc` and then answers with its result (the calculator environment's expert):
     pydantic-ai runs the tool, sends its return back as a function_call_output item, and takes the answer as
     its output; each request extends the episode's record (no history rewritten), whose actions are the
     engine's answers as produced."""
+    bodies = _sent(monkeypatch)
     env = CalculatorEnv(system_prompt=None, expert_calc_rate=1.0)
     engine = Recorder(ExpertEngine(tokenizer, env.expert))
     (ge,) = GatewayRollout(engine, tokenizer, GatewayOptions(agent=agent, reward="agent"),
@@ -77,6 +87,11 @@ def test_tool_call_round_trip(tokenizer, agent):
         "<|system|>Use calc, then answer with the number.<|user|>37*58=<|assistant|>calc: 37*58<eos>"
         "<|observation|>= 2146<|assistant|>answer: 2146<eos>")
     assert _check_record(ge.ep, engine.calls) == 2
+    # the request fields it sends on this path (docs/agents.md, the frameworks tested)
+    sent = ["input", "instructions", "model", "stream", "tool_choice", "tools"]
+    assert [sorted(b) for b in bodies] == [sent] * 2
+    assert [i.get("type", "message") for i in bodies[1]["input"]] == ["message", "function_call",
+                                                                      "function_call_output"]
 
 
 @pytest.mark.parametrize("agent", ["run", "run_streamed"])

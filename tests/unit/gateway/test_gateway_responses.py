@@ -76,7 +76,8 @@ def test_responses_answers_are_the_openai_types_and_tool_calls_round_trip(tokeni
         typed = _validated(events)
         final = typed[-1].response
         added = [e.item.id for e in typed if e.type == "response.output_item.added"]
-        assert added == [e.item.id for e in typed if e.type == "response.output_item.done"] == [o.id for o in final.output]
+        done = [e.item.id for e in typed if e.type == "response.output_item.done"]
+        assert added == done == [o.id for o in final.output]
         return final, events[-1][1]["response"]
 
     def agent(task):
@@ -97,7 +98,8 @@ def test_responses_answers_are_the_openai_types_and_tool_calls_round_trip(tokeni
                              params=lambda n: SamplingParams(max_new_tokens=16, stop_token_ids=[1]))
     assert ge.failure is None and ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and ge.ep.turns == 2
     first = got["first"]
-    assert first["status"] == "completed" and first["object"] == "response" and first["output"][0]["status"] == "completed"
+    assert first["status"] == "completed" and first["object"] == "response"
+    assert first["output"][0]["status"] == "completed" and first["incomplete_details"] is None
     item = first["output"][0]
     assert (item["type"], item["name"], json.loads(item["arguments"])) == ("function_call", "calc", {"expr": "37*58"})
     assert item["call_id"] == ge.calls[0].id
@@ -227,7 +229,8 @@ def test_input_items_become_the_shared_conversation():
     function_call_output is a tool turn; ignored fields stay ignored."""
     req = responses_wire.parse_request({
         "model": "m", "instructions": "Be brief.", "store": False, "parallel_tool_calls": True, "truncation": "auto",
-        "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"], "text": {"format": {"type": "text"}},
+        "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"],
+        "text": {"format": {"type": "text"}, "verbosity": "low"},
         "tools": TOOLS, "tool_choice": "none", "max_output_tokens": 5, "top_p": 0.5, "stream": True,
         "input": [
             {"role": "developer", "content": "Use tools."},
