@@ -43,7 +43,8 @@ def check_model(policy: torch.nn.Module, mode: str) -> None:
     name = type(policy).__name__
     if routing and routing_shape(policy) is None:
         raise ConfigError(f"config error: algo.replay={mode} replays MoE routing, but {name} has no routed MoE "
-                          "layer of a supported kind (GlmMoeDsa, DeepSeek-V3, Qwen2/3-MoE, Mixtral routers)")
+                          "layer of a supported kind (GlmMoeDsa, Glm4Moe, Glm4MoeLite, DeepSeek-V3, Qwen2/3-MoE, "
+                          "Mixtral routers)")
     if index and index_shape(policy) is None:
         raise ConfigError(f"config error: algo.replay={mode} replays the DSA index, but {name} has no DSA indexer")
 

@@ -1,7 +1,8 @@
-"""The MoE block of GlmMoeDsa for the embedded engine's GLM-5 runner.
+"""The MoE block of GlmMoeDsa (GLM-5), Glm4MoeLite (GLM-4.7-Flash) and Glm4Moe (GLM-4.5 / 4.6 / 4.7) for the
+embedded engine's GLM-5 and dense runners (transformers builds the three alike).
 
-Same function as `GlmMoeDsaMoE.forward` (sigmoid router with a selection-only
-bias, top-k experts, normalised and scaled weights, plus the shared expert),
+Same function as `GlmMoeDsaMoE.forward` / `Glm4MoeMoE.forward` (sigmoid router with a selection-only
+bias, group-limited top-k experts, normalised and scaled weights, plus the shared expert),
 computed one of two ways:
 
 - dense, for few tokens (decode steps): every expert on every token, weighted by
@@ -99,7 +100,9 @@ def _with_shared(mlp: torch.nn.Module, st: Stacked, xt: torch.Tensor, y: torch.T
 
 
 def route(gate: torch.nn.Module, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """GlmMoeDsaTopkRouter: sigmoid scores, bias for the choice only, top-k, normalise, scale.
+    """GlmMoeDsaTopkRouter (and Glm4Moe's, Glm4MoeLite's: the same function): sigmoid scores, bias for the choice
+    only, top-k within the best `topk_group` groups (the router itself decides when there are groups), normalise,
+    scale.
 
     `forced` [N, k] (routing replay): the experts to use, row by row (a row of -1: the router's own
     choice). The weights of the experts used are the router's function of its scores either way, so
@@ -118,7 +121,8 @@ def route(gate: torch.nn.Module, x: torch.Tensor, forced: torch.Tensor | None = 
 
 
 def router_weights(gate: torch.nn.Module, scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """The GlmMoeDsa / DeepSeek-V3 router's weights of the experts `idx` from its sigmoid `scores`."""
+    """The GlmMoeDsa / Glm4Moe / DeepSeek-V3 router's weights of the experts `idx` from its sigmoid `scores`
+    (unbiased: the correction bias only chooses)."""
     w = scores.gather(1, idx)
     if gate.norm_topk_prob:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)

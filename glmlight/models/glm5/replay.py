@@ -12,7 +12,8 @@ correction repairs that. With replay, the trainer takes the engine's recorded ch
   layer that runs its own DSA indexer (index replay; layers that share the previous layer's
   selection share the replayed one);
 - recomputed, with gradients: the router's scores and the weights of the replayed experts (the
-  router's own function of its scores: sigmoid, normalised and scaled for GLM-5 / DeepSeek-V3,
+  router's own function of its scores: sigmoid, normalised and scaled for GLM-5, GLM-4.5 (Glm4Moe),
+  GLM-4.7-Flash (Glm4MoeLite) and DeepSeek-V3,
   softmax restricted to the chosen experts for Qwen-MoE and Mixtral), the experts' outputs, and
   attention over the replayed keys. The DSA indexer has no gradient in either case; under index
   replay glmlight's forward runs it only when a query that selects has no record;
@@ -40,7 +41,7 @@ from glmlight.models.glm5.moe import router_weights
 log = logging.getLogger(__name__)
 
 # Routers (transformers 5) that return (router_logits, weights, expert ids), by how they weight.
-SIGMOID_ROUTERS = ("GlmMoeDsaTopkRouter", "DeepseekV3TopkRouter")
+SIGMOID_ROUTERS = ("GlmMoeDsaTopkRouter", "Glm4MoeTopkRouter", "Glm4MoeLiteTopkRouter", "DeepseekV3TopkRouter")
 SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter")
 
 

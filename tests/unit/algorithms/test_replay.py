@@ -1,6 +1,7 @@
 """Routing replay and DSA index replay (`algo.replay`): the engine's records, their journey with the
 sample, the trainer's forwards that use them, and the agreement monitors."""
 
+import copy
 import csv
 import glob
 import io
@@ -247,17 +248,57 @@ def test_replay_only_replaces_choices_and_gradients_reach_the_router(tokenizer):
     assert within(grads["none"], grads["both"], gradient_tolerances(grads["none"], **size)) == []
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+GLM4 = ["glm4_moe", "glm4_moe_lite"]  # GLM-4.5 (dense runner) and GLM-4.7-Flash (GLM-5 runner)
+
+
+def _glm4(arch: str, near_ties: bool = False, eps: float = 1e-7) -> torch.nn.Module:
+    """A tiny Glm4Moe / Glm4MoeLite (tests/support/hf_models.py: sigmoid routers, Glm4Moe's with two expert groups
+    of which the best is used) with random correction biases; `near_ties`: every router's rows one shared direction
+    plus eps noise and no bias (its experts' scores differ in their last bits, as `_near_ties` makes them)."""
+    from tests.support.hf_models import tiny_hf_model
+
+    model = tiny_hf_model(arch).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None:
+                continue
+            E, h = gate.weight.shape
+            if near_ties:
+                gate.weight.copy_(torch.randn(h, generator=g)[None] / h**0.5 + eps * torch.randn(E, h, generator=g))
+                gate.e_score_correction_bias.zero_()
+            else:  # a bias that changes the choice: the weights must still come from the unbiased scores
+                gate.e_score_correction_bias.copy_(0.05 * torch.randn(E, generator=g))
+    return model
+
+
+def _routing_agreement(exp: Experience, used: dict) -> list[float]:
+    """Per MoE layer: the fraction of (token) positions whose recorded and used expert sets are equal."""
+    rec, out = exp.routed_experts, []
+    for j, layer in enumerate(sorted(used["experts"])):
+        t, e = used["experts"][layer].reshape(*rec.shape[:2], -1), rec[:, :, j].long()
+        rows = (e[..., 0] >= 0) & (t[..., 0] >= 0)
+        out.append(float(set_agreement(e[rows], t[rows])))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", *GLM4])
 def test_generic_moe_routing_replay_through_hooks(tokenizer, arch):
-    """Softmax routers (Qwen3-MoE, Mixtral) through the generic runner and the model's own forward:
-    the engine records what the trainer chooses, and replaying it recomputes the same weights."""
+    """Routers other than GLM-5's through the model's own forward: softmax routers (Qwen3-MoE, Mixtral: the generic
+    runner) and GLM-4.x's sigmoid router with a correction bias and expert groups (Glm4Moe: the dense runner,
+    Glm4MoeLite: the GLM-5 runner). The engine records what the trainer chooses, and replaying it recomputes the
+    same weights (GLM-4.x: from the unbiased scores, normalised and scaled)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config, cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if arch == "qwen3_moe" else (MixtralConfig, MixtralForCausalLM)
-    torch.manual_seed(0)
-    model = cls(config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_experts=8,
-                       num_local_experts=8, num_experts_per_tok=2, pad_token_id=0)).eval()
+    if arch in GLM4:
+        model = _glm4(arch)
+    else:
+        config, cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if arch == "qwen3_moe" else (MixtralConfig, MixtralForCausalLM)
+        torch.manual_seed(0)
+        model = cls(config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_experts=8,
+                           num_local_experts=8, num_experts_per_tok=2, pad_token_id=0)).eval()
     samples = _rollout(model, tokenizer, runner="auto", max_batch_size=3, routing=True)
     assert samples[0].routed_experts.shape[1:] == (2, 2) and samples[0].indexer_topk is None
     exp = Experience.collate(samples, pad_token_id=tokenizer.pad_token_id)
@@ -266,15 +307,86 @@ def test_generic_moe_routing_replay_through_hooks(tokenizer, arch):
         used: dict = {}
         out = _module(tokenizer, model, replay=mode, forward="transformers").forward_logits(model, exp, capture=used)
         logits[mode] = out.detach()
-        rec = exp.routed_experts
-        for j, layer in enumerate(sorted(used["experts"])):
-            t, e = used["experts"][layer].reshape(*rec.shape[:2], -1), rec[:, :, j].long()
-            rows = e[..., 0] >= 0
-            assert float(set_agreement(e[rows], t[rows])) == 1.0
+        assert _routing_agreement(exp, used) == [1.0, 1.0]
     lp = logprobs_from_logits(logits["routing"], exp.response_ids, 1.0)
     seqs = _sequences(exp)
     assert float(((lp - exp.rollout_logprobs) * exp.loss_mask).abs().max()) <= model_logprob_tolerance(model, seqs)
     torch.testing.assert_close(logits["none"], logits["routing"], rtol=0, atol=model_logit_tolerance(model, seqs))
+
+
+@pytest.mark.parametrize("arch", GLM4)
+def test_glm4_replay_makes_engine_and_trainer_logprobs_agree_on_near_ties(tokenizer, arch):
+    """GLM-4.x, same weights, both fp32: where near-tied routers choose differently in the engine's fast runner and
+    in the trainer's forward, the log-probs differ (replay off); with routing replay they agree as closely as fp32
+    reassociation allows, and the trainer uses exactly the engine's experts."""
+    model = _glm4(arch, near_ties=True)
+    exp = Experience.collate(_rollout(model, tokenizer, routing=True), pad_token_id=tokenizer.pad_token_id)
+    gaps, agree = {}, {}
+    for mode in ("none", "routing"):
+        used: dict = {}
+        with torch.no_grad():
+            out = _module(tokenizer, model, replay=mode, forward="transformers").forward_logits(model, exp, capture=used)
+        lp = logprobs_from_logits(out, exp.response_ids, 1.0)
+        gaps[mode] = float(((lp - exp.rollout_logprobs) * exp.loss_mask).abs().max())
+        agree[mode] = _routing_agreement(exp, used)
+    tol = model_logprob_tolerance(model, _sequences(exp))  # two float32 forwards of other shapes
+    assert min(agree["none"]) < 0.9 and gaps["none"] > 1e-2 > 100 * tol, (agree, gaps)  # other experts
+    assert agree["routing"] == [1.0, 1.0]
+    assert gaps["routing"] <= tol, (gaps["routing"], tol)
+
+
+@pytest.mark.parametrize("arch", GLM4)
+def test_glm4_router_gradients_under_replay_equal_a_float64_recomputation(tokenizer, arch):
+    """GLM-4.x with near-tied routers, so that the engine's experts are not all the trainer's own: under routing
+    replay, every gradient of the float32 trainer (the routers' above all) equals that of a float64 recomputation
+    of the same loss written here, not by glmlight: each router's weights of the recorded experts from its float64
+    unbiased sigmoid scores, normalised and scaled. Without replay the routers' gradients are other ones."""
+    model = _glm4(arch, near_ties=True).train()
+    exp = Experience.collate(_rollout(model, tokenizer, routing=True), pad_token_id=tokenizer.pad_token_id)
+
+    def loss(m, logits):
+        lp = torch.log_softmax(logits, -1).gather(-1, exp.response_ids[..., None])[..., 0]
+        return -(lp * exp.loss_mask.to(lp.dtype)).sum()
+
+    grads = {}
+    for mode in ("none", "routing"):
+        model.zero_grad()
+        loss(model, _module(tokenizer, model, replay=mode, forward="transformers").forward_logits(model, exp)).backward()
+        grads[mode] = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = copy.deepcopy(model).double()
+    ref.set_experts_implementation("eager")  # (grouped matmuls take no float64)
+    B, S = exp.input_ids.shape
+    layers = [i for i, layer in enumerate(ref.model.layers) if hasattr(layer.mlp, "gate")]
+
+    def hook(layer):
+        forced = exp.routed_experts[:, :, layers.index(layer)].long().reshape(B * S, -1)
+
+        def replace(gate, args, out):
+            x = args[0].reshape(-1, gate.weight.shape[1])
+            scores = (x @ gate.weight.T).sigmoid()  # float64: the router's own cast to float32 is bypassed
+            idx = torch.where(forced[:, :1] >= 0, forced, out[2])
+            w = scores.gather(1, idx)
+            w = w / (w.sum(-1, keepdim=True) + 1e-20) * gate.routed_scaling_factor
+            return scores.logit(), w, idx
+        return replace
+
+    handles = [ref.model.layers[i].mlp.gate.register_forward_hook(hook(i)) for i in layers]
+    try:
+        out = ref(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=exp.position_ids,
+                  use_cache=False).logits[:, exp.prompt_length - 1: -1]
+        loss(ref, out).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    exact = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert exact.keys() == grads["routing"].keys()
+    size = {**dims(model.config), "context": S, "tokens": exp.input_ids.numel()}
+    bounds = gradient_tolerances(exact, **size)  # float32 rounding, each tensor against its own largest entry
+    assert within(grads["routing"], exact, bounds) == []
+    routers = [f"model.layers.{i}.mlp.gate.weight" for i in layers]
+    assert all(float(exact[r].abs().max()) > 0 for r in routers)
+    assert set(within(grads["none"], exact, bounds)) & set(routers)  # the trainer's own experts: other gradients
 
 
 # ----------------------------------------------------------------- missing records
