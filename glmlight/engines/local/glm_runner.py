@@ -329,17 +329,6 @@ class GlmDsaRunner(RowCache):
             index=index)
         self._alloc_capture(self.rows_cap, self.capacity, 0, 0)
 
-    def records(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The replay records of `row`, for the positions it ran (`Capture.read`)."""
-        return (None, None) if self.capture is None else self.capture.read(row, int(self.lens[row]))
-
-    def _alloc_capture(self, rows: int, capacity: int, n: int, T: int) -> None:
-        if self.capture is not None:
-            self.capture.alloc(rows, capacity, n, T)
-            for r in self.capture.parts:
-                for t in r.buf:
-                    _dynamic(t, 0)
-
     def _record_index(self, l: int, flat: torch.Tensor, selected: torch.Tensor | None) -> None:
         """The DSA selection of layer l for the tokens at `flat`: key positions [B, 1, k] (decode), or
         the first k keys of a mask [B, S, T] (prefill: exactly k for the queries at positions >= k,

@@ -1,7 +1,8 @@
-"""What the embedded engine's fast runners (GLM-5 `glm_runner`, Llama family `dense_runner`) share: a
+"""What the embedded engine's fast runners (GLM-5 `glm_runner`, dense-attention `dense_runner`) share: a
 running batch of rows, each with its own cached length, kept in preallocated per-layer caches that grow
-by doubling; rows are admitted at the end and compacted in place as others finish. Also the weights
-both read at the ends of the model (`head_weights`) and their compiled decode step (`compile_decode`)."""
+by doubling; rows are admitted at the end and compacted in place as others finish, their replay records
+(`records.Capture`) beside them. Also the weights both read at the ends of the model (`head_weights`) and
+their compiled decode step (`compile_decode`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+
+from glmlight.engines.local.records import Capture
 
 DECODE_WINDOW = 64  # compiled decode steps attend over cache positions [0, T), T a multiple of this
 
@@ -43,7 +46,8 @@ def compile_decode(step: Callable[..., Any], device: torch.device, compile: bool
 class RowCache:
     """Row bookkeeping of a runner: `n` running rows, their cached lengths `lens` and the longest
     `_max_len`, in caches of `rows_cap` rows x `capacity` positions. A runner defines `_alloc(rows,
-    capacity)` (new caches holding the running rows) and `_move_rows(dst, src, T)` (copy cache rows)."""
+    capacity)` (new caches holding the running rows, calling `_alloc_capture`) and `_move_rows(dst, src, T)`
+    (copy cache rows, and the records' rows); `capture` holds the replay records its `set_capture` asked for."""
 
     device: torch.device
     n: int
@@ -51,6 +55,7 @@ class RowCache:
     _max_len: int
     rows_cap: int
     capacity: int
+    capture: Capture | None
 
     def _alloc(self, rows: int, capacity: int) -> None:
         raise NotImplementedError
@@ -62,6 +67,18 @@ class RowCache:
         if rows > self.rows_cap or length > self.capacity:  # grow what is short (at least 2x), keep the rest
             self._alloc(self.rows_cap if rows <= self.rows_cap else max(rows, 2 * self.rows_cap),
                         self.capacity if length <= self.capacity else max(length, 2 * self.capacity))
+
+    def records(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The replay records of `row`, for the positions it ran (`Capture.read`)."""
+        return (None, None) if self.capture is None else self.capture.read(row, int(self.lens[row]))
+
+    def _alloc_capture(self, rows: int, capacity: int, n: int, T: int) -> None:
+        """The records' buffers for caches of rows x capacity, keeping rows [:n] positions [:T]."""
+        if self.capture is not None:
+            self.capture.alloc(rows, capacity, n, T)
+            for r in self.capture.parts:
+                for t in r.buf:
+                    _dynamic(t, 0)
 
     def reset(self) -> None:
         self.n, self._max_len = 0, 0
