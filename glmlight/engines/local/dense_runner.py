@@ -1,4 +1,5 @@
-"""Fast decoding of dense Llama-family models (Llama, Mistral, Qwen2, Qwen3) for the embedded engine.
+"""Fast decoding of dense-attention models for the embedded engine: the Llama family (Llama, Mistral, Qwen2, Qwen3)
+and GLM-4.5 / 4.6 / 4.7 (Glm4Moe: the same grouped-query attention, half-rotary RoPE, then a dense MLP or a MoE).
 
 The runner computes the same function as the model's own forward, from the model's own weights, with
 a layout made for continuous batching (the layout of the GLM-5 runner, `glm_runner.py`):
@@ -24,10 +25,15 @@ a layout made for continuous batching (the layout of the GLM-5 runner, `glm_runn
   batch size, the window and the cache size are symbols of one graph). Prefill stays eager.
 
 What it reads: embed_tokens, every layer's input/post-attention RMSNorm, q/k/v/o projections (with
-biases where the model has them: Qwen2's q/k/v, Llama's `attention_bias`), Qwen3's per-head q/k
-RMSNorm, the SiLU-gated MLP, the final norm and lm_head. `supports(model)` accepts only models this
-reproduces exactly: full attention in every layer (no sliding window), SiLU, no MLP bias,
-`pretraining_tp = 1`.
+biases where the model has them: Qwen2's q/k/v, Llama's and Glm4Moe's `attention_bias`), Qwen3's and Glm4Moe's
+per-head q/k RMSNorm, the SiLU-gated MLP, the final norm and lm_head. RoPE rotates the first `rotary_dim` of each
+head (Glm4Moe's `partial_rotary_factor`: half) and passes the rest. Glm4Moe's MoE layers (router with a
+correction bias and expert groups, routed experts, shared expert) run `glmlight/models/glm5/moe.py`, the GLM-5
+runner's MoE: the same module in transformers. `supports(model)` accepts only models this reproduces exactly: full
+attention in every layer (no sliding window), SiLU, no MLP bias, `pretraining_tp = 1`.
+
+Replay capture (`set_capture`, `records`): the expert ids of every MoE layer, per row and position beside the
+cache (`glmlight/engines/local/records.py`), as the GLM-5 runner records them.
 
 Numerics: the same fp32 function as the model's forward up to reassociation (fused matmuls, another
 attention kernel): logits agree to ~1e-5.
@@ -46,12 +52,14 @@ import torch
 import torch.nn.functional as F
 
 from glmlight.engines.local import packed as packing
+from glmlight.engines.local.records import Capture
 from glmlight.engines.local.rows import DECODE_WINDOW, RowCache, _dynamic, _map_tensors, compile_decode, head_weights
+from glmlight.models.glm5.moe import Stacked, moe_forward, moe_forward_routed, stacked_experts
 
 log = logging.getLogger(__name__)
 
 FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-          "Qwen3ForCausalLM": "qwen3"}
+          "Qwen3ForCausalLM": "qwen3", "Glm4MoeForCausalLM": "glm4_moe"}
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -66,6 +74,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "mlp_bias=true"
     if getattr(cfg, "pretraining_tp", 1) != 1:
         return f"pretraining_tp={cfg.pretraining_tp}"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if name == "Glm4MoeForCausalLM" and "dynamic" in rope:
+        return f"rope_type={rope!r}"
     types = getattr(cfg, "layer_types", None) or []
     if any(t != "full_attention" for t in types):
         return "sliding-window layers"
@@ -91,11 +102,13 @@ class DenseLayer:
     k_norm: torch.Tensor | None
     w_o: torch.Tensor
     b_o: torch.Tensor | None
-    gate_up: torch.Tensor | None  # [2 I, hidden]; None once packed
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # [2 I, hidden]; None once packed (and for a MoE layer)
+    down: torch.Tensor | None  # None for a MoE layer
     scaling: float
     # the projections reordered for oneDNN (glmlight/engines/local/packed.py): "qkv", "o", "gate_up", "down"
     packed: dict[str, torch.Tensor] | None = None
+    mlp: torch.nn.Module | None = None  # a MoE layer's module (router, experts, shared expert); None: dense MLP
+    experts: Stacked | None = None  # its experts stacked (glmlight/models/glm5/moe.py), None where too large
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,8 +119,12 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half RoPE (Llama's apply_rotary_pos_emb); cos/sin broadcast over heads."""
-    h = x.shape[-1] // 2
+    """rotate_half RoPE (Llama's apply_rotary_pos_emb); cos/sin broadcast over heads. Partial RoPE (cos/sin
+    narrower than the head, Glm4Moe's): the first cos.shape[-1] dimensions rotate, the others pass."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+    h = r // 2
     return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
 
 
@@ -132,12 +149,17 @@ class DenseRunner(RowCache):
         self._rope_len = 0
         # eager float32 decoding on CPU reads oneDNN-reordered weights (packed.py); `pack` = False keeps F.linear
         self.pack = (not compile and packing.available(p.detach())) if pack is None else bool(pack)
+        self.capture: Capture | None = None  # replay records (set_capture)
         self.refresh()
         self.n = 0
         self.lens = torch.zeros(0, dtype=torch.long, device=self.device)
         self._max_len = 0
         self.rows_cap = self.capacity = 0
         self._alloc(rows, capacity)
+        if compile and any(Ly.mlp is not None and Ly.experts is None for Ly in self.layers):
+            log.warning("rollout.compile: this model's experts are too large for the compiled decode step's "
+                        "dense MoE; decoding eagerly")  # as the GLM-5 runner (its __init__ says why)
+            compile = False
         self.compiled = compile
         self._decode = compile_decode(self._decode_window, self.device, compile)
 
@@ -154,22 +176,25 @@ class DenseRunner(RowCache):
             b_qkv = None if all(b is None for b in biases) else torch.cat(
                 [b if b is not None else torch.zeros(lin.out_features, dtype=self.dtype, device=self.device)
                  for b, lin in zip(biases, (a.q_proj, a.k_proj, a.v_proj))])
+            moe = hasattr(mlp, "experts")
             layers.append(DenseLayer(
                 in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
                 w_qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), b_qkv=b_qkv,
                 q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
                 k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
                 w_o=a.o_proj.weight, b_o=a.o_proj.bias,
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down=mlp.down_proj.weight,
-                scaling=float(a.scaling)))
+                gate_up=None if moe else torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                down=None if moe else mlp.down_proj.weight, scaling=float(a.scaling),
+                mlp=mlp if moe else None, experts=stacked_experts(mlp) if moe else None))
         self.head_packed = None
         if self.pack:  # the fused q/k/v and gate/up copies are only kept in their packed form
             for Ly in layers:
                 Ly.packed = {k: packing.pack(w) for k, w in
-                             (("qkv", Ly.w_qkv), ("o", Ly.w_o), ("gate_up", Ly.gate_up), ("down", Ly.down))}
+                             (("qkv", Ly.w_qkv), ("o", Ly.w_o), ("gate_up", Ly.gate_up), ("down", Ly.down))
+                             if w is not None}
                 if Ly.packed["qkv"] is not None:
                     Ly.w_qkv = None
-                if Ly.packed["gate_up"] is not None:
+                if Ly.packed.get("gate_up") is not None:
                     Ly.gate_up = None
             self.head_packed = packing.pack(self.lm_head)
         self.layers = layers
@@ -201,11 +226,14 @@ class DenseRunner(RowCache):
         self.rows_cap, self.capacity = rows, capacity
         if capacity > self._rope_len:
             self._rope_table(capacity)
+        self._alloc_capture(rows, capacity, n, T)
 
     def _move_rows(self, dst: torch.Tensor, src: torch.Tensor, T: int) -> None:
         for l in range(len(self.layers)):
             self.K[l][dst, :, :T] = self.K[l][src, :, :T]
             self.V[l][dst, :, :T] = self.V[l][src, :, :T]
+        if self.capture is not None:
+            self.capture.move(dst, src, T)
 
     # ----------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -268,6 +296,7 @@ class DenseRunner(RowCache):
         heads = torch.arange(Hkv, device=self.device)
         rows = torch.arange(r0, r0 + B, device=self.device)
         flat = ((rows[:, None, None] * Hkv + heads[None, :, None]) * cap + pos[None, None, :]).reshape(-1)
+        at = (rows[:, None] * cap + pos[None, :]).reshape(-1)  # (row, position) of every token, for records
         h = F.embedding(ids, self.embed)
         for l, Ly in enumerate(self.layers):
             q, k, v = self._qkv(Ly, _rms(h, Ly.in_norm, self.eps), cos, sin)
@@ -275,7 +304,7 @@ class DenseRunner(RowCache):
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, scale=Ly.scaling, enable_gqa=self.G > 1)
             h = h + packing.linear(o.transpose(1, 2).reshape(B, S, -1), Ly.w_o, Ly.b_o, Ly.packed and Ly.packed["o"])
-            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps))
+            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps), l, at)
         h = h[torch.arange(B, device=self.device), last]
         return packing.linear(_rms(h, self.final_norm, self.eps), self.lm_head, None, self.head_packed)
 
@@ -287,7 +316,9 @@ class DenseRunner(RowCache):
         T, cap = keys.shape[0], self.K[0].shape[2]
         cos, sin = self._cos[lens][:, None, None], self._sin[lens][:, None, None]  # [B, 1, 1, D]
         heads = torch.arange(Hkv, device=self.device)
-        flat = ((torch.arange(B, device=self.device)[:, None] * Hkv + heads[None, :]) * cap + lens[:, None]).reshape(-1)
+        rows = torch.arange(B, device=self.device)
+        flat = ((rows[:, None] * Hkv + heads[None, :]) * cap + lens[:, None]).reshape(-1)
+        at = rows * cap + lens  # (row, position) of every token, for records
         masked = (keys[None, :] > lens[:, None])[:, None, None, :]  # [B, 1, 1, T]: past the row's new token
         h = F.embedding(tokens[:, None], self.embed)  # [B, 1, hidden]
         for l, Ly in enumerate(self.layers):
@@ -299,11 +330,29 @@ class DenseRunner(RowCache):
             att = att.masked_fill_(masked, float("-inf")).softmax(-1, dtype=torch.float32).to(h.dtype)
             o = torch.matmul(att, Vc)  # [B, Hkv, G, D]
             h = h + packing.linear(o.reshape(B, 1, H * D), Ly.w_o, Ly.b_o, Ly.packed and Ly.packed["o"])
-            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps))
+            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps), l, at)
         return packing.linear(_rms(h[:, 0], self.final_norm, self.eps), self.lm_head, None, self.head_packed)
 
-    @staticmethod
-    def _mlp(Ly: DenseLayer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, Ly: DenseLayer, x: torch.Tensor, l: int, at: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP, or its MoE (whose expert ids go to the records of the tokens at `at` [B * S])."""
+        if Ly.mlp is not None:
+            if self.capture is None or self.capture.experts is None:
+                return moe_forward(Ly.mlp, Ly.experts, x)
+            y, idx = moe_forward_routed(Ly.mlp, Ly.experts, x)
+            self.capture.experts.write(self._moe_slot[l], at, idx)
+            return y
         P = Ly.packed or {}
         g, u = packing.linear(x, Ly.gate_up, None, P.get("gate_up")).chunk(2, dim=-1)
         return packing.linear(F.silu(g) * u, Ly.down, None, P.get("down"))
+
+    # ----------------------------------------------------------------- replay capture
+    def set_capture(self, routing: bool, index: bool) -> None:
+        """Record (routing) the expert ids of every MoE layer for every token run from now on (rows already
+        running have gaps). These models have no DSA indexer: `index` records nothing."""
+        moe = [l for l, Ly in enumerate(self.layers) if Ly.mlp is not None]
+        self._moe_slot = {l: j for j, l in enumerate(moe)}
+        cfg = self.cfg
+        self.capture = None if not (routing and moe) else Capture(
+            self.device, moe_layers=len(moe), experts_per_tok=cfg.num_experts_per_tok,
+            num_experts=cfg.n_routed_experts, indexer_layers=0, index_topk=1, routing=True, index=False)
+        self._alloc_capture(self.rows_cap, self.capacity, 0, 0)
