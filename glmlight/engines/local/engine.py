@@ -13,10 +13,10 @@ with `on_weight_update="continue"` running requests go on with the new weights
 (`Generation.versions` records the version behind every token), with "abort"
 they end at once with finish_reason "abort" and the tokens they have.
 
-Three runners do the model work: `GlmDsaRunner` (GLM-5 / GlmMoeDsa: preallocated
-per-row cache, few ops per step), `DenseRunner` (dense-attention models: the Llama family
-and GLM-4.5 / Glm4Moe, the same layout) and `HFRunner` (any other causal LM, through its
-own forward and a merged DynamicCache).
+Three runners do the model work: `GlmDsaRunner` (GLM-5 / GlmMoeDsa and GLM-4.7-Flash /
+Glm4MoeLite: preallocated per-row cache, few ops per step), `DenseRunner` (dense-attention
+models: the Llama family and GLM-4.5 / Glm4Moe, the same layout) and `HFRunner` (any other
+causal LM, through its own forward and a merged DynamicCache).
 
 `weight_format="fp8"`: the engine holds the linear weights of its copy in the block-quantised
 FP8 layout of GLM-5 / DeepSeek-V3 FP8 checkpoints (float8_e4m3fn, one `weight_scale_inv` per
@@ -61,9 +61,9 @@ class LocalEngine(DecodeLoop):
     `on_weight_update`: "continue" (in-flight requests decode on with the new weights)
     or "abort" (they finish at once with finish_reason "abort"). `max_batch_size`:
     rows decoded together; more requests wait in the queue. `runner`: "auto" (the
-    GLM-5 runner for GlmMoeDsa models, the dense runner for Llama, Mistral, Qwen2, Qwen3 and
-    Glm4Moe models it reproduces (`dense_runner.supports`), else the generic one), "glm", "dense"
-    or "hf".
+    GLM-5 runner for GlmMoeDsa and Glm4MoeLite models, the dense runner for Llama, Mistral, Qwen2,
+    Qwen3 and Glm4Moe models it reproduces (`dense_runner.supports`), else the generic one), "glm",
+    "dense" or "hf".
     `num_threads`: intra-op CPU threads of the decode thread (None: torch's setting).
     The default 1 suits the small models this engine runs on CPU: a decode step is
     hundreds of small ops, which splitting across cores slows down. Threads that have
@@ -114,7 +114,8 @@ class LocalEngine(DecodeLoop):
         self.share_prefill = share_prefill
         torch.get_num_threads()  # fixes this thread's own count before the decode thread sets its own
         if runner == "glm" and not glm_runner.supports(self.model):
-            raise EngineError(f"runner='glm' needs a GlmMoeDsaForCausalLM, got {type(model).__name__}")
+            raise EngineError(f"runner='glm' needs a GlmMoeDsaForCausalLM or Glm4MoeLiteForCausalLM it reproduces, "
+                              f"got {type(model).__name__}")
         if runner == "dense" and not dense_runner.supports(self.model):
             raise EngineError(f"runner='dense' cannot run this model: {dense_runner.unsupported_reason(self.model)}")
         kind = runner if runner != "auto" else (
@@ -128,9 +129,9 @@ class LocalEngine(DecodeLoop):
             self._runner = dense_runner.DenseRunner(self.model, compile=compile)
         else:
             self._runner = HFRunner(self.model, pad_token_id)
-            why = dense_runner.unsupported_reason(self.model)
+            why = glm_runner.unsupported_reason(self.model) or dense_runner.unsupported_reason(self.model)
             log.info("engine: %s decodes through its own forward (the generic runner; the fast runners are for "
-                     "GlmMoeDsa, Glm4Moe and dense Llama-family models: %s)", type(model).__name__, why)
+                     "GlmMoeDsa, Glm4MoeLite, Glm4Moe and dense Llama-family models: %s)", type(model).__name__, why)
         self.runner_kind = kind
         self._generator = torch.Generator().manual_seed(seed)
         self._version = version

@@ -1,4 +1,6 @@
-"""Fast decoding of GlmMoeDsa (GLM-5 architecture) models for the embedded engine.
+"""Fast decoding of GlmMoeDsa (GLM-5 architecture) models for the embedded engine, and of Glm4MoeLite
+(GLM-4.7-Flash: the same MLA attention and MoE, without the DSA indexer; RoPE interleaved or not, as its
+`rope_interleave` says).
 
 The runner computes the same function as `GlmMoeDsaForCausalLM.forward` from the
 model's own weights, with a layout made for continuous batching:
@@ -62,7 +64,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from glmlight.models.glm5.arch import is_glm5
+from glmlight.models.glm5.arch import glm4_moe_lite_unsupported, is_glm4_moe_lite, is_glm5
 from glmlight.models.glm5.moe import moe_forward, moe_forward_routed
 from glmlight.ops.dsa import topk_mask, topk_recent
 from glmlight.engines.local.glm_weights import Layer, read_layers
@@ -76,8 +78,13 @@ ABSORB_MAX_GROWTH = 1.5
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether `model` is a GlmMoeDsaForCausalLM this runner reproduces exactly."""
-    return is_glm5(model)
+    """Whether `model` is a GlmMoeDsaForCausalLM or a Glm4MoeLiteForCausalLM this runner reproduces exactly."""
+    return is_glm5(model) or is_glm4_moe_lite(model)
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why this runner cannot reproduce a Glm4MoeLiteForCausalLM (None for any other model)."""
+    return glm4_moe_lite_unsupported(model) if type(model).__name__ == "Glm4MoeLiteForCausalLM" else None
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,7 +103,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class GlmDsaRunner(RowCache):
-    """Per-row cached decoding of a GlmMoeDsaForCausalLM (see the module docstring)."""
+    """Per-row cached decoding of a GlmMoeDsaForCausalLM or Glm4MoeLiteForCausalLM (see the module docstring)."""
 
     can_merge = True
 
@@ -107,7 +114,7 @@ class GlmDsaRunner(RowCache):
         self.device, self.dtype = p.device, p.dtype
         self.H, self.L = cfg.num_attention_heads, cfg.kv_lora_rank
         self.nope, self.rope, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.topk = cfg.index_topk
+        self.topk = getattr(cfg, "index_topk", None) or 1  # (a model without DSA indexers never selects)
         # MLA weight absorption (kv_b_proj's halves merged into q_b_proj / o_proj: fewer ops per step)
         # where the merged matrices are at most ABSORB_MAX_GROWTH times the two they replace: small
         # models only (for GLM-5's sizes they would be 2x and more).

@@ -3,7 +3,9 @@ few matrices a decode step multiplies by (read again after every weight update).
 
 - q_a | kv_a latent | kv_a rope | indexer wk | indexer weights_proj as one input matrix (all read
   the normalised layer input), rotary halves de-interleaved so that RoPE works on contiguous
-  halves; q_b with the indexer's q rows beside it;
+  halves (models whose RoPE rotates halves already, Glm4MoeLite with `rope_interleave=false`, keep
+  their order); q_b with the indexer's q rows beside it (a model without DSA indexers, Glm4MoeLite:
+  none);
 - MLA weight absorption, on small models: kv_b_proj's key half folded into q_b_proj and its
   value half into o_proj, so attention runs in the latent space without extra matmuls.
 """
@@ -37,7 +39,7 @@ class Layer:
     o_proj: torch.Tensor  # [hidden, H * dv], or [hidden, H * L] with w_uv absorbed
     o_bias: torch.Tensor | None
     scaling: float
-    indexer: Any  # the layer's GlmMoeDsaIndexer module, or None for "shared" layers
+    indexer: Any  # the layer's GlmMoeDsaIndexer module, or None for "shared" layers and models without DSA
     k_ln: tuple[torch.Tensor | None, torch.Tensor | None, float] | None  # indexer k_norm, de-interleaved
     mlp: torch.nn.Module
     gate_up: torch.Tensor | None  # dense MLP: [2m, h]
@@ -51,7 +53,8 @@ def deinterleave(r: int) -> torch.Tensor:
 
 
 def read_layers(model: torch.nn.Module, *, absorb_q: bool, absorb_o: bool) -> list[Layer]:
-    """One `Layer` per decoder layer of a GlmMoeDsaForCausalLM, from its current parameters.
+    """One `Layer` per decoder layer of a GlmMoeDsaForCausalLM (or Glm4MoeLiteForCausalLM), from its current
+    parameters.
     Weights the model holds in FP8 (`glmlight.models.fp8`) are read dequantised, once (`fp8_view`)."""
     with fp8_view():
         return _read_layers(model, absorb_q=absorb_q, absorb_o=absorb_o)
@@ -71,10 +74,11 @@ def _read_layers(model: torch.nn.Module, *, absorb_q: bool, absorb_o: bool) -> l
     device = next(model.parameters()).device
     H, L, r, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
     nope = cfg.qk_nope_head_dim
-    perm = deinterleave(r).to(device)
+    # GLM-5 always rotates interleaved pairs; Glm4MoeLite as its config says
+    perm = (deinterleave(r) if getattr(cfg, "rope_interleave", True) else torch.arange(r)).to(device)
     layers: list[Layer] = []
     for layer in m.layers:
-        a, ix = layer.self_attn, layer.self_attn.indexer
+        a, ix = layer.self_attn, getattr(layer.self_attn, "indexer", None)
         kv_a = a.kv_a_proj_with_mqa.weight
         ws = [a.q_a_proj.weight, kv_a[:L], kv_a[L:][perm]]
         bs = [a.q_a_proj.bias, *(a.kv_a_proj_with_mqa.bias.split([L, r]) if a.kv_a_proj_with_mqa.bias is not None

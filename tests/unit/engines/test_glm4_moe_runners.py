@@ -1,15 +1,17 @@
 """GLM-4.x MoE models on the embedded engine's fast runners: Glm4Moe (GLM-4.5 / 4.6 / 4.7: grouped-query attention
 with heads wider than hidden / heads, half-rotary RoPE, q/k/v biases, per-head q/k norms, dense first layers, MoE
-layers with a shared expert and a sigmoid router with a correction bias and expert groups) on the dense runner. The
-logits of prefill and of every
+layers with a shared expert and a sigmoid router with a correction bias and expert groups) on the dense runner, and
+Glm4MoeLite (GLM-4.7-Flash: MLA attention, the same MoE) on the GLM-5 runner. The logits of prefill and of every
 decode step equal the model's own forward while rows join and leave, the engine's log-probs equal the trainer's and
 do not depend on the batch, the routing records are the router's own choices, and weight updates reach the runner."""
+
+import logging
 
 import pytest
 import torch
 
 from glmlight.engines.base import SamplingParams
-from glmlight.engines.local import dense_runner
+from glmlight.engines.local import dense_runner, glm_runner
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.models.glm5.replay import Replay, moe_layers, transformers_replay
 from glmlight.ops.logprobs import logprobs_from_logits
@@ -22,8 +24,11 @@ KINDS = {
     "glm4_moe-air": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1,
                                       first_k_dense_replace=2, num_hidden_layers=4, partial_rotary_factor=0.25,
                                       norm_topk_prob=False, num_experts_per_tok=3)),  # GLM-4.5-Air's switches
+    "glm4_moe_lite": ("glm4_moe_lite", {}),
+    "glm4_moe_lite-rotate_half": ("glm4_moe_lite", dict(rope_interleave=False, attention_bias=True, n_group=2,
+                                                        topk_group=1)),
 }
-RUNNER = {"glm4_moe": "dense"}
+RUNNER = {"glm4_moe": "dense", "glm4_moe_lite": "glm"}
 
 
 def _model(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -40,7 +45,9 @@ def _model(kind: str, seed: int = 0) -> torch.nn.Module:
 
 
 def _runner(model, **kw):
-    return dense_runner.DenseRunner(model, **kw)
+    if type(model).__name__ == "Glm4MoeForCausalLM":
+        return dense_runner.DenseRunner(model, **kw)
+    return glm_runner.GlmDsaRunner(model, **kw)
 
 
 def _own_logits(model, seq: list[int]) -> torch.Tensor:
@@ -78,7 +85,7 @@ def test_prefill_and_decode_logits_equal_the_models_own_forward(kind):
         logits = runner.step(tokens)
 
 
-@pytest.mark.parametrize("kind", ["glm4_moe"])
+@pytest.mark.parametrize("kind", ["glm4_moe", "glm4_moe_lite"])
 def test_engine_logprobs_equal_the_trainers_and_do_not_depend_on_the_batch(kind):
     model = _model(kind)
     V = model.config.vocab_size
@@ -125,7 +132,7 @@ def test_routing_records_are_the_routers_own_choices(kind):
             assert torch.equal(gen.routed_experts[:, j].long(), own), (kind, layer)
 
 
-@pytest.mark.parametrize("kind", ["glm4_moe"])
+@pytest.mark.parametrize("kind", ["glm4_moe", "glm4_moe_lite"])
 def test_a_weight_update_reaches_the_runner(kind):
     model, other = _model(kind, 0), _model(kind, 1)
     prompt = [5, 6, 7, 8]
@@ -140,14 +147,21 @@ def test_a_weight_update_reaches_the_runner(kind):
     torch.testing.assert_close(torch.tensor(gen.logprobs), lp, atol=tol, rtol=0)
 
 
-def test_configurations_the_runners_cannot_reproduce_go_to_the_generic_runner():
+def test_configurations_the_runners_cannot_reproduce_go_to_the_generic_runner(caplog):
+    caplog.set_level(logging.INFO, logger="glmlight")
+    lite = _model("glm4_moe_lite")
+    lite.config.q_lora_rank = None  # a full-rank query (GLM-4.7-Flash has a low-rank one)
+    with LocalEngine(lite) as engine:
+        assert engine.runner_kind == "hf"
+    assert any("decodes through its own forward" in r.getMessage() and "q_lora_rank=null" in r.getMessage()
+               for r in caplog.records)
     moe = _model("glm4_moe")
     moe.config.hidden_act = "gelu"
     assert "hidden_act='gelu'" in dense_runner.unsupported_reason(moe)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["glm4_moe"])
+@pytest.mark.parametrize("kind", ["glm4_moe", "glm4_moe_lite"])
 def test_a_compiled_decode_step_equals_the_eager_one(kind):
     model = _model(kind)
     V = model.config.vocab_size
