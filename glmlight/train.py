@@ -28,6 +28,10 @@ def main(argv: list[str]) -> int:
         groups = sorted(d for d in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, d)))
         print("config groups:", ", ".join(groups))
         return 0
+    # A user's module beside their data (task.reward._target_=my_rewards.fn) imports as it would in a script run
+    # there: `python scripts/train.py` puts scripts/ on the path, not the working directory.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     show = None
     overrides = []
     it = iter(argv)
