@@ -5,7 +5,8 @@ other dataset), released with glmlight under its license. Deterministic: the sam
     python scripts/make_word_problems.py [--out glmlight/data/word_problems]
 
 Each row is GSM8K's layout: `question`, `answer` (the worked solution, ending with `#### <number>`), plus the
-bare number as `label` (what the reward checks). A problem is its template and its numbers; names, objects and
+bare number as `label` (what the reward checks), and the template as `kind`. `one_step_*.jsonl` hold the
+problems of one operation (ONE_STEP) of each file. A problem is its template and its numbers; names, objects and
 wording are dressing. The held-out file holds problems whose (template, numbers) never occur in the training
 file under any dressing, chosen by a hash of that key (glmlight.split.unit_hash), so no held-out problem's
 arithmetic is trained on.
@@ -26,6 +27,7 @@ NAMES = [("Sam", "he"), ("Mia", "she"), ("Tom", "he"), ("Lena", "she"), ("Omar",
 THINGS = ["apples", "marbles", "stickers", "pencils", "cookies", "stamps", "shells", "cards", "books", "eggs"]
 ITEMS = [("pen", "notebook"), ("sandwich", "juice"), ("ticket", "poster"), ("toy car", "ball"), ("cup", "plate")]
 TRAIN, HELDOUT, FRACTION = 400, 100, 0.2
+ONE_STEP = ("add", "sub", "mul", "div", "per_day")  # one operation; the other templates take two
 
 
 def _add(r: random.Random):
@@ -127,7 +129,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "glmlight/data/word_problems"))
     out = Path(ap.parse_args().out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in zip(("train", "heldout"), build()):
+    train, heldout = build()
+    one_step = [[row for row in rows if row["kind"] in ONE_STEP] for rows in (train, heldout)]
+    for name, rows in zip(("train", "heldout", "one_step_train", "one_step_heldout"), (train, heldout, *one_step)):
         with open(out / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         print(f"{out / name}.jsonl: {len(rows)} problems")

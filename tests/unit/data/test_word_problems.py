@@ -6,6 +6,8 @@ as a TRL user's JSONL."""
 import importlib.util
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from glmlight.builder import build_sources
@@ -30,10 +32,18 @@ def _rows(name):
     return [json.loads(line) for line in open(DATA / f"{name}.jsonl")]
 
 
-def test_the_shipped_files_are_what_the_generator_writes():
-    train, heldout = _generator().build()
+def test_the_shipped_files_are_what_the_generator_writes(tmp_path):
+    gen = _generator()
+    train, heldout = gen.build()
     assert _rows("train") == train and _rows("heldout") == heldout
     assert (len(train), len(heldout)) == (400, 100)
+    assert _rows("one_step_train") == [r for r in train if r["kind"] in gen.ONE_STEP]
+    assert _rows("one_step_heldout") == [r for r in heldout if r["kind"] in gen.ONE_STEP]
+    subprocess.run([sys.executable, str(ROOT / "scripts/make_word_problems.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    for f in DATA.glob("*.jsonl"):
+        assert (tmp_path / f.name).read_bytes() == f.read_bytes(), f.name
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in DATA.glob("*.jsonl"))
 
 
 def test_every_answer_is_the_arithmetic_of_its_working():
@@ -58,6 +68,14 @@ def test_no_held_out_problem_shares_its_template_and_numbers_with_a_training_pro
     assert not {r["question"] for r in train} & {r["question"] for r in heldout}
     assert not {arithmetic(r) for r in train} & {arithmetic(r) for r in heldout}
     assert {r["kind"] for r in heldout} == set(gen.TEMPLATES)
+
+
+def test_the_one_step_recipe_reads_its_own_files():
+    cfg = validate(compose(["experiment=smollm2_math_one_step"]))
+    assert Path(cfg.task.eval_path) == DATA / "one_step_heldout.jsonl" and cfg.task.num_eval_prompts == 49
+    train, held = build_sources(cfg.task, 0)
+    assert (len(train), len(held)) == (201, 49) and cfg.run_name == "smollm2_math_one_step"
+    assert cfg.task.system_prompt == validate(compose(["experiment=smollm2_math"])).task.system_prompt
 
 
 def test_the_recipe_reads_the_packaged_files_from_any_directory(tmp_path, monkeypatch):
