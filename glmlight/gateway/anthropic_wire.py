@@ -3,12 +3,12 @@
 
 Served: `system` (a string or text blocks), messages of role user (text and `tool_result` blocks)
 and assistant (text and `tool_use` blocks), custom `tools` (`input_schema`), `tool_choice` auto or
-none, `max_tokens` (required), `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream`
-(message_start, content_block_start / _delta / _stop, message_delta, message_stop). A user
-message's tool results become tool turns in order, then its text a user turn. Refused with a 400
-in the wire's error form: other block types (images, documents, thinking), server tools, a forced
-`tool_choice`, extended thinking. Ignored: `metadata`, `service_tier`, and fields this module does
-not know.
+none, `max_tokens` (required), `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream` (true,
+false or null; message_start, content_block_start / _delta / _stop, message_delta, message_stop); and
+POST /v1/messages/count_tokens (`parse_count_request`). A user message's tool results become tool
+turns in order, then its text a user turn. Refused with a 400 in the wire's error form: other block
+types (images, documents, thinking), server tools, a forced `tool_choice`, extended thinking.
+Ignored: `metadata`, `service_tier`, and fields this module does not know.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, Message, ToolCall, ToolSpec,
-                                       TurnRequest, TurnResult, WireError, bad_request, number,
-                                       request_messages)
+from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, NOT_FOUND, TOO_LARGE, Message,
+                                       ToolCall, ToolSpec, TurnRequest, TurnResult, WireError, bad_request,
+                                       number, request_messages)
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -120,8 +120,8 @@ def parse_request(body: Any) -> TurnRequest:
     top_p = number(body, "top_p", 0.0, 1.0)
     if top_p == 0.0:
         raise bad_request("top_p must be in (0, 1]")
-    if not isinstance(body.get("stream", False), bool):
-        raise bad_request("stream must be true or false")
+    if body.get("stream") not in (None, True, False):
+        raise bad_request("stream must be true, false or null")
     system = body.get("system")
     head = []
     if system:
@@ -131,8 +131,14 @@ def parse_request(body: Any) -> TurnRequest:
     return TurnRequest(
         messages=head + [x for i, m in enumerate(msgs) for x in _messages(m, i)], tools=_tools(body.get("tools")),
         tool_choice=kind or "auto", max_tokens=max_tokens, temperature=number(body, "temperature", 0.0, 1.0),
-        top_p=top_p, top_k=top_k, stop=stop, stream=bool(body.get("stream", False)),
-        model=str(body.get("model") or ""))
+        top_p=top_p, top_k=top_k, stop=stop, stream=bool(body.get("stream")), model=str(body.get("model") or ""))
+
+
+def parse_count_request(body: Any) -> TurnRequest:
+    """A POST /v1/messages/count_tokens body: a Messages request without `max_tokens`."""
+    if isinstance(body, dict) and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": 1}
+    return parse_request(body)
 
 
 _STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens", "stop_sequence": "stop_sequence"}
@@ -172,7 +178,7 @@ def stream(result: TurnResult, model: str) -> list[bytes]:
 
 
 _TYPES = {BAD_REQUEST: "invalid_request_error", CONTEXT: "invalid_request_error", CLOSED: "invalid_request_error",
-          AUTH: "authentication_error"}
+          AUTH: "authentication_error", NOT_FOUND: "not_found_error", TOO_LARGE: "request_too_large"}
 
 
 def error_body(err: WireError) -> dict[str, Any]:

@@ -18,6 +18,8 @@ CONTEXT = "context_length"  # the context or turn budget is spent: the episode e
 AUTH = "authentication"  # no episode has this key
 CLOSED = "closed"  # the episode has ended (failed, truncated or closed): nothing changes
 SERVER = "server"  # the engine failed: the episode fails
+NOT_FOUND = "not_found"  # no such route or model: nothing changes
+TOO_LARGE = "too_large"  # the request body is over the server's limit: nothing changes
 
 
 class WireError(Exception):

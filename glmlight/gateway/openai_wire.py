@@ -3,11 +3,12 @@ reference, "Create chat completion" and "The chat completion chunk object").
 
 Served: messages (system, developer, user, assistant with `tool_calls`, tool; text content, as a
 string or text parts), `tools` of type function, `tool_choice` auto or none, `max_tokens` /
-`max_completion_tokens`, `temperature`, `top_p`, `stop`, `stream` (server-sent events, ending
-with `data: [DONE]`; `stream_options.include_usage`). Refused with a 400 in the wire's error form:
-`n` > 1, `logprobs` / `top_logprobs`, non-zero penalties, `logit_bias`, a forced `tool_choice`,
-a `response_format` other than text, non-text content. Ignored: `seed` (sampling seeds are the
-run's), `user`, `metadata`, `store`, `parallel_tool_calls`, and fields this module does not know.
+`max_completion_tokens`, `temperature`, `top_p`, `stop`, `stream` (true, false or null; server-sent
+events, ending with `data: [DONE]`; `stream_options.include_usage`). Refused with a 400 in the wire's
+error form: `n` > 1, `logprobs` / `top_logprobs`, non-zero penalties, `logit_bias`, a forced
+`tool_choice`, a `response_format` other than text, non-text content. Ignored: `seed` (sampling seeds
+are the run's), `user`, `metadata`, `store`, `parallel_tool_calls`, and fields this module does not
+know.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import json
 import time
 from typing import Any
 
-from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, Message, ToolCall, ToolSpec,
-                                       TurnRequest, TurnResult, WireError, bad_request, number,
-                                       request_messages)
+from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, NOT_FOUND, TOO_LARGE, Message,
+                                       ToolCall, ToolSpec, TurnRequest, TurnResult, WireError, bad_request,
+                                       number, request_messages)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -113,8 +114,8 @@ def parse_request(body: Any) -> TurnRequest:
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad_request("stop must be a string or a list of non-empty strings")
-    if not isinstance(body.get("stream", False), bool):
-        raise bad_request("stream must be true or false")
+    if body.get("stream") not in (None, True, False):
+        raise bad_request("stream must be true, false or null")
     options = body.get("stream_options") or {}
     top_p = number(body, "top_p", 0.0, 1.0)
     if top_p == 0.0:
@@ -122,7 +123,7 @@ def parse_request(body: Any) -> TurnRequest:
     return TurnRequest(
         messages=[_message(m, i) for i, m in enumerate(msgs)], tools=_tools(body.get("tools")),
         tool_choice=choice or "auto", max_tokens=max_tokens, temperature=number(body, "temperature", 0.0, 2.0),
-        top_p=top_p, stop=stop, stream=bool(body.get("stream", False)), model=str(body.get("model") or ""),
+        top_p=top_p, stop=stop, stream=bool(body.get("stream")), model=str(body.get("model") or ""),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")))
 
 
@@ -169,9 +170,10 @@ def stream(result: TurnResult, model: str, include_usage: bool) -> list[bytes]:
 
 
 _TYPES = {BAD_REQUEST: "invalid_request_error", CONTEXT: "invalid_request_error", CLOSED: "invalid_request_error",
-          AUTH: "authentication_error"}
+          AUTH: "authentication_error", NOT_FOUND: "invalid_request_error", TOO_LARGE: "invalid_request_error"}
+_CODES = {CONTEXT: "context_length_exceeded"}
 
 
-def error_body(err: WireError) -> dict[str, Any]:
+def error_body(err: WireError, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": _TYPES.get(err.kind, "server_error"), "param": None,
-                      "code": "context_length_exceeded" if err.kind == CONTEXT else None}}
+                      "code": code or _CODES.get(err.kind)}}

@@ -5,16 +5,20 @@ Routes (each also under `/e/<key>`, the episode's own base URL, for agents that 
 - POST /v1/chat/completions (`openai_wire`), POST /v1/responses (`responses_wire`) and POST /v1/messages
   (`anthropic_wire`): one turn of the episode the key names (`Authorization: Bearer <key>` or
   `x-api-key: <key>`);
+- POST /v1/messages/count_tokens: the ids the chat template renders for a Messages request
+  (`{"input_tokens": N}`); it changes nothing in the episode;
 - POST /reward (or /v1/reward) `{"reward": <number>, "info": {...}}`: the agent reports its episode's
   reward;
-- GET /v1/models: the one model served.
+- GET /v1/models and GET /v1/models/{id}: the one model served (another id: a 404).
 
 An episode's requests are served one at a time, in the order they arrive; the engine call runs in
 a worker thread, so requests of many episodes reach the engine together (the embedded engine
 batches them). A turn whose client went away before its whole answer was written (disconnected or
 timed out) is withdrawn from the episode's record: the agent never saw it, so it is not trained on.
 Every error goes back in the wire's own error form with `x-should-retry: false` (the official
-clients would otherwise retry some of them); a malformed request fails its episode.
+clients would otherwise retry some of them), a route or method the gateway does not serve too (a
+404 / 405 listing the routes served; Anthropic's form under /v1/messages, OpenAI's elsewhere); a
+malformed turn fails its episode.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from aiohttp import web
 
 from glmlight.gateway import anthropic_wire, openai_wire, responses_wire
 from glmlight.gateway.episode import GatewayEpisode
-from glmlight.gateway.messages import AUTH, BAD_REQUEST, WireError, bad_request
+from glmlight.gateway.messages import AUTH, BAD_REQUEST, NOT_FOUND, TOO_LARGE, WireError, bad_request
 
 log = logging.getLogger(__name__)
 NO_RETRY = {"x-should-retry": "false"}
@@ -79,14 +83,16 @@ class GatewayServer:
             raise RuntimeError(f"the agent gateway cannot listen on {self.host}:{self.port}: {ready['error']}")
 
     async def _listen(self) -> web.AppRunner:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[_wire_errors])
         for prefix in ("", "/e/{key}"):
             app.router.add_post(prefix + "/v1/chat/completions", lambda r: self._turn(r, openai_wire))
             app.router.add_post(prefix + "/v1/responses", lambda r: self._turn(r, responses_wire))
             app.router.add_post(prefix + "/v1/messages", lambda r: self._turn(r, anthropic_wire))
+            app.router.add_post(prefix + "/v1/messages/count_tokens", self._count_tokens)
             app.router.add_post(prefix + "/reward", self._reward)
             app.router.add_post(prefix + "/v1/reward", self._reward)
             app.router.add_get(prefix + "/v1/models", self._models)
+            app.router.add_get(prefix + "/v1/models/{model}", self._model)
         # a request still in flight when the rollout ends (its agent gone) is not waited for
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
@@ -192,9 +198,74 @@ class GatewayServer:
             return web.json_response(openai_wire.error_body(e), status=e.status, headers=NO_RETRY)
         return web.json_response({"ok": True})
 
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's token count: the ids the chat template renders for the request (its prompt, as a turn
+        that opens a segment starts from). The episode's record is not touched, and a malformed request
+        gets its error without failing the episode (the turn that sends it would fail it)."""
+        try:
+            ep = self._episode(request)
+            req = anthropic_wire.parse_count_request(await _json(request))
+            ep.enter()
+            try:
+                ids = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, ep.codec.encode, req.messages, req.tools)
+            finally:
+                ep.leave()
+        except WireError as e:
+            return web.json_response(anthropic_wire.error_body(e), status=e.status, headers=NO_RETRY)
+        return web.json_response({"input_tokens": len(ids)})
+
+    def _model_record(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "glmlight"}
+
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "glmlight"}]})
+        return web.json_response({"object": "list", "data": [self._model_record()]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model_name:
+            err = WireError(404, NOT_FOUND, f"the model {name!r} does not exist: this gateway serves one model, "
+                                            f"{self.model_name!r} (every answer comes from the policy)")
+            return web.json_response(openai_wire.error_body(err, "model_not_found"), status=404, headers=NO_RETRY)
+        return web.json_response(self._model_record())
+
+
+_KINDS = {404: NOT_FOUND, 413: TOO_LARGE}
+
+
+@web.middleware
+async def _wire_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own errors (no such route, a method the route does not take, a body over the size limit) in
+    the wire's error form with `x-should-retry: false`: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        where = f"{request.method} {request.path}"
+        if isinstance(e, web.HTTPMethodNotAllowed):
+            message = f"the method {request.method} is not allowed on {request.path} (allowed: " \
+                      f"{', '.join(sorted(e.allowed_methods))})"
+        elif isinstance(e, web.HTTPNotFound):
+            message = f"unknown route: {where}; this gateway serves {', '.join(_routes(request.app))}"
+        else:
+            message = f"{where}: {e.reason}"
+        wire = anthropic_wire if "/v1/messages" in request.path else openai_wire
+        headers = dict(NO_RETRY)
+        if e.headers.get("Allow"):
+            headers["Allow"] = e.headers["Allow"]
+        err = WireError(e.status, _KINDS.get(e.status, BAD_REQUEST), message)
+        return web.json_response(wire.error_body(err), status=e.status, headers=headers)
+
+
+def _routes(app: web.Application) -> list[str]:
+    """The routes served, each once (the episode's own base URL, /e/<key>, serves the same ones)."""
+    out = []
+    for route in app.router.routes():
+        path = route.resource.canonical if route.resource is not None else ""
+        if route.method != "HEAD" and not path.startswith("/e/"):
+            out.append(f"{route.method} {path}")
+    return out
 
 
 async def _served(turn: asyncio.Future, ep: GatewayEpisode) -> Any:
