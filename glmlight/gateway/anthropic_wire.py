@@ -2,13 +2,14 @@
 "Messages" and "Streaming Messages").
 
 Served: `system` (a string or text blocks), messages of role user (text and `tool_result` blocks)
-and assistant (text and `tool_use` blocks), custom `tools` (`input_schema`), `tool_choice` auto or
-none, `max_tokens` (required), `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream` (true,
-false or null; message_start, content_block_start / _delta / _stop, message_delta, message_stop); and
+and assistant (text and `tool_use` blocks), custom `tools` (`input_schema`), `tool_choice` auto,
+none, any or tool (the turn starts with the template's tool-call opening, forced), `max_tokens`
+(required), `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream` (true, false or null;
+message_start, content_block_start / _delta / _stop, message_delta, message_stop); and
 POST /v1/messages/count_tokens (`parse_count_request`). A user message's tool results become tool
 turns in order, then its text a user turn. Refused with a 400 in the wire's error form: other block
-types (images, documents, thinking), server tools, a forced `tool_choice`, extended thinking.
-Ignored: `metadata`, `service_tier`, and fields this module does not know.
+types (images, documents, thinking), server tools, extended thinking. Ignored: `metadata`,
+`service_tier`, `tool_choice.disable_parallel_tool_use`, and fields this module does not know.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, NOT_FOUND, TOO_LARGE, Message,
                                        ToolCall, ToolSpec, TurnRequest, TurnResult, WireError, bad_request,
-                                       number, request_messages)
+                                       forced_choice, number, request_messages)
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -98,6 +99,20 @@ def _tools(tools: Any) -> list[ToolSpec]:
     return out
 
 
+def _tool_choice(choice: Any) -> tuple[str, str | None]:
+    """(auto | none | required, the tool a required call is of): Anthropic's any is required, tool names one."""
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    if kind in (None, "auto", "none"):
+        return kind or "auto", None
+    if kind == "any":
+        return "required", None
+    if kind == "tool":
+        if not isinstance(choice, dict) or not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice type 'tool' needs the tool's name")
+        return "required", choice["name"]
+    raise bad_request(f"tool_choice type {kind!r} is not supported: auto, any, tool or none")
+
+
 def parse_request(body: Any) -> TurnRequest:
     msgs = request_messages(body)
     max_tokens = body.get("max_tokens")
@@ -106,11 +121,7 @@ def parse_request(body: Any) -> TurnRequest:
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
         raise bad_request("extended thinking is not supported")
-    choice = body.get("tool_choice")
-    kind = choice.get("type") if isinstance(choice, dict) else choice
-    if kind not in (None, "auto", "none"):
-        raise bad_request(f"tool_choice type {kind!r} is not supported: the model's output cannot be forced to call "
-                          "a tool (use auto or none)")
+    kind, name = _tool_choice(body.get("tool_choice"))
     stop = body.get("stop_sequences") or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad_request("stop_sequences must be a list of non-empty strings")
@@ -128,10 +139,12 @@ def parse_request(body: Any) -> TurnRequest:
         head = [Message("system", system if isinstance(system, str) else
                         "".join(_text_of(b, f"system[{j}]") if b.get("type") == "text" else _unsupported(b, f"system[{j}]")
                                 for j, b in enumerate(_blocks(system, "system"))))]
+    tools = _tools(body.get("tools"))
+    kind, name = forced_choice(kind, name, tools, f"tool_choice type {'any' if name is None else 'tool'!r}", "tool")
     return TurnRequest(
-        messages=head + [x for i, m in enumerate(msgs) for x in _messages(m, i)], tools=_tools(body.get("tools")),
-        tool_choice=kind or "auto", max_tokens=max_tokens, temperature=number(body, "temperature", 0.0, 1.0),
-        top_p=top_p, top_k=top_k, stop=stop, stream=bool(body.get("stream")), model=str(body.get("model") or ""))
+        messages=head + [x for i, m in enumerate(msgs) for x in _messages(m, i)], tools=tools, tool_choice=kind,
+        tool_name=name, max_tokens=max_tokens, temperature=number(body, "temperature", 0.0, 1.0), top_p=top_p,
+        top_k=top_k, stop=stop, stream=bool(body.get("stream")), model=str(body.get("model") or ""))
 
 
 def parse_count_request(body: Any) -> TurnRequest:

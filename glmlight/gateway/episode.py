@@ -10,6 +10,11 @@ an assistant turn the gateway did not produce, other tools where the template re
 the current segment and opens a new one from the request's messages, rendered by the chat template
 (as CompactionRL's segments: each segment is a sample of its own, all share the episode's reward).
 
+Ids the model did not sample go in as context too (loss mask 0, no log-prob of their own), so the
+trainer scores the sampled ids under exactly the context the engine sampled them in: the opening of a
+tool call a forced `tool_choice` asks for (`TurnCodec.forced_call`; the answer is read off the forced
+and the sampled text together; one that is no call is answered as text and counted).
+
 Nothing is trained that the agent did not see or that holds no action: an episode whose first
 request is over the context budget (`rollout.max_context`) fails as `context_exceeded` (counted,
 never a placeholder sample; the log says once which setting to raise), and a turn whose answer
@@ -62,6 +67,7 @@ class GatewayEpisode:
         self.history: list[Message] | None = None  # the conversation the current segment's ids hold
         self.tools: list[ToolSpec] = []
         self.last_action: list[int] = []
+        self.forced_unparsed = 0  # forced tool calls whose answer was no call
         self.failure: tuple[str, str] | None = None  # (reason, message): the episode failed
         self.truncated: str | None = None  # why the episode ended at its budget
         self.closed = False
@@ -148,7 +154,7 @@ class GatewayEpisode:
         else:
             ep.finish(Status.TRUNCATED if self.truncated else Status.COMPLETED, self.truncated)
         ep.info.update(requests=self.requests, rewrites=self.rewrites, tool_calls=len(self.calls),
-                       regenerated=self.regenerated, withdrawn=self.withdrawn)
+                       regenerated=self.regenerated, withdrawn=self.withdrawn, forced_unparsed=self.forced_unparsed)
 
     # ----------------------------------------------------------------- an answer the agent never received
     def _snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -156,7 +162,8 @@ class GatewayEpisode:
         return ({k: copy(getattr(self.ep, k)) for k in _RECORD},
                 {"history": copy(self.history), "tools": list(self.tools), "last_action": list(self.last_action),
                  "sampling": [list(s) for s in self.sampling], "calls": list(self.calls),
-                 "final_text": self.final_text, "rewrites": self.rewrites})
+                 "final_text": self.final_text, "rewrites": self.rewrites,
+                 "forced_unparsed": self.forced_unparsed})
 
     def withdraw(self, why: str) -> None:
         """The last turn's answer never reached the agent (`why`): the record, the conversation and the
@@ -188,12 +195,12 @@ class GatewayEpisode:
             self.requests += 1
             self._before = None
             before = self._snapshot()
-            ctx, params, own = self._prepare(req)
+            ctx, params, own, lead, forced = self._prepare(req)
         g = self._generate(ctx, params)
         with self._state:
             self._check_open()
             start = len(self.ep.response_ids)
-            out = self._take(req, g, len(ctx))
+            out = self._take(req, g, len(ctx), lead, forced)
             if own is not None and len(self.ep.response_ids) > start:
                 self.sampling[-1].append([start, len(self.ep.response_ids), *own])
             self._before = before
@@ -223,21 +230,23 @@ class GatewayEpisode:
         new = req.messages[len(h):]
         return None if any(m.role == "assistant" for m in new) else new
 
-    def _prepare(self, req: TurnRequest) -> tuple[list[int], SamplingParams, list[float] | None]:
-        """The turn's context and sampling params, and [temperature, top_k, top_p] when those are not the
-        run's (the request's own, `client_sampling`); None when they are."""
+    def _prepare(self, req: TurnRequest) -> tuple[list[int], SamplingParams, list[float] | None, str, int]:
+        """The turn's context and sampling params, [temperature, top_k, top_p] when those are not the run's
+        (the request's own, `client_sampling`; None when they are), the text the answer starts with that the
+        model does not sample (a forced tool-call opening) and the number of its ids."""
         if self.ep.turns >= self.max_turns:
             raise self._truncate(f"the episode's turn limit ({self.max_turns} turns) is reached")
+        forced, lead = self.codec.forced_call(req.tool_name) if req.tool_choice == "required" else ([], "")
         new = self._new_messages(req)
         if new is not None:
-            ids = self.codec.splice(self.last_action, new, req.tools)
+            ids = self.codec.splice(self.last_action, new, req.tools) + forced
             if len(self.ep.context) + len(ids) >= self.max_context:
                 raise self._truncate(f"the conversation exceeds the episode's context budget "
                                      f"({self.max_context} tokens)")
             self.ep.add_observation(ids)
         else:
             prompt = self.codec.encode(req.messages, req.tools)
-            if len(prompt) >= self.max_context:
+            if len(prompt) + len(forced) >= self.max_context:
                 why = f"the messages take {len(prompt)} tokens, the episode's context budget is {self.max_context}"
                 if self.ep.turns == 0:  # nothing to train on: the episode is dropped, not truncated
                     self._fail("context_exceeded", why)
@@ -252,6 +261,7 @@ class GatewayEpisode:
             if self.history is not None:
                 self._new_segment()
             self.ep.prompt_ids = prompt
+            self.ep.add_observation(forced)
         self.history, self.tools = list(req.messages), list(req.tools)
         ctx = list(self.ep.context)
         p = self.params(len(ctx))
@@ -263,7 +273,7 @@ class GatewayEpisode:
             top_k=req.top_k if mine and req.top_k is not None else p.top_k,
             max_new_tokens=max(cap, 1), stop_token_ids=list(p.stop_token_ids), seed=p.seed)
         own = [params.temperature, params.top_k, params.top_p]
-        return ctx, params, None if own == [p.temperature, p.top_k, p.top_p] else own
+        return ctx, params, None if own == [p.temperature, p.top_k, p.top_p] else own, lead, len(forced)
 
     def _new_segment(self) -> None:
         """Close the current segment (when it holds an action) and start an empty one: a rewritten history."""
@@ -296,7 +306,10 @@ class GatewayEpisode:
             self._fail("aborted", f"a weight update aborted this turn {MAX_REGENERATIONS + 1} times")
         raise WireError(503, SERVER, "the turn was aborted by weight updates too many times")
 
-    def _take(self, req: TurnRequest, g: Generation, prompt_len: int) -> TurnResult:
+    def _take(self, req: TurnRequest, g: Generation, prompt_len: int, lead: str, forced: int) -> TurnResult:
+        """Record the sampled turn and read the answer off `lead` (the text before it the model did not
+        sample: a forced tool-call opening of `forced` ids) and the sampled text. The forced ids are the
+        answer's in its usage (the agent reads them as the model's output)."""
         if g.finish_reason == "error":
             self._fail("engine_failed", "the rollout engine failed on this turn (after its retries)")
             raise WireError(500, SERVER, "the rollout engine failed on this turn")
@@ -305,16 +318,27 @@ class GatewayEpisode:
         self.ep.turns += 1
         self.ep.action_lengths.append(len(g.token_ids))
         self.last_action = list(g.token_ids)
-        if req.tool_choice == "none" or not req.tools:
-            content, calls = text, []
-        else:
-            content, calls = self.codec.fmt.parse(text, req.tools, self._call_id)
+        content, calls = self._calls(req, lead + text)
         self.calls += calls
         self.final_text = content
         self.history.append(Message("assistant", content, calls))
         finish = ("length" if g.finish_reason == "length" else "stop_sequence" if stop is not None
                   else "tool_calls" if calls else "stop")
-        return TurnResult(content, calls, finish, stop, prompt_len, len(g.token_ids), self.ep.turns, self.id)
+        return TurnResult(content, calls, finish, stop, prompt_len - forced, forced + len(g.token_ids), self.ep.turns,
+                          self.id)
+
+    def _calls(self, req: TurnRequest, text: str) -> tuple[str, list[ToolCall]]:
+        """(the message's text, its tool calls). A forced turn that holds no call is answered as text (as any
+        unparseable call), and counted."""
+        if req.tool_choice == "none" or not req.tools:
+            return text, []
+        if req.tool_choice == "required":
+            self.counts["gateway_forced_calls"] += 1
+        content, calls = self.codec.fmt.parse(text, req.tools, self._call_id)
+        if req.tool_choice == "required" and not calls:
+            self.forced_unparsed += 1
+            self.counts["gateway_forced_unparsed"] += 1
+        return content, calls
 
     def _call_id(self) -> str:
         return f"call_{secrets.token_hex(8)}"

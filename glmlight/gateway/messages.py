@@ -4,6 +4,8 @@ Each wire module (`openai_wire`, `responses_wire`, `anthropic_wire`) turns a req
 conversation as `Message`s, the declared `ToolSpec`s, the sampling options) and a `TurnResult`
 back into its own response. A request the gateway cannot serve raises `WireError`: an HTTP status,
 a kind (what the error means for the episode) and a message the agent gets in its wire's error body.
+
+What both wires check alike lives here too: the tool a forced `tool_choice` names (`forced_choice`).
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class Message:
 class TurnRequest:
     messages: list[Message]
     tools: list[ToolSpec] = field(default_factory=list)
-    tool_choice: str = "auto"  # auto | none
+    tool_choice: str = "auto"  # auto | none | required (the turn starts a tool call)
+    tool_name: str | None = None  # with required: the tool the call is of (None: any of `tools`)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -116,3 +119,18 @@ class TurnResult:
     completion_tokens: int
     turn: int  # 1 for the episode's first turn
     episode: str  # the episode's public id (not its key)
+
+
+def forced_choice(kind: str, name: str | None, tools: list[ToolSpec], label: str, noun: str
+                  ) -> tuple[str, str | None]:
+    """(tool_choice, tool_name) of a request whose tool choice is `kind` (auto | none | required) and `name`
+    (the tool a required call must be of, or None); `label` and `noun` are how the wire names them in an
+    error. `required` with a single tool names it."""
+    if kind != "required":
+        return kind, None
+    if not tools:
+        raise bad_request(f"{label} needs tools: the request declares none to call")
+    if name is not None and name not in [t.name for t in tools]:
+        raise bad_request(f"tool_choice names the {noun} {name!r}, which is not among the request's tools "
+                          f"({', '.join(t.name for t in tools)})")
+    return kind, name if name is not None or len(tools) > 1 else tools[0].name

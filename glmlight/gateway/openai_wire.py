@@ -2,13 +2,13 @@
 reference, "Create chat completion" and "The chat completion chunk object").
 
 Served: messages (system, developer, user, assistant with `tool_calls`, tool; text content, as a
-string or text parts), `tools` of type function, `tool_choice` auto or none, `max_tokens` /
+string or text parts), `tools` of type function, `tool_choice` auto, none, required or a named
+function (the turn starts with the template's tool-call opening, forced), `max_tokens` /
 `max_completion_tokens`, `temperature`, `top_p`, `stop`, `stream` (true, false or null; server-sent
 events, ending with `data: [DONE]`; `stream_options.include_usage`). Refused with a 400 in the wire's
-error form: `n` > 1, `logprobs` / `top_logprobs`, non-zero penalties, `logit_bias`, a forced
-`tool_choice`, a `response_format` other than text, non-text content. Ignored: `seed` (sampling seeds
-are the run's), `user`, `metadata`, `store`, `parallel_tool_calls`, and fields this module does not
-know.
+error form: `n` > 1, `logprobs` / `top_logprobs`, non-zero penalties, `logit_bias`, a
+`response_format` other than text, non-text content. Ignored: `seed` (sampling seeds are the run's),
+`user`, `metadata`, `store`, `parallel_tool_calls`, and fields this module does not know.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, NOT_FOUND, TOO_LARGE, Message,
                                        ToolCall, ToolSpec, TurnRequest, TurnResult, WireError, bad_request,
-                                       number, request_messages)
+                                       forced_choice, number, request_messages)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -88,6 +88,17 @@ def _tools(tools: Any) -> list[ToolSpec]:
     return out
 
 
+def _tool_choice(choice: Any) -> tuple[str, str | None]:
+    """(auto | none | required, the function a required call is of)."""
+    if choice in (None, "auto", "none", "required"):
+        return choice or "auto", None
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+        return "required", fn["name"]
+    raise bad_request(f"tool_choice={choice!r} is not supported: auto, none, required or "
+                      "{type: function, function: {name}}")
+
+
 def parse_request(body: Any) -> TurnRequest:
     msgs = request_messages(body)
     if body.get("n") not in (None, 1):
@@ -103,10 +114,7 @@ def parse_request(body: Any) -> TurnRequest:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad_request("response_format is not supported (only type text)")
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise bad_request(f"tool_choice={choice!r} is not supported: the model's output cannot be forced to call a "
-                          "tool (use auto or none)")
+    kind, name = _tool_choice(body.get("tool_choice"))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise bad_request(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -120,10 +128,13 @@ def parse_request(body: Any) -> TurnRequest:
     top_p = number(body, "top_p", 0.0, 1.0)
     if top_p == 0.0:
         raise bad_request("top_p must be in (0, 1]")
+    tools = _tools(body.get("tools"))
+    label = f"tool_choice={body.get('tool_choice')!r}" if name is None else "a tool_choice that names a function"
+    kind, name = forced_choice(kind, name, tools, label, "function")
     return TurnRequest(
-        messages=[_message(m, i) for i, m in enumerate(msgs)], tools=_tools(body.get("tools")),
-        tool_choice=choice or "auto", max_tokens=max_tokens, temperature=number(body, "temperature", 0.0, 2.0),
-        top_p=top_p, stop=stop, stream=bool(body.get("stream")), model=str(body.get("model") or ""),
+        messages=[_message(m, i) for i, m in enumerate(msgs)], tools=tools, tool_choice=kind, tool_name=name,
+        max_tokens=max_tokens, temperature=number(body, "temperature", 0.0, 2.0), top_p=top_p, stop=stop,
+        stream=bool(body.get("stream")), model=str(body.get("model") or ""),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")))
 
 

@@ -15,6 +15,12 @@ GLM-4.5's template, where the next turn's role marker ends the turn). The sample
 very token (`<|im_end|>` in ChatML, `<|observation|>` before a tool result in GLM-4.5's template): it is
 in the episode already, sampled. A turn cut short (by max_tokens or a stop string) gets all of it, so
 the next turn starts where the template starts one (`glmlight.models.tokenizer.splice_after_action`).
+
+Ids go into a turn's context that the model does not sample: the opening of a tool call a forced
+`tool_choice` asks for (`forced_call`): the text the template renders an assistant tool-call turn with before the tool's
+name (nothing in glmlight's line format, `<tool_call>{"name": "` in Hermes-style templates,
+`\n<think></think>\n<tool_call>` in GLM-4.5's), read off a rendered probe call, and for a named tool the
+name and what the format puts after it (`ToolFormat.after_name`).
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ import threading
 from typing import Any
 
 from glmlight.errors import ConfigError
-from glmlight.gateway.messages import Message, ToolSpec, bad_request
+from glmlight.gateway.messages import Message, ToolCall, ToolSpec, bad_request
 from glmlight.gateway.tool_format import ToolFormat
 from glmlight.models.tokenizer import (SPLICE_BASE, PromptEncodingError, assistant_closing, encode_chat,
                                        splice_after_action, spliced_turns)
 
 _PROBE_TOOL = ToolSpec("probe", "a probe", {"type": "object", "properties": {"a": {"type": "string"}}})
+_PROBE_NAME = "glmlight_probe_tool"  # a tool name that appears nowhere else in a rendered probe call
 
 
 class TurnCodec:
@@ -45,11 +52,44 @@ class TurnCodec:
             except Exception as e:  # noqa: BLE001
                 raise ConfigError(f"config error: the chat template cannot be spliced turn by turn for the agent "
                                   f"gateway ({getattr(e, 'message', e)})") from None
+        self.call_opening = self._call_opening()
 
     def _encode(self, messages: list[dict[str, Any]], gen: bool, tools: list[ToolSpec]) -> list[int]:
         with self._lock:
             return encode_chat(self.tokenizer, messages, add_generation_prompt=gen,
                                tools=[t.openai() for t in tools] or None)
+
+    def _call_opening(self) -> tuple[str, str] | None:
+        """(the text an assistant turn opens a tool call with, up to the tool's name; what follows the name
+        before the arguments), as the template renders a probe call; None when it renders no call."""
+        tool = ToolSpec(_PROBE_NAME, "", _PROBE_TOOL.parameters)
+        base = [self.fmt.template_message(Message("user", "x"), [tool])]
+        call = self.fmt.template_message(Message("assistant", "", [ToolCall("c", _PROBE_NAME, {"a": "x"})]), [tool])
+        try:
+            with self._lock:
+                kw = dict(tokenize=False, tools=[tool.openai()])
+                opened = self.tokenizer.apply_chat_template(base, add_generation_prompt=True, **kw)
+                whole = self.tokenizer.apply_chat_template(base + [call], add_generation_prompt=False, **kw)
+        except Exception:  # noqa: BLE001 - a template that cannot render a tool call: nothing can be forced
+            return None
+        turn = whole[len(opened):] if isinstance(whole, str) and whole.startswith(opened) else ""
+        if _PROBE_NAME not in turn:
+            return None
+        before, after = turn.split(_PROBE_NAME, 1)
+        return before, self.fmt.after_name if after.startswith(self.fmt.after_name) else ""
+
+    def forced_call(self, name: str | None) -> tuple[list[int], str]:
+        """The ids and text a turn that must call a tool starts with (`name`: of that tool; None: any): the
+        template's tool-call opening, and for a named tool its name and what follows the name. A template
+        that renders no tool call forces nothing."""
+        if self.call_opening is None:
+            return [], ""
+        before, after = self.call_opening
+        text = before + (name + after if name is not None else "")
+        if not text:
+            return [], ""
+        with self._lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
 
     def decode(self, ids: list[int]) -> str:
         """The text of sampled ids (special tokens left out)."""

@@ -19,6 +19,12 @@ For `hermes` and `glm` the template renders the structured calls, tool results a
 itself (`tool_calls`, role `tool`, `tools=`). Text outside the calls (reasoning included) is the
 message's content. `auto` picks by the template's text: `glm` when it has `<arg_key>`, `hermes`
 when it has `<tool_call>`, else `line`.
+
+A forced tool call (`tool_choice` required or a named function) starts with the text the template renders
+a call with up to the tool's name (`glmlight.gateway.template.TurnCodec.forced_call`); for a named tool,
+then the name and `after_name`, what the format puts between the name and the arguments (`line`: the
+colon; `hermes`: `", "arguments":`; `glm`: nothing, the arguments' tags follow). Each ends where a
+tokenizer's pre-tokenizer splits anyway, so the sampled rest starts on a token boundary the model knows.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ NewId = Callable[[], str]
 class ToolFormat:
     name = ""
     tool_role = "tool"  # the template's role of a tool result
+    after_name = ""  # what a call's text has between the tool's name and its arguments (a forced named call)
 
     def parse(self, text: str, tools: list[ToolSpec], new_id: NewId) -> tuple[str, list[ToolCall]]:
         """(the message's text, the tool calls) of one sampled turn."""
@@ -81,6 +88,7 @@ def _typed(raw: str, schema: Any) -> Any:
 class LineFormat(ToolFormat):
     name = "line"
     tool_role = "observation"
+    after_name = ":"
     _LINE = re.compile(r"^\s*([A-Za-z0-9_-]+):[ \t]?(.*)$")
 
     def parse(self, text: str, tools: list[ToolSpec], new_id: NewId) -> tuple[str, list[ToolCall]]:
@@ -133,6 +141,7 @@ class LineFormat(ToolFormat):
 
 class HermesFormat(ToolFormat):
     name = "hermes"
+    after_name = '", "arguments":'
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
     def parse(self, text: str, tools: list[ToolSpec], new_id: NewId) -> tuple[str, list[ToolCall]]:

@@ -342,7 +342,8 @@ def _failing_agents(release):
                 return
             bad = {"malformed": dict(messages=[{"role": "wizard", "content": "x"}]),
                    "n2": dict(messages=msgs, n=2), "logprobs": dict(messages=msgs, logprobs=True),
-                   "forced": dict(messages=msgs, tools=tools, tool_choice="required")}.get(kind)
+                   "forced": dict(messages=msgs, tools=tools,
+                                  tool_choice={"type": "function", "function": {"name": "nope"}})}.get(kind)
             if bad is not None:
                 try:
                     c.chat.completions.create(model="m", **bad)
@@ -379,7 +380,8 @@ def test_failed_agents_are_counted_and_nothing_else_is_lost(tokenizer, tiny_mode
     assert t["dropped/bad_request"] == 8
     assert all(s.status is Status.COMPLETED and s.metadata["turns"] == 1 for s in exp.samples)
     for kind, needle in [("malformed", "role must be one of"), ("n2", "n=2 is not supported"),
-                         ("logprobs", "logprobs are not returned"), ("forced", "tool_choice='required'")]:
+                         ("logprobs", "logprobs are not returned"),
+                         ("forced", "tool_choice names the function 'nope'")]:
         assert len(errors[kind]) == 2  # both episodes of the prompt
         for (status, body), (later, later_body) in errors[kind].values():
             assert status == 400 and needle in body["message"] and body["type"] == "invalid_request_error", body

@@ -35,8 +35,8 @@ def test_a_tied_embedding_model_is_warm_started_cached_and_loaded_back(tokenizer
 
 
 def test_a_warm_start_whose_expert_episodes_all_fail_stops_with_their_reasons(tokenizer, tiny_model, tmp_path):
-    """Expert episodes through the agent gateway that all fail (a route the gateway does not serve, a refused
-    tool_choice, a first request over the context): the warm start stops with one line counting the
+    """Expert episodes through the agent gateway that all fail (a route the gateway does not serve, a tool_choice
+    naming an undeclared tool, a first request over the context): the warm start stops with one line counting the
     failures by reason (before: `ValueError: max() arg is an empty sequence` in the loss)."""
     import openai
     import pytest
@@ -52,8 +52,8 @@ def test_a_warm_start_whose_expert_episodes_all_fail_stops_with_their_reasons(to
             if kind == "404":
                 c.post("/completions", body={"model": "m", "prompt": "hi"}, cast_to=object)
             tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
-            c.chat.completions.create(model="m", messages=task.messages, tools=tools,
-                                      tool_choice="required" if kind == "forced" else "auto")
+            c.chat.completions.create(model="m", messages=task.messages, tools=tools, tool_choice=(
+                {"type": "function", "function": {"name": "nope"}} if kind == "forced" else "auto"))
 
     source = ListSource([Prompt(messages=[{"role": "user", "content": k}], label="0")
                          for k in ("404", "forced", "7" * 80)])
