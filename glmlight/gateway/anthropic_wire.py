@@ -2,14 +2,15 @@
 "Messages" and "Streaming Messages").
 
 Served: `system` (a string or text blocks), messages of role user (text and `tool_result` blocks)
-and assistant (text and `tool_use` blocks), custom `tools` (`input_schema`), `tool_choice` auto,
-none, any or tool (the turn starts with the template's tool-call opening, forced), `max_tokens`
-(required), `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream` (true, false or null;
-message_start, content_block_start / _delta / _stop, message_delta, message_stop); and
-POST /v1/messages/count_tokens (`parse_count_request`). A user message's tool results become tool
-turns in order, then its text a user turn. Refused with a 400 in the wire's error form: other block
-types (images, documents, thinking), server tools, extended thinking. Ignored: `metadata`,
-`service_tier`, `tool_choice.disable_parallel_tool_use`, and fields this module does not know.
+and assistant (text and `tool_use` blocks; a final assistant message is continued: the prefill),
+custom `tools` (`input_schema`), `tool_choice` auto, none, any or tool (the turn starts with the
+template's tool-call opening, forced), `max_tokens` (required), `temperature`, `top_p`, `top_k`,
+`stop_sequences`, `stream` (true, false or null; message_start, content_block_start / _delta / _stop,
+message_delta, message_stop); and POST /v1/messages/count_tokens (`parse_count_request`). A user
+message's tool results become tool turns in order, then its text a user turn. Refused with a 400 in
+the wire's error form: other block types (images, documents, thinking), server tools, extended
+thinking. Ignored: `metadata`, `service_tier`, `tool_choice.disable_parallel_tool_use`, and fields
+this module does not know.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, NOT_FOUND, TOO_LARGE, Message,
                                        ToolCall, ToolSpec, TurnRequest, TurnResult, WireError, bad_request,
-                                       forced_choice, number, request_messages)
+                                       forced_choice, number, request_messages, split_prefill)
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -139,12 +140,14 @@ def parse_request(body: Any) -> TurnRequest:
         head = [Message("system", system if isinstance(system, str) else
                         "".join(_text_of(b, f"system[{j}]") if b.get("type") == "text" else _unsupported(b, f"system[{j}]")
                                 for j, b in enumerate(_blocks(system, "system"))))]
+    messages, prefill = split_prefill(head + [x for i, m in enumerate(msgs) for x in _messages(m, i)])
     tools = _tools(body.get("tools"))
-    kind, name = forced_choice(kind, name, tools, f"tool_choice type {'any' if name is None else 'tool'!r}", "tool")
+    kind, name = forced_choice(kind, name, tools, prefill, f"tool_choice type {'any' if name is None else 'tool'!r}",
+                               "tool")
     return TurnRequest(
-        messages=head + [x for i, m in enumerate(msgs) for x in _messages(m, i)], tools=tools, tool_choice=kind,
-        tool_name=name, max_tokens=max_tokens, temperature=number(body, "temperature", 0.0, 1.0), top_p=top_p,
-        top_k=top_k, stop=stop, stream=bool(body.get("stream")), model=str(body.get("model") or ""))
+        messages=messages, tools=tools, tool_choice=kind, tool_name=name, prefill=prefill, max_tokens=max_tokens,
+        temperature=number(body, "temperature", 0.0, 1.0), top_p=top_p, top_k=top_k, stop=stop,
+        stream=bool(body.get("stream")), model=str(body.get("model") or ""))
 
 
 def parse_count_request(body: Any) -> TurnRequest:

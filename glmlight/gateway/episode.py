@@ -11,9 +11,12 @@ the current segment and opens a new one from the request's messages, rendered by
 (as CompactionRL's segments: each segment is a sample of its own, all share the episode's reward).
 
 Ids the model did not sample go in as context too (loss mask 0, no log-prob of their own), so the
-trainer scores the sampled ids under exactly the context the engine sampled them in: the opening of a
-tool call a forced `tool_choice` asks for (`TurnCodec.forced_call`; the answer is read off the forced
-and the sampled text together; one that is no call is answered as text and counted).
+trainer scores the sampled ids under exactly the context the engine sampled them in: a final assistant
+message the request asks the turn to continue (a prefill: its ids as the template renders that message
+left open; the answer holds only the continuation, and the conversation the whole message; the agent's
+own answer cut by max_tokens, sent back to continue, is continued in place, one action), and the
+opening of a tool call a forced `tool_choice` asks for (`TurnCodec.forced_call`; the answer is read off
+the forced and the sampled text together; one that is no call is answered as text and counted).
 
 Nothing is trained that the agent did not see or that holds no action: an episode whose first
 request is over the context budget (`rollout.max_context`) fails as `context_exceeded` (counted,
@@ -67,6 +70,7 @@ class GatewayEpisode:
         self.history: list[Message] | None = None  # the conversation the current segment's ids hold
         self.tools: list[ToolSpec] = []
         self.last_action: list[int] = []
+        self.open_text: str | None = None  # the last answer's whole text when max_tokens cut it (to continue)
         self.forced_unparsed = 0  # forced tool calls whose answer was no call
         self.failure: tuple[str, str] | None = None  # (reason, message): the episode failed
         self.truncated: str | None = None  # why the episode ended at its budget
@@ -162,7 +166,7 @@ class GatewayEpisode:
         return ({k: copy(getattr(self.ep, k)) for k in _RECORD},
                 {"history": copy(self.history), "tools": list(self.tools), "last_action": list(self.last_action),
                  "sampling": [list(s) for s in self.sampling], "calls": list(self.calls),
-                 "final_text": self.final_text, "rewrites": self.rewrites,
+                 "final_text": self.final_text, "rewrites": self.rewrites, "open_text": self.open_text,
                  "forced_unparsed": self.forced_unparsed})
 
     def withdraw(self, why: str) -> None:
@@ -230,22 +234,39 @@ class GatewayEpisode:
         new = req.messages[len(h):]
         return None if any(m.role == "assistant" for m in new) else new
 
+    def _continues_last_answer(self, req: TurnRequest) -> bool:
+        """Whether `req` sends back the last answer, cut by max_tokens, as the message to continue: the same
+        conversation before it, its whole text as the prefill. The record then continues as it is."""
+        h = self.history
+        if req.prefill is None or self.open_text is None or h is None or len(req.messages) != len(h) - 1:
+            return False
+        if self.codec.renders_tools and [t.key() for t in req.tools] != [t.key() for t in self.tools]:
+            return False
+        return all(a.key() == b.key() for a, b in zip(req.messages, h)) and req.prefill.content == self.open_text
+
     def _prepare(self, req: TurnRequest) -> tuple[list[int], SamplingParams, list[float] | None, str, int]:
         """The turn's context and sampling params, [temperature, top_k, top_p] when those are not the run's
         (the request's own, `client_sampling`; None when they are), the text the answer starts with that the
-        model does not sample (a forced tool-call opening) and the number of its ids."""
+        model does not sample (a prefill, or a forced tool-call opening) and the number of forced ids."""
         if self.ep.turns >= self.max_turns:
             raise self._truncate(f"the episode's turn limit ({self.max_turns} turns) is reached")
         forced, lead = self.codec.forced_call(req.tool_name) if req.tool_choice == "required" else ([], "")
-        new = self._new_messages(req)
-        if new is not None:
-            ids = self.codec.splice(self.last_action, new, req.tools) + forced
+        if req.prefill is not None:  # (a prefill and a forced call are refused together: forced is [])
+            lead = req.prefill.content
+        ids = None  # the ids that extend the record; None: the request opens a new segment
+        if self._continues_last_answer(req):
+            ids = []  # the record holds the answer's ids, unclosed: the engine continues them
+        elif (new := self._new_messages(req)) is not None:
+            opened = [] if req.prefill is None else self.codec.prefill(req.prefill, req.tools)
+            if opened is not None:
+                ids = self.codec.splice(self.last_action, new, req.tools) + opened + forced
+        if ids is not None:
             if len(self.ep.context) + len(ids) >= self.max_context:
                 raise self._truncate(f"the conversation exceeds the episode's context budget "
                                      f"({self.max_context} tokens)")
             self.ep.add_observation(ids)
         else:
-            prompt = self.codec.encode(req.messages, req.tools)
+            prompt = self.codec.encode(req.messages, req.tools, req.prefill)
             if len(prompt) + len(forced) >= self.max_context:
                 why = f"the messages take {len(prompt)} tokens, the episode's context budget is {self.max_context}"
                 if self.ep.turns == 0:  # nothing to train on: the episode is dropped, not truncated
@@ -286,7 +307,7 @@ class GatewayEpisode:
         ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions = [], [], [], [], []
         ep.routed_experts = ep.indexer_topk = None
         ep.turn_rewards, ep.records_lost, ep.record_turns = [], False, 0
-        self.last_action = []
+        self.last_action, self.open_text = [], None
         self.rewrites += 1
         self.counts["gateway_rewrites"] += 1
 
@@ -308,8 +329,8 @@ class GatewayEpisode:
 
     def _take(self, req: TurnRequest, g: Generation, prompt_len: int, lead: str, forced: int) -> TurnResult:
         """Record the sampled turn and read the answer off `lead` (the text before it the model did not
-        sample: a forced tool-call opening of `forced` ids) and the sampled text. The forced ids are the
-        answer's in its usage (the agent reads them as the model's output)."""
+        sample: a prefill, or a forced tool-call opening of `forced` ids) and the sampled text. The forced ids
+        are the answer's in its usage (the agent reads them as the model's output), a prefill the prompt's."""
         if g.finish_reason == "error":
             self._fail("engine_failed", "the rollout engine failed on this turn (after its retries)")
             raise WireError(500, SERVER, "the rollout engine failed on this turn")
@@ -318,12 +339,16 @@ class GatewayEpisode:
         self.ep.turns += 1
         self.ep.action_lengths.append(len(g.token_ids))
         self.last_action = list(g.token_ids)
-        content, calls = self._calls(req, lead + text)
+        whole = lead + text
+        self.open_text = whole if g.finish_reason == "length" and stop is None else None
+        content, calls = self._calls(req, whole)
         self.calls += calls
         self.final_text = content
         self.history.append(Message("assistant", content, calls))
         finish = ("length" if g.finish_reason == "length" else "stop_sequence" if stop is not None
                   else "tool_calls" if calls else "stop")
+        if req.prefill is not None and content.startswith(req.prefill.content):
+            content = content[len(req.prefill.content):]  # the answer continues the prefill: only what follows
         return TurnResult(content, calls, finish, stop, prompt_len - forced, forced + len(g.token_ids), self.ep.turns,
                           self.id)
 

@@ -5,7 +5,8 @@ conversation as `Message`s, the declared `ToolSpec`s, the sampling options) and 
 back into its own response. A request the gateway cannot serve raises `WireError`: an HTTP status,
 a kind (what the error means for the episode) and a message the agent gets in its wire's error body.
 
-What both wires check alike lives here too: the tool a forced `tool_choice` names (`forced_choice`).
+What both wires check alike lives here too: the tool a forced `tool_choice` names (`forced_choice`), the
+final assistant message a turn continues (`split_prefill`).
 """
 
 from __future__ import annotations
@@ -95,10 +96,11 @@ class Message:
 
 @dataclass
 class TurnRequest:
-    messages: list[Message]
+    messages: list[Message]  # without `prefill`
     tools: list[ToolSpec] = field(default_factory=list)
     tool_choice: str = "auto"  # auto | none | required (the turn starts a tool call)
     tool_name: str | None = None  # with required: the tool the call is of (None: any of `tools`)
+    prefill: Message | None = None  # the request's final assistant message, which the turn continues
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -121,8 +123,23 @@ class TurnResult:
     episode: str  # the episode's public id (not its key)
 
 
-def forced_choice(kind: str, name: str | None, tools: list[ToolSpec], label: str, noun: str
-                  ) -> tuple[str, str | None]:
+def split_prefill(messages: list[Message]) -> tuple[list[Message], Message | None]:
+    """The request's messages, and the final assistant message the turn continues (Anthropic's prefill; the
+    same on the OpenAI wire) when there is one. An empty final assistant message is no prefill: the turn
+    starts as any turn does. One with tool calls cannot be continued."""
+    last = messages[-1]
+    if last.role != "assistant":
+        return messages, None
+    if last.tool_calls:
+        raise bad_request("the request ends with an assistant message with tool calls: send their results (tool "
+                          "messages) before asking for the next turn")
+    if not last.content and len(messages) == 1:
+        raise bad_request("messages hold only an empty assistant message: there is nothing to answer")
+    return messages[:-1], (last if last.content else None)
+
+
+def forced_choice(kind: str, name: str | None, tools: list[ToolSpec], prefill: Message | None, label: str,
+                  noun: str) -> tuple[str, str | None]:
     """(tool_choice, tool_name) of a request whose tool choice is `kind` (auto | none | required) and `name`
     (the tool a required call must be of, or None); `label` and `noun` are how the wire names them in an
     error. `required` with a single tool names it."""
@@ -133,4 +150,7 @@ def forced_choice(kind: str, name: str | None, tools: list[ToolSpec], label: str
     if name is not None and name not in [t.name for t in tools]:
         raise bad_request(f"tool_choice names the {noun} {name!r}, which is not among the request's tools "
                           f"({', '.join(t.name for t in tools)})")
+    if prefill is not None:
+        raise bad_request("an assistant message to continue (prefill) cannot be combined with a forced tool_choice: "
+                          "the turn would have to start with both the message's text and a tool call")
     return kind, name if name is not None or len(tools) > 1 else tools[0].name

@@ -2,13 +2,14 @@
 reference, "Create chat completion" and "The chat completion chunk object").
 
 Served: messages (system, developer, user, assistant with `tool_calls`, tool; text content, as a
-string or text parts), `tools` of type function, `tool_choice` auto, none, required or a named
-function (the turn starts with the template's tool-call opening, forced), `max_tokens` /
-`max_completion_tokens`, `temperature`, `top_p`, `stop`, `stream` (true, false or null; server-sent
-events, ending with `data: [DONE]`; `stream_options.include_usage`). Refused with a 400 in the wire's
-error form: `n` > 1, `logprobs` / `top_logprobs`, non-zero penalties, `logit_bias`, a
-`response_format` other than text, non-text content. Ignored: `seed` (sampling seeds are the run's),
-`user`, `metadata`, `store`, `parallel_tool_calls`, and fields this module does not know.
+string or text parts; a final assistant message is continued, as Anthropic's prefill), `tools` of type
+function, `tool_choice` auto, none, required or a named function (the turn starts with the template's
+tool-call opening, forced), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop`,
+`stream` (true, false or null; server-sent events, ending with `data: [DONE]`;
+`stream_options.include_usage`). Refused with a 400 in the wire's error form: `n` > 1, `logprobs` /
+`top_logprobs`, non-zero penalties, `logit_bias`, a `response_format` other than text, non-text
+content. Ignored: `seed` (sampling seeds are the run's), `user`, `metadata`, `store`,
+`parallel_tool_calls`, and fields this module does not know.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, NOT_FOUND, TOO_LARGE, Message,
                                        ToolCall, ToolSpec, TurnRequest, TurnResult, WireError, bad_request,
-                                       forced_choice, number, request_messages)
+                                       forced_choice, number, request_messages, split_prefill)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -128,13 +129,14 @@ def parse_request(body: Any) -> TurnRequest:
     top_p = number(body, "top_p", 0.0, 1.0)
     if top_p == 0.0:
         raise bad_request("top_p must be in (0, 1]")
+    messages, prefill = split_prefill([_message(m, i) for i, m in enumerate(msgs)])
     tools = _tools(body.get("tools"))
     label = f"tool_choice={body.get('tool_choice')!r}" if name is None else "a tool_choice that names a function"
-    kind, name = forced_choice(kind, name, tools, label, "function")
+    kind, name = forced_choice(kind, name, tools, prefill, label, "function")
     return TurnRequest(
-        messages=[_message(m, i) for i, m in enumerate(msgs)], tools=tools, tool_choice=kind, tool_name=name,
-        max_tokens=max_tokens, temperature=number(body, "temperature", 0.0, 2.0), top_p=top_p, stop=stop,
-        stream=bool(body.get("stream")), model=str(body.get("model") or ""),
+        messages=messages, tools=tools, tool_choice=kind, tool_name=name, prefill=prefill, max_tokens=max_tokens,
+        temperature=number(body, "temperature", 0.0, 2.0), top_p=top_p, stop=stop, stream=bool(body.get("stream")),
+        model=str(body.get("model") or ""),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")))
 
 

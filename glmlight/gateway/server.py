@@ -208,7 +208,7 @@ class GatewayServer:
             ep.enter()
             try:
                 ids = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, ep.codec.encode, req.messages, req.tools)
+                    self._pool, ep.codec.encode, req.messages, req.tools, req.prefill)
             finally:
                 ep.leave()
         except WireError as e:

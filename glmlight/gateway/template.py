@@ -16,8 +16,10 @@ very token (`<|im_end|>` in ChatML, `<|observation|>` before a tool result in GL
 in the episode already, sampled. A turn cut short (by max_tokens or a stop string) gets all of it, so
 the next turn starts where the template starts one (`glmlight.models.tokenizer.splice_after_action`).
 
-Ids go into a turn's context that the model does not sample: the opening of a tool call a forced
-`tool_choice` asks for (`forced_call`): the text the template renders an assistant tool-call turn with before the tool's
+Two kinds of ids go into a turn's context that the model does not sample: a final assistant message the
+turn continues (a prefill: `encode` with it, or `prefill` after the turns spliced before it), rendered as
+the template renders that message left open; and the opening of a tool call a forced `tool_choice` asks
+for (`forced_call`): the text the template renders an assistant tool-call turn with before the tool's
 name (nothing in glmlight's line format, `<tool_call>{"name": "` in Hermes-style templates,
 `\n<think></think>\n<tool_call>` in GLM-4.5's), read off a rendered probe call, and for a named tool the
 name and what the format puts after it (`ToolFormat.after_name`).
@@ -54,10 +56,11 @@ class TurnCodec:
                                   f"gateway ({getattr(e, 'message', e)})") from None
         self.call_opening = self._call_opening()
 
-    def _encode(self, messages: list[dict[str, Any]], gen: bool, tools: list[ToolSpec]) -> list[int]:
+    def _encode(self, messages: list[dict[str, Any]], gen: bool, tools: list[ToolSpec],
+                open_last: bool = False) -> list[int]:
         with self._lock:
             return encode_chat(self.tokenizer, messages, add_generation_prompt=gen,
-                               tools=[t.openai() for t in tools] or None)
+                               tools=[t.openai() for t in tools] or None, continue_final_message=open_last)
 
     def _call_opening(self) -> tuple[str, str] | None:
         """(the text an assistant turn opens a tool call with, up to the tool's name; what follows the name
@@ -96,12 +99,26 @@ class TurnCodec:
         with self._lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def encode(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
-        """The ids of a whole conversation, up to the opening of the next assistant turn (a new segment)."""
+    def encode(self, messages: list[Message], tools: list[ToolSpec], prefill: Message | None = None) -> list[int]:
+        """The ids of a whole conversation, up to the opening of the next assistant turn (a new segment), or
+        with `prefill`, up to the end of that assistant message's text, left open."""
+        rendered = [self.fmt.template_message(m, tools) for m in [*messages, *([prefill] if prefill else [])]]
         try:
-            return self._encode([self.fmt.template_message(m, tools) for m in messages], True, tools)
+            return self._encode(rendered, prefill is None, tools, open_last=prefill is not None)
         except PromptEncodingError as e:
             raise bad_request(f"the model's chat template cannot encode these messages: {e}") from None
+
+    def prefill(self, m: Message, tools: list[ToolSpec]) -> list[int] | None:
+        """The ids of the assistant message `m` left open, as the template renders them after the assistant
+        turn's opening (what a turn that continues `m` starts from); None when the template renders the
+        opening of a turn it continues otherwise than a new turn's (the turn then opens a new segment)."""
+        base = [{"role": "user", "content": "x"}]
+        try:
+            opened = self._encode(base, True, tools)
+            whole = self._encode(base + [self.fmt.template_message(m, tools)], False, tools, open_last=True)
+        except PromptEncodingError as e:
+            raise bad_request(f"the model's chat template cannot encode these messages: {e}") from None
+        return whole[len(opened):] if whole[:len(opened)] == opened else None
 
     def extension(self, new: list[Message], tools: list[ToolSpec]) -> list[int]:
         """The ids of `new` (the messages after an assistant turn) and of the next assistant turn's opening."""

@@ -44,11 +44,12 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 def encode_chat(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
 ) -> list[int]:
     """Token ids of `messages` rendered by the tokenizer's chat template (with `tools`, the tool
     declarations the template renders, in the OpenAI function-tool form; a template without tool
-    support ignores them).
+    support ignores them). With `continue_final_message` the last message is left open, its text the
+    end of the ids (a turn that continues it; `add_generation_prompt` must be False).
 
     A tokenizer without a chat template is a ConfigError; messages the template or the tokenizer
     cannot encode (a template error, characters outside the vocabulary) raise PromptEncodingError."""
@@ -58,6 +59,8 @@ def encode_chat(
                           "or use a checkpoint whose tokenizer_config.json (or chat_template.jinja) has one")
     try:
         extra = {"tools": tools} if tools else {}
+        if continue_final_message:
+            extra["continue_final_message"] = True
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                             **extra)
     except Exception as e:  # noqa: BLE001 - jinja, the tokenizers library and transformers raise many kinds

@@ -1,6 +1,7 @@
 """The agent gateway's wires beyond a turn, driven by the official `openai` and `anthropic` clients: every
 error in the wire's own form (unknown routes and methods included), Anthropic's token count, one model's
-record, and `"stream": null`."""
+record, `"stream": null`, and an assistant message at the end of a request continued (prefill) token for
+token."""
 
 import json
 from collections import Counter
@@ -33,6 +34,12 @@ def _rollout(tok, answers, agent, max_context=2048):
 
 def _ids(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _open(tok, conversation):
+    """The template's rendering of `conversation` with its last (assistant) message left open."""
+    out = tok.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def _root(task):
@@ -143,6 +150,82 @@ def test_the_models_own_record_and_stream_null():
     assert "'gpt-4o'" in got["unknown"]["message"] and "'glmlight'" in got["unknown"]["message"]
     assert got["null"] == "6" and got["anthropic_null"] == (200, "7")
     assert ge.ep.status is Status.COMPLETED
+
+
+# ----------------------------------------------------------------- an assistant message continued (prefill)
+@pytest.mark.parametrize("name", ["tiny", "smollm2", "glm45"])
+def test_a_final_assistant_message_is_continued_not_answered_anew(name):
+    """Anthropic's prefill: the model continues the final assistant message (the context is the template's
+    rendering with that message open, not closed and followed by a new assistant turn); the answer holds
+    only the continuation; the prefill is context (loss mask 0), the continuation the action. The client
+    sends the whole message back with a user turn and a new prefill: the record extends, and each context is
+    the template's rendering of the conversation with its last message open."""
+    tok = TOKENIZERS[name]()
+    answers = [(_ids(tok, " 6") + [end_token(name, tok, "user")], "stop"),
+               (_ids(tok, " 12") + [end_token(name, tok, "user")], "stop")]
+    got = []
+
+    def agent(task):
+        with anthropic.Anthropic(base_url=task.anthropic_base_url, api_key=task.api_key, max_retries=0) as c:
+            msgs = list(task.messages)
+            for prefill, follow in (("It is", "Double it?"), ("That is", None)):
+                r = c.messages.create(model="m", max_tokens=32,
+                                      messages=msgs + [{"role": "assistant", "content": prefill}])
+                got.append(r.content[0].text)
+                msgs += [{"role": "assistant", "content": prefill + r.content[0].text}]
+                if follow:
+                    msgs.append({"role": "user", "content": follow})
+
+    ge, engine, counts = _rollout(tok, answers, agent)
+    conversation = [{"role": "user", "content": "2*3?"}, {"role": "assistant", "content": "It is"}]
+    first = _open(tok, conversation)
+    assert engine.contexts[0] == first, f"{tok.decode(engine.contexts[0])!r} != {tok.decode(first)!r}"
+    assert ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and ge.ep.turns == 2, ge.failure
+    assert got == [" 6", " 12"]
+    conversation[1]["content"] = "It is 6"
+    conversation += [{"role": "user", "content": "Double it?"}, {"role": "assistant", "content": "That is"}]
+    second = _open(tok, conversation)
+    assert engine.contexts[1] == second, f"{tok.decode(engine.contexts[1])!r} != {tok.decode(second)!r}"
+    ep = ge.ep
+    for ctx, (ids, _) in zip(engine.contexts, answers):
+        at = len(ctx) - len(ep.prompt_ids)
+        n = len(_ids(tok, "That is" if at > 0 else "It is"))
+        assert ep.loss_mask[at:at + len(ids)] == [1] * len(ids) and ep.response_ids[at:at + len(ids)] == ids
+        assert at <= 0 or ep.loss_mask[at - n:at] == [0] * n  # the prefill: context
+
+
+def test_a_cut_answer_sent_back_as_the_prefill_continues_in_place():
+    """A turn cut by max_tokens, sent back as the final assistant message to continue (Anthropic's way of
+    asking for more): the engine continues the record as it is, so the turn's two parts are one action
+    in one segment; the OpenAI wire does the same."""
+    tok = TOKENIZERS["tiny"]()
+    answers = [(_ids(tok, "calc: 37"), "length"), (_ids(tok, "*58") + [tok.eos_token_id], "stop")]
+    got = []
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            r = c.chat.completions.create(model="m", messages=task.messages, max_tokens=8)
+            got.append((r.choices[0].finish_reason, r.choices[0].message.content))
+            r = c.chat.completions.create(model="m", messages=task.messages + [
+                {"role": "assistant", "content": got[0][1]}])
+            got.append((r.choices[0].finish_reason, r.choices[0].message.content))
+
+    ge, engine, _ = _rollout(tok, answers, agent)
+    assert got == [("length", "calc: 37"), ("stop", "*58")]
+    assert ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and not ge.ep.segments
+    assert engine.contexts[1] == engine.contexts[0] + answers[0][0]
+    assert ge.ep.response_ids == answers[0][0] + answers[1][0] and set(ge.ep.loss_mask) == {1}
+    assert ge.final_text == "calc: 37*58"
+
+
+def test_a_final_assistant_message_with_tool_calls_is_refused():
+    from glmlight.gateway import openai_wire
+    from glmlight.gateway.messages import WireError
+
+    with pytest.raises(WireError, match="ends with an assistant message with tool calls"):
+        openai_wire.parse_request({"messages": [{"role": "user", "content": "x"}, {
+            "role": "assistant", "content": None,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]}]})
 
 
 @pytest.mark.parametrize("wire, body, needle", [

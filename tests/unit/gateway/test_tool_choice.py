@@ -198,6 +198,8 @@ def test_a_forced_turn_that_is_no_call_is_answered_as_text_and_counted():
     ("openai", dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
      "tool_choice names the function 'nope', which is not among the request's tools (calc, est)"),
     ("openai", dict(tool_choice="required"), "tool_choice='required' needs tools"),
+    ("openai", dict(tools=TOOLS, tool_choice="required", prefill=True),
+     "an assistant message to continue (prefill) cannot be combined with a forced tool_choice"),
     ("anthropic", dict(tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}),
      "tool_choice names the tool 'nope', which is not among the request's tools (calc, est)"),
     ("anthropic", dict(tool_choice={"type": "any"}), "tool_choice type 'any' needs tools"),
@@ -207,7 +209,8 @@ def test_forced_choices_the_gateway_cannot_serve_are_refused_in_the_wires_form(w
     from glmlight.gateway.messages import WireError
 
     kw = dict(request_kwargs)
-    messages = [{"role": "user", "content": "2*3?"}]
+    messages = [{"role": "user", "content": "2*3?"}] + ([{"role": "assistant", "content": "calc:"}]
+                                                        if kw.pop("prefill", False) else [])
     if wire == "anthropic" and "tools" in kw:
         kw["tools"] = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
                        for t in kw["tools"]]
