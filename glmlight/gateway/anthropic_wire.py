@@ -1,16 +1,18 @@
 """Anthropic Messages on the wire (POST /v1/messages, as documented in Anthropic's API reference,
 "Messages" and "Streaming Messages").
 
-Served: `system` (a string or text blocks), messages of role user (text and `tool_result` blocks)
-and assistant (text and `tool_use` blocks; a final assistant message is continued: the prefill),
-custom `tools` (`input_schema`), `tool_choice` auto, none, any or tool (the turn starts with the
-template's tool-call opening, forced), `max_tokens` (required), `temperature`, `top_p`, `top_k`,
-`stop_sequences`, `stream` (true, false or null; message_start, content_block_start / _delta / _stop,
-message_delta, message_stop); and POST /v1/messages/count_tokens (`parse_count_request`). A user
-message's tool results become tool turns in order, then its text a user turn. Refused with a 400 in
-the wire's error form: other block types (images, documents, thinking), server tools, extended
-thinking. Ignored: `metadata`, `service_tier`, `tool_choice.disable_parallel_tool_use`, and fields
-this module does not know.
+Served: `system` (a string or text blocks), messages of role user (text and `tool_result` blocks; a
+result with `is_error: true` reaches the model as "Error: <its text>") and assistant (text and
+`tool_use` blocks; a final assistant message is continued: the prefill), custom `tools`
+(`input_schema`; `strict`: only calls whose arguments conform are returned), `tool_choice` auto,
+none, any or tool (the turn starts with the template's tool-call opening, forced), `max_tokens`
+(required), `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream` (true, false or null;
+message_start, content_block_start / _delta / _stop, message_delta, message_stop); and
+POST /v1/messages/count_tokens (`parse_count_request`). A user message's tool results become tool
+turns in order, then its text a user turn. Refused with a 400 in the wire's error form: other block
+types (images, documents, thinking), server tools, extended thinking, a user message without a
+content block. Ignored: `metadata`, `service_tier`, `tool_choice.disable_parallel_tool_use`, and fields
+this module does not know (docs/agents.md lists them).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 
 from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, NOT_FOUND, TOO_LARGE, Message,
                                        ToolCall, ToolSpec, TurnRequest, TurnResult, WireError, bad_request,
-                                       forced_choice, number, request_messages, split_prefill)
+                                       forced_choice, number, request_messages, split_prefill, tool_spec)
+
+ERROR_PREFIX = "Error: "  # what a tool result with is_error: true starts with in the model's context
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -73,13 +77,18 @@ def _messages(m: Any, i: int) -> list[Message]:
             else:
                 _unsupported(b, w)
         return [Message("assistant", "".join(text), calls)]
+    if not blocks:
+        raise bad_request(f"{where}: a user message needs at least one content block")
     out, text = [], []
     for j, b in enumerate(blocks):
         w = f"{where}.content[{j}]"
         if b["type"] == "tool_result":
             if not isinstance(b.get("tool_use_id"), str):
                 raise bad_request(f"{w}: a tool_result block needs its tool_use_id")
-            out.append(Message("tool", _result_text(b.get("content"), w), tool_call_id=b["tool_use_id"]))
+            if b.get("is_error") not in (None, True, False):
+                raise bad_request(f"{w}.is_error must be true or false, got {b['is_error']!r}")
+            result = (ERROR_PREFIX if b.get("is_error") else "") + _result_text(b.get("content"), w)
+            out.append(Message("tool", result, tool_call_id=b["tool_use_id"]))
         elif b["type"] == "text":
             text.append(_text_of(b, w))
         else:
@@ -96,7 +105,7 @@ def _tools(tools: Any) -> list[ToolSpec]:
     for j, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("name"), str):
             raise bad_request(f"tools[{j}]: only custom tools ({{name, description, input_schema}}) are supported")
-        out.append(ToolSpec(t["name"], str(t.get("description") or ""), t.get("input_schema") or {}))
+        out.append(tool_spec(t["name"], t.get("description"), t.get("input_schema"), t.get("strict"), f"tools[{j}]"))
     return out
 
 

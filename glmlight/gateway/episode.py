@@ -353,13 +353,17 @@ class GatewayEpisode:
                           self.id)
 
     def _calls(self, req: TurnRequest, text: str) -> tuple[str, list[ToolCall]]:
-        """(the message's text, its tool calls). A forced turn that holds no call is answered as text (as any
-        unparseable call), and counted."""
+        """(the message's text, its tool calls). A call of a `strict` tool whose arguments do not conform,
+        or a forced turn that holds no call, is answered as text (as any unparseable call), and counted."""
         if req.tool_choice == "none" or not req.tools:
             return text, []
         if req.tool_choice == "required":
             self.counts["gateway_forced_calls"] += 1
         content, calls = self.codec.fmt.parse(text, req.tools, self._call_id)
+        specs = {t.name: t for t in req.tools}
+        if not all(specs[c.name].accepts(c.arguments) for c in calls):
+            self.counts["gateway_strict_mismatch"] += 1
+            content, calls = text, []
         if req.tool_choice == "required" and not calls:
             self.forced_unparsed += 1
             self.counts["gateway_forced_unparsed"] += 1

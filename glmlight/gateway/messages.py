@@ -6,7 +6,8 @@ back into its own response. A request the gateway cannot serve raises `WireError
 a kind (what the error means for the episode) and a message the agent gets in its wire's error body.
 
 What both wires check alike lives here too: the tool a forced `tool_choice` names (`forced_choice`), the
-final assistant message a turn continues (`split_prefill`).
+final assistant message a turn continues (`split_prefill`), a tool declared `strict` (`tool_spec`,
+`ToolSpec.accepts`).
 """
 
 from __future__ import annotations
@@ -60,9 +61,17 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)  # JSON schema of the arguments
+    strict: bool = False  # the agent is promised arguments that conform to `parameters` (`accepts`)
 
     def key(self) -> str:
+        """What makes two declarations the same for the chat template (`strict` is not rendered)."""
         return json.dumps([self.name, self.description, self.parameters], sort_keys=True)
+
+    def accepts(self, arguments: dict[str, Any]) -> bool:
+        """Whether a call of this tool with `arguments` may be returned: any call, unless the tool is `strict`;
+        then only one whose arguments conform to its schema (what OpenAI's strict function calling promises;
+        the gateway samples the policy unconstrained, so it keeps the promise by returning no other call)."""
+        return not self.strict or _validator(self.parameters).is_valid(arguments)
 
     def openai(self) -> dict[str, Any]:
         """The OpenAI function-tool form (the form Hugging Face chat templates take in `tools=`)."""
@@ -121,6 +130,33 @@ class TurnResult:
     completion_tokens: int
     turn: int  # 1 for the episode's first turn
     episode: str  # the episode's public id (not its key)
+
+
+def _validator(schema: dict[str, Any]) -> Any:
+    try:
+        import jsonschema
+    except ImportError:
+        raise bad_request("strict tools need the jsonschema package where the gateway runs "
+                          "(pip install -e '.[gateway]')") from None
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def tool_spec(name: str, description: Any, parameters: Any, strict: Any, where: str) -> ToolSpec:
+    """A declared tool; with `strict` true its schema must be a valid JSON schema (`ToolSpec.accepts`)."""
+    if strict not in (None, True, False):
+        raise bad_request(f"{where}.strict must be true or false, got {strict!r}")
+    params = parameters or {}
+    if not isinstance(params, dict):
+        raise bad_request(f"{where}: the parameters (input schema) must be a JSON schema object")
+    spec = ToolSpec(name, str(description or ""), params, bool(strict))
+    if spec.strict:
+        import jsonschema
+
+        try:
+            type(_validator(params)).check_schema(params)
+        except jsonschema.SchemaError as e:
+            raise bad_request(f"{where}: strict: true needs a valid JSON schema ({e.message})") from None
+    return spec
 
 
 def split_prefill(messages: list[Message]) -> tuple[list[Message], Message | None]:

@@ -3,13 +3,15 @@ reference, "Create chat completion" and "The chat completion chunk object").
 
 Served: messages (system, developer, user, assistant with `tool_calls`, tool; text content, as a
 string or text parts; a final assistant message is continued, as Anthropic's prefill), `tools` of type
-function, `tool_choice` auto, none, required or a named function (the turn starts with the template's
-tool-call opening, forced), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop`,
-`stream` (true, false or null; server-sent events, ending with `data: [DONE]`;
-`stream_options.include_usage`). Refused with a 400 in the wire's error form: `n` > 1, `logprobs` /
-`top_logprobs`, non-zero penalties, `logit_bias`, a `response_format` other than text, non-text
-content. Ignored: `seed` (sampling seeds are the run's), `user`, `metadata`, `store`,
-`parallel_tool_calls`, and fields this module does not know.
+function (`strict`: only calls whose arguments conform are returned), `tool_choice` auto, none,
+required or a named function (the turn starts with the template's tool-call opening, forced),
+`max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop`, `stream` (true, false or null;
+server-sent events, ending with `data: [DONE]`; `stream_options.include_usage`). Refused with a 400 in
+the wire's error form: `n` > 1, `logprobs` / `top_logprobs`, non-zero penalties, `logit_bias`, a
+`response_format` other than text, non-text content, the legacy `functions` / `function_call`, a
+message without content (an assistant message needs content or tool calls). Ignored: `seed`
+(sampling seeds are the run's), `user`, `metadata`, `store`, `parallel_tool_calls`, and fields this
+module does not know (docs/agents.md lists them).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, NOT_FOUND, TOO_LARGE, Message,
                                        ToolCall, ToolSpec, TurnRequest, TurnResult, WireError, bad_request,
-                                       forced_choice, number, request_messages, split_prefill)
+                                       forced_choice, number, request_messages, split_prefill, tool_spec)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -66,11 +68,18 @@ def _message(m: Any, i: int) -> Message:
         role = m.get("role") if isinstance(m, dict) else None
         raise bad_request(f"{where}: role must be one of {sorted(_ROLES)}, got {role!r}")
     role = _ROLES[m["role"]]
+    if m.get("function_call") is not None:
+        raise bad_request(f"{where}.function_call is the legacy form of tool_calls and is not supported: "
+                          "send tool_calls")
+    if role != "assistant" and m.get("content") is None:
+        raise bad_request(f"{where}: a {m['role']} message needs its content (a string or a list of text parts)")
     if role == "tool":
         if not isinstance(m.get("tool_call_id"), str):
             raise bad_request(f"{where}: a tool message needs its tool_call_id")
         return Message("tool", _text(m.get("content"), where), tool_call_id=m["tool_call_id"])
     calls = _tool_calls(m.get("tool_calls"), where) if role == "assistant" else []
+    if role == "assistant" and m.get("content") is None and not calls:
+        raise bad_request(f"{where}: an assistant message needs its content or its tool_calls")
     return Message(role, _text(m.get("content"), where), calls)
 
 
@@ -85,7 +94,8 @@ def _tools(tools: Any) -> list[ToolSpec]:
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
                 or not isinstance(fn.get("name"), str):
             raise bad_request(f"tools[{j}]: only {{type: function, function: {{name, parameters}}}} tools are supported")
-        out.append(ToolSpec(fn["name"], str(fn.get("description") or ""), fn.get("parameters") or {}))
+        out.append(tool_spec(fn["name"], fn.get("description"), fn.get("parameters"), fn.get("strict"),
+                             f"tools[{j}].function"))
     return out
 
 
@@ -115,6 +125,9 @@ def parse_request(body: Any) -> TurnRequest:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad_request("response_format is not supported (only type text)")
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise bad_request("functions / function_call are the legacy form of tools / tool_choice and are not "
+                          "supported: send tools and tool_choice")
     kind, name = _tool_choice(body.get("tool_choice"))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):

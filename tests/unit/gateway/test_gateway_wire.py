@@ -1,7 +1,8 @@
 """The agent gateway's wires beyond a turn, driven by the official `openai` and `anthropic` clients: every
 error in the wire's own form (unknown routes and methods included), Anthropic's token count, one model's
-record, `"stream": null`, and an assistant message at the end of a request continued (prefill) token for
-token."""
+record, an assistant message at the end of a request continued (prefill) token for token, and the request
+fields the gateway honours (`strict` schemas, `tool_result.is_error`) or refuses (the legacy `functions`,
+a message without content)."""
 
 import json
 from collections import Counter
@@ -228,7 +229,68 @@ def test_a_final_assistant_message_with_tool_calls_is_refused():
             "tool_calls": [{"id": "c", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]}]})
 
 
+# ----------------------------------------------------------------- request fields honoured or refused
+def test_a_strict_schema_gets_only_calls_that_conform():
+    """`strict: true` (OpenAI's structured function calls, the OpenAI Agents SDK's default): the agent gets a
+    call only when its arguments conform to the schema; a call that does not is answered as text, as an
+    unparseable call is, and counted. Without `strict` the same call is returned."""
+    tok = TOKENIZERS["tiny"]()
+    strict = {"type": "function", "function": {**CALC["function"], "strict": True, "parameters": {
+        "type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"],
+        "additionalProperties": False}}}
+    loose = {"type": "function", "function": {**strict["function"], "strict": False}}
+    bad = 'calc: {"expr": "2*3", "extra": 1}'
+    answers = [(_ids(tok, bad) + [tok.eos_token_id], "stop"), (_ids(tok, bad) + [tok.eos_token_id], "stop"),
+               (_ids(tok, "calc: 2*3") + [tok.eos_token_id], "stop")]
+    got = []
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            for tools in ([strict], [loose], [strict]):
+                m = c.chat.completions.create(model="m", messages=task.messages, tools=tools).choices[0].message
+                calls = [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls or []]
+                got.append((m.content, calls))
+
+    ge, _, counts = _rollout(tok, answers, agent)
+    assert got == [(bad, []), (None, [("calc", {"expr": "2*3", "extra": 1})]), (None, [("calc", {"expr": "2*3"})])]
+    assert counts["gateway_strict_mismatch"] == 1 and ge.ep.status is Status.COMPLETED
+
+
+def test_a_tool_result_marked_as_an_error_is_rendered_as_one():
+    """Anthropic's `tool_result.is_error: true`: the tool turn the model reads says so ("Error: ..."), so the
+    policy can tell a failed tool from a result."""
+    tok = TOKENIZERS["tiny"]()
+    answers = [(_ids(tok, t) + [tok.eos_token_id], "stop") for t in ("calc: 2*", "calc: 2*3")]
+    tools = [{"name": "calc", "description": "exact value", "input_schema": CALC["function"]["parameters"]}]
+
+    def agent(task):
+        with anthropic.Anthropic(base_url=task.anthropic_base_url, api_key=task.api_key, max_retries=0) as c:
+            r = c.messages.create(model="m", max_tokens=16, messages=task.messages, tools=tools)
+            use = r.content[0]
+            c.messages.create(model="m", max_tokens=16, tools=tools, messages=task.messages + [
+                {"role": "assistant", "content": [use.model_dump()]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "is_error": True,
+                                              "content": "cannot parse '2*'"}]}])
+
+    ge, engine, _ = _rollout(tok, answers, agent)
+    assert ge.ep.status is Status.COMPLETED and ge.rewrites == 0
+    assert tok.decode(engine.contexts[1]).endswith("<|observation|>Error: cannot parse '2*'<|assistant|>")
+
+
 @pytest.mark.parametrize("wire, body, needle", [
+    ("openai", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "calc", "parameters": {}}]},
+     "functions / function_call are the legacy form of tools / tool_choice and are not supported: send tools"),
+    ("openai", {"messages": [{"role": "user", "content": "x"}], "function_call": "auto"},
+     "functions / function_call are the legacy form of tools / tool_choice and are not supported"),
+    ("openai", {"messages": [{"role": "user", "content": "x"}, {
+        "role": "assistant", "content": None, "function_call": {"name": "calc", "arguments": "{}"}}]},
+     "messages[1].function_call is the legacy form of tool_calls and is not supported"),
+    ("openai", {"messages": [{"role": "user"}]}, "messages[0]: a user message needs its content"),
+    ("openai", {"messages": [{"role": "user", "content": None}]}, "messages[0]: a user message needs its content"),
+    ("openai", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
+     "messages[1]: an assistant message needs its content or its tool_calls"),
+    ("anthropic", {"messages": [{"role": "user", "content": []}], "max_tokens": 8},
+     "messages[0]: a user message needs at least one content block"),
     ("openai", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream must be true, false or null"),
 ])
 def test_fields_the_gateway_does_not_serve_are_refused_with_a_400_that_names_them(wire, body, needle):
