@@ -46,6 +46,9 @@ eval_metrics pass_at_k                 unbiased pass@k of n answers, c correct (
              majority_vote, maj_at_k   maj@k: the most frequent extracted answer, scored
 quant        quantize_fp8_block        float8_e4m3fn + one scale per 128 x 128 block (DeepSeek-V3 / GLM-5 FP8)
              dequantize_fp8_block      Q · s back in a float dtype
+mtp          mtp_input                 eh_proj [enorm(Emb(x_{t+d})); hnorm(h^{d-1}_t)] (DeepSeek-V3 MTP, sec. 2.2)
+             mtp_mask                  the response tokens depth d predicts, [B, T]
+             mtp_loss_terms            Σ cross-entropy, correct argmax and count over a mask
 """
 
 from glmlight.ops.advantages import group_advantages, soft_overlong_penalty
@@ -67,6 +70,7 @@ from glmlight.ops.gae import (
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from glmlight.ops.mismatch import mismatch_metrics, mismatch_sums, reduce_mismatch_sums, token_agreement, topk_agreement
+from glmlight.ops.mtp import mtp_input, mtp_loss_terms, mtp_mask
 from glmlight.ops.policy_loss import PolicyLossOutput, ppo_clip_loss
 from glmlight.ops.quant import dequantize_fp8_block, quantize_fp8_block
 from glmlight.ops.reduce import aggregate_loss, masked_mean
@@ -78,7 +82,8 @@ __all__ = [
     "dequantize_fp8_block", "dis_loss_per_token", "dis_mask", "entropy_from_logits", "explained_variance", "full_reverse_kl", "gae", "group_advantages",
     "icepop", "kl_penalty", "logprobs_from_logits", "lr_lambda", "maj_at_k", "majority_vote", "masked_is",
     "masked_mean", "masked_scale", "masked_whiten", "mean_pass_at_k", "merge_moments", "mismatch_metrics",
-    "mismatch_sums", "mix_outcome_advantages", "opd_advantages", "pass_at_k", "ppo_clip_loss",
+    "mismatch_sums", "mix_outcome_advantages", "mtp_input", "mtp_loss_terms", "mtp_mask", "opd_advantages",
+    "pass_at_k", "ppo_clip_loss",
     "quantize_fp8_block", "reduce_mismatch_sums", "rejection_sampling", "reverse_kl", "segment_lambda",
     "segment_terminals", "skip_observation_gae", "soft_overlong_penalty", "terminal_rewards", "token_agreement", "topk_agreement",
     "topk_mask", "topk_recent", "truncated_is", "turn_rewards", "value_loss",
