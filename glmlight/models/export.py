@@ -8,6 +8,10 @@ and folder gets the mode any file the user writes gets (0666 / 0777 less the uma
 model.safetensors through a private temporary file (mode 0600), which would keep it from other users and
 from a server running under another account.
 
+A policy with MTP layers (`glmlight.models.mtp`) exports them as its checkpoint had them: `model.layers.{L + k}.*`
+(L = num_hidden_layers) with each layer's copies of the shared embedding and head, and config.json's
+`num_nextn_predict_layers`: the names SGLang's and vLLM's MTP loaders read.
+
 `fp8=True` writes the block-FP8 checkpoint layout instead (`glmlight.models.fp8_checkpoint`: float8_e4m3fn
 weights with `weight_scale_inv`, one per expert, and a `quantization_config` in config.json): what an
 SGLang or vLLM server is started with for `rollout.weight_format=fp8`.
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 
 from glmlight.models.lora import merged_named_tensors, plain_model
+from glmlight.models.mtp import checkpoint_tensors, is_mtp_checkpoint_name, mtp_of
 
 
 def export_hf(policy: torch.nn.Module, tokenizer: Any, out: str, *, fp8: bool = False,
@@ -36,7 +41,16 @@ def export_hf(policy: torch.nn.Module, tokenizer: Any, out: str, *, fp8: bool = 
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model = plain_model(policy)
-        model.save_pretrained(tmp, state_dict=state_dict)
+        mtp = mtp_of(model)
+        if mtp is None:
+            model.save_pretrained(tmp, state_dict=state_dict)
+        else:  # the MTP layers under the names the checkpoint and the servers give them (glmlight.models.mtp),
+            # through save_pretrained's own conversion (fused experts written one per expert, as for every layer);
+            # the copies of the shared embedding and head are written as tensors of their own
+            state = state_dict if state_dict is not None else model.state_dict()
+            named = checkpoint_tensors(state.items(), mtp.first_layer)
+            model.save_pretrained(tmp, state_dict={k: v.detach().clone() if is_mtp_checkpoint_name(k, mtp.first_layer)
+                                                   else v for k, v in named})
         if fp8:
             _rewrite_fp8(policy, model, tmp, block)
         tokenizer.save_pretrained(tmp)
@@ -99,9 +113,15 @@ def _rewrite_fp8(policy: torch.nn.Module, model: torch.nn.Module, root: str, blo
     config_path = os.path.join(root, "config.json")
     with open(config_path) as f:
         config = json.load(f)
-    tensors = fp8_checkpoint_tensors(merged_named_tensors(policy), block=block, model_type=config.get("model_type"))
+    named = merged_named_tensors(policy)
+    mtp = mtp_of(model)
+    if mtp is not None:
+        named = checkpoint_tensors(named, mtp.first_layer)
+    tensors = fp8_checkpoint_tensors(named, block=block, model_type=config.get("model_type"))
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    save_file({k: v.contiguous() for k, v in tensors if k not in tied}, os.path.join(root, "model.safetensors"),
+    first = mtp.first_layer if mtp is not None else None  # an MTP layer's copies of the shared tensors: own storage
+    save_file({k: v.clone() if first is not None and is_mtp_checkpoint_name(k, first) else v.contiguous()
+               for k, v in tensors if k not in tied}, os.path.join(root, "model.safetensors"),
               metadata={"format": "pt"})
     config["quantization_config"] = fp8_quantization_config(block)
     with open(config_path, "w") as f:

@@ -7,8 +7,9 @@ shared-expert MLPs) and the fused expert weights of MoE layers (`experts.gate_up
 quantised per expert with the gate and up halves in blocks of their own, as the checkpoints store them
 separately; `experts.down_proj` [E, H, I]). Never: embeddings, the LM head, norms, biases, MoE routers
 (`gate`, `shared_expert_gate`) and the DSA indexer's `weights_proj` (bf16 in those checkpoints; both
-servers build it unquantised), plus any module the checkpoint's `modules_to_not_convert` /
-`ignored_layers` names.
+servers build it unquantised), an MTP layer's `eh_proj` and its copies of the embedding and head
+(`glmlight.models.mtp`; MTP layers are decoder layers here too, `mtp.layers.N.*` or `model.layers.N.*`), plus
+any module the checkpoint's `modules_to_not_convert` / `ignored_layers` names.
 
 `hold_fp8_(model)` turns a model, in place, into one that holds those weights as float8_e4m3fn with
 their `weight_scale_inv` and dequantises them whenever they are read (weight-only FP8: the matmul
@@ -31,8 +32,10 @@ from glmlight.ops.quant import BLOCK, dequantize_fp8_block, quantize_fp8_block
 
 log = logging.getLogger(__name__)
 
-# Modules (last name component) never quantised: MoE routers and the DSA indexer's head weights.
-UNQUANTIZED_MODULES = ("gate", "shared_expert_gate", "weights_proj")
+# Modules (last name component) never quantised: MoE routers and the DSA indexer's head weights; in MTP layers
+# (glmlight.models.mtp) the projection `eh_proj` (both servers build it as a plain nn.Linear) and a checkpoint's
+# per-layer copies of the embedding and output head (`embed_tokens`, `shared_head.head`).
+UNQUANTIZED_MODULES = ("gate", "shared_expert_gate", "weights_proj", "eh_proj", "embed_tokens", "head")
 FUSED_EXPERTS = {"gate_up_proj": 2, "down_proj": 1}  # fused expert tensor -> row splits (gate | up)
 _LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 

@@ -148,10 +148,16 @@ def _check_loading_info(path: str, key: str, config: dict, info: dict) -> None:
     if missing:
         raise ConfigError(f"{where}: the weights lack tensors the model needs ({len(missing)}), e.g. {missing[0]}")
     layers = config.get("num_hidden_layers")
+    # the MTP layers after the decoder layers (num_nextn_predict_layers) are read by glmlight.models.mtp
+    nextn = config.get("num_nextn_predict_layers") or 0
+    mtp = [k for k in unexpected if isinstance(layers, int) and (m := re.match(r"model\.layers\.(\d+)\.", k))
+           and layers <= int(m.group(1)) < layers + nextn]
+    unexpected = [k for k in unexpected if k not in set(mtp)]
     beyond = [k for k in unexpected if isinstance(layers, int) and (m := re.search(r"\blayers\.(\d+)\.", k))
               and int(m.group(1)) >= layers]
     if beyond:
-        raise ConfigError(f"{where}: the weights hold layers beyond num_hidden_layers={layers}, e.g. {beyond[0]}")
+        raise ConfigError(f"{where}: the weights hold layers beyond num_hidden_layers={layers}"
+                          f"{f' + num_nextn_predict_layers={nextn}' if nextn else ''}, e.g. {beyond[0]}")
     if unexpected:
         log.warning("%s: %d tensors in the weights have no place in the model and are ignored, e.g. %s",
                     path, len(unexpected), unexpected[0])

@@ -12,6 +12,11 @@ A weight update (`update_weights`):
     server: a server that acknowledged the version but still answers exactly as before did not
     load it)
 
+A policy's MTP layers (`mtp.layers.{k}.*`) are sent under the names a checkpoint gives them,
+`model.layers.{num_hidden_layers + k}.*` (glmlight.models.mtp), which the main-model loaders of SGLang 0.5.23 and
+vLLM 0.32 skip for a checkpoint that declares them (config.json's num_nextn_predict_layers; read in their
+sources, not run here); loading them into a speculating server's MTP draft is not built yet.
+
 `UpdateFailed` is retried (`update_retries`); then the run stops with one line. `FleetFailed`
 (servers left on different or unknown weights) stops it at once. Each server's answers carry the
 version it reports for them (SGLang meta_info.weight_version(s), vLLM 0.33 weight_versions; vLLM
@@ -38,6 +43,7 @@ import torch
 
 from glmlight.engines import transport as wt
 from glmlight.errors import EngineError
+from glmlight.models.mtp import PREFIX as MTP_PREFIX, to_checkpoint_names
 from glmlight.engines.base import Generation, NamedTensors, SamplingParams, normalize_requests
 from glmlight.engines.servers.launch import LaunchSpec, ManagedServer
 from glmlight.engines.servers.server_checks import weights_fingerprint
@@ -175,6 +181,8 @@ class ServerEngineBase(ReplayCapture, SuspectTracking, FleetUpdate):
             raise ValueError("update_weights needs exactly one of named_tensors or path")
         self.last_sync_seconds = {}
         named = list(named_tensors) if named_tensors is not None else None
+        if named is not None and any(n.startswith(MTP_PREFIX) for n, _ in named):
+            named = list(to_checkpoint_names(named))  # MTP layers as the server's checkpoint names them
         if named is not None:
             self._check_shapes(named, version)
         fingerprint = weights_fingerprint(named) if named is not None else None

@@ -33,6 +33,9 @@ Why it is faster than the model's forward on CPU, for the batches of RL training
   model's parameters); the MoE's routed experts as one grouped matmul per projection over the
   tokens sorted by expert, the shared expert as a dense MLP.
 
+`forward_logits_mtp` also returns the logits of the model's multi-token prediction layers
+(`glmlight/models/mtp.py`), each depth's block run by the same `_layer` over the positions that have its input.
+
 Replay (`replay=`, `glmlight/models/glm5/replay.py`): the engine's recorded experts replace the
 router's top-k (the router's weights of those experts are still computed, with gradients) and its
 recorded DSA keys replace the indexer's top-k; `replay.capture` receives the choices used.
@@ -54,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from glmlight.ops.dsa import topk_mask
+from glmlight.ops.mtp import mtp_input
 from glmlight.models.glm5.arch import is_glm5
 from glmlight.models.glm5.moe import route
 from glmlight.models.glm5.replay import Replay, columns_from_selection, selection_from_columns
@@ -103,7 +107,27 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     """Logits [B, S - start, V] of `model` at positions start..S-1, 0 at padding (see the module docstring).
     `replay`: the engine's expert and DSA choices to use instead of the router's and the indexer's
     (`glmlight.models.glm5.replay`), and/or a capture of the choices used."""
-    return _as_forward(model, _logits, input_ids, attention_mask, position_ids, start, replay)
+    return _as_forward(model, _logits, input_ids, attention_mask, position_ids, start, replay, None)
+
+
+def forward_logits_mtp(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       position_ids: torch.Tensor, start: int = 0,
+                       replay: Replay | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`forward_logits`, and the logits of each of the model's MTP depths d = 1..D (`glmlight.models.mtp`)
+    [B, S - start, V] at positions start-d..S-1-d (0 where a position is padding, before the sequence, or has
+    no token d ahead): entry i of every depth predicts the token entry i of the main logits predicts, token
+    start + i + 1, depth d from position start - d + i.
+
+    Depth d's block runs over every real position t that has a token t + d, on the input
+    `glmlight.ops.mtp.mtp_input(embedding of token t + d, h^{d-1}_t)`: h^0 the main model's last hidden state
+    after its final norm (what its output head reads; SGLang's and vLLM's MTP drafts and Megatron's MTP
+    training take the same), h^d the depth's output after its `shared_head.norm`. The main model's hidden
+    states, the embedding and the output head enter detached: the MTP logits' gradient reaches the MTP
+    layers only. The MTP blocks route and select keys on their own (no replay: the engine runs no MTP).
+    For the MTP layers' keys the main model's last layer runs every position, not only those >= start."""
+    out: list[torch.Tensor] = []
+    logits = _as_forward(model, _logits, input_ids, attention_mask, position_ids, start, replay, out)
+    return logits, out
 
 
 @dataclass
@@ -123,7 +147,8 @@ class _Step:
 
 
 def _logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            position_ids: torch.Tensor, start: int, replay: Replay | None) -> torch.Tensor:
+            position_ids: torch.Tensor, start: int, replay: Replay | None,
+            mtp_out: list[torch.Tensor] | None) -> torch.Tensor:
     m = model.model
     B, S = input_ids.shape
     real = attention_mask.bool()
@@ -137,11 +162,50 @@ def _logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     keys = _Block(real, rows, 0)
     step = _Step(real, rows, position_ids, rot, rot_p, allowed, bias, keys, model.training, replay)
     layer_bias = bias  # a "shared" layer reuses the mask of the previous layer (its DSA selection)
+    returned = _Block(real, rows, start)
     for i, layer in enumerate(m.layers):
-        # the last layer only runs the queries of the returned positions
-        queries = _Block(real, rows, start) if i == len(m.layers) - 1 else keys
+        # the last layer only runs the queries of the returned positions (every one for the MTP layers' keys)
+        queries = returned if i == len(m.layers) - 1 and mtp_out is None else keys
         h, layer_bias = _as_forward(layer, _layer, i, h, layer_bias, queries, step)
-    return queries.scatter(model.lm_head(_norm(h, m.norm))).view(B, S - start, -1)
+    h = _norm(h, m.norm)
+    if mtp_out is not None:
+        mtp_out.extend(_mtp_logits(model, h.detach(), input_ids, start, step))
+        h = returned(h)
+    return returned.scatter(model.lm_head(h)).view(B, S - start, -1)
+
+
+def _mtp_logits(model: torch.nn.Module, h: torch.Tensor, input_ids: torch.Tensor, start: int,
+                st: _Step) -> list[torch.Tensor]:
+    """The MTP depths' logits of `forward_logits_mtp`, from the main model's normed last hidden state h [N, H]
+    (packed over `st.rows`, detached)."""
+    m, mtp = model.model, model.mtp
+    B, S = st.real.shape
+    emb_w, head_w = m.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+    ids = input_ids.flatten()
+    tril = torch.ones(S, S, dtype=torch.bool, device=h.device).tril_()
+    out = []
+    prev = _Block(st.real, st.rows, 0).scatter(h)  # [B * S, H]
+    for d, layer in enumerate(mtp.layers, start=1):
+        real = torch.zeros_like(st.real)
+        real[:, : S - d] = st.real[:, : S - d] & st.real[:, d:]  # position t has a token t + d
+        rows = real.flatten().nonzero().squeeze(1)
+        x = mtp_input(F.embedding(ids.index_select(0, rows + d), emb_w), prev.index_select(0, rows),
+                      layer.enorm.weight, layer.hnorm.weight, layer.eh_proj.weight, layer.enorm.variance_epsilon)
+        allowed = tril & real[:, None, :]
+        bias = _bias(allowed, x.dtype)
+        keys = _Block(real, rows, 0)
+        step = _Step(real, rows, st.position_ids, st.rot, st.rot.flatten(0, 1).index_select(0, rows), allowed,
+                     bias, keys, st.training, None)
+        y, _ = _as_forward(layer, _layer, mtp.first_layer + d - 1, x, bias, keys, step)
+        y = _norm(y, layer.shared_head.norm)
+        prev = keys.scatter(y)
+        # entry i of the window is position start - d + i
+        pos = rows % S
+        sel = (pos >= start - d).nonzero().squeeze(1)
+        flat = (rows // S * (S - start) + pos - (start - d)).index_select(0, sel)
+        z = F.linear(y.index_select(0, sel), head_w)
+        out.append(z.new_zeros(B * (S - start), z.shape[-1]).index_copy_(0, flat, z).view(B, S - start, -1))
+    return out
 
 
 def _layer(layer: torch.nn.Module, i: int, h: torch.Tensor, layer_bias: torch.Tensor | None, queries: _Block,
