@@ -27,6 +27,7 @@ from glmlight.models.gguf import prepare_model
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.lora import apply_lora
+from glmlight.models.mtp import attach_mtp
 from glmlight.models.warm_start import label_examples, supervised_warm_start
 from glmlight.rewards import task_reward
 from glmlight.run import Run, _resume_path, save_run_config, write_run_report  # noqa: F401 - re-exported
@@ -302,6 +303,14 @@ def build_policy(cfg: DictConfig, tokenizer: Any, source: PromptSource | None = 
         source = source if source is not None else build_sources(cfg.task, cfg.seed)[0]
         reward = reward if reward is not None else task_reward(cfg.task, source)
         warm_start(cfg, policy, tokenizer, source, _datamodule_factory(cfg, policy, tokenizer, source, reward))
+    # the MTP layers (after the warm start, which trains the main model only): the checkpoint's, or fresh ones
+    layers = m.mtp.layers
+    if layers is None and (m.lora.rank > 0 or cfg.trainer.strategy in ("fsdp", "deepspeed")):
+        if getattr(policy.config, "num_nextn_predict_layers", 0) and m.path:
+            log.info("%s: its MTP layers are not kept with model.lora / trainer.strategy=%s", m.path,
+                     cfg.trainer.strategy)
+        layers = 0
+    attach_mtp(policy, layers, path=m.path, seed=m.seed)
     return policy
 
 

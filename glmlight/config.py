@@ -92,6 +92,21 @@ class GGUFConfig:
 
 
 @dataclass
+class MtpConfig:
+    """Multi-token prediction layers (DeepSeek-V3 sec. 2.2, as GLM-4.5 and later ship them; docs/models.md):
+    kept beside the policy, trained online with algo.mtp_loss_coef, checkpointed, synced and exported under
+    the names SGLang's and vLLM's MTP loaders read (`model.layers.{num_hidden_layers + k}.*`)."""
+
+    # None: the checkpoint's own (config.json's num_nextn_predict_layers, their weights loaded; none for the
+    # tiny GLM-5); N: N layers, the checkpoint's first N where it has them, freshly initialised from model.seed
+    # beyond; 0: none (a checkpoint's MTP weights are not loaded)
+    layers: Optional[int] = None
+
+
+ranges(MtpConfig, layers=">= 0")
+
+
+@dataclass
 class ModelConfig:
     # a local Hugging Face checkpoint, or a GGUF file (converted once into gguf.cache_dir); None = the tiny
     # GLM-5 default, or the GGUF of gguf.package
@@ -113,6 +128,7 @@ class ModelConfig:
     gguf: GGUFConfig = field(default_factory=GGUFConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    mtp: MtpConfig = field(default_factory=MtpConfig)
 
 
 ranges(ModelConfig, index_topk=">= 1", n_routed_experts=">= 1", num_experts_per_tok=">= 1", seed=SEED)
@@ -163,12 +179,18 @@ class AlgoConfig:
     # log-probs, update, reference, same-architecture teachers): "routing" = the experts each MoE layer
     # chose, "index" = the keys each DSA indexer selected, "both", or "none" (docs/contracts.md).
     replay: str = "none"
+    # The multi-token prediction loss (a policy with MTP layers, model.mtp): each depth's cross-entropy on the
+    # response tokens it predicts over the minibatch's trained tokens, averaged over depths, times this, added to
+    # the policy's loss; its gradient reaches only the MTP layers (RLModule.mtp_loss). slime's
+    # --mtp-loss-scaling-factor default; 0 = the MTP layers are kept but not trained.
+    mtp_loss_coef: float = 0.2
 
 
 ranges(AlgoConfig, lr=">= 0", weight_decay=">= 0", betas="[0, 1)", warmup_steps=">= 0", min_lr_ratio="[0, 1]",
        grad_clip=">= 0", ppo_epochs=">= 1", num_minibatches=">= 1", micro_batch_size=">= 1", loss_agg_constant="> 0",
        eps_low="[0, 1]", eps_high=">= 0", dual_clip_c="> 1", dis_eps_low="[0, 1]", dis_eps_high=">= 0",
-       entropy_coef=">= 0", kl_coef=">= 0", max_nonfinite_steps=">= 1", micro_batch_tokens=">= 1")
+       entropy_coef=">= 0", kl_coef=">= 0", max_nonfinite_steps=">= 1", micro_batch_tokens=">= 1",
+       mtp_loss_coef=">= 0")
 
 
 @dataclass

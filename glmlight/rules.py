@@ -55,6 +55,11 @@ def check_rules(cfg: DictConfig) -> None:
     if (OmegaConf.select(cfg, "model.lora.rank") or 0) > 0 and strategy in ("fsdp", "deepspeed"):
         raise ConfigError(f"config error: model.lora with trainer.strategy={strategy} is not supported (LoRA trains "
                           "a few adapters: use trainer.strategy=ddp or auto)")
+    if (OmegaConf.select(cfg, "model.mtp.layers") or 0) > 0 and (
+            (OmegaConf.select(cfg, "model.lora.rank") or 0) > 0 or strategy in ("fsdp", "deepspeed")):
+        what = "model.lora" if (OmegaConf.select(cfg, "model.lora.rank") or 0) > 0 else f"trainer.strategy={strategy}"
+        raise ConfigError(f"config error: model.mtp.layers with {what} is not supported (the MTP layers train beside "
+                          "a whole, unsharded policy: no LoRA, trainer.strategy=auto or ddp)")
     if OmegaConf.select(cfg, "rollout.compile") and OmegaConf.select(cfg, "rollout.backend") != "local":
         raise ConfigError(f"config error: rollout.compile is for the embedded engine (rollout=local); "
                           f"{OmegaConf.select(cfg, 'rollout.backend')} servers capture their own graphs")

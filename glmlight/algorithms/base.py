@@ -8,7 +8,8 @@ One training step = one rollout batch, read top to bottom in glmlight/algorithms
                ─► ppo_epochs × num_minibatches optimizer steps (micro-batched)
 
 Subclasses implement `compute_advantages` and may add loss terms through
-`extra_loss`. `trainer.max_steps` in the config counts RL steps; Lightning's
+`extra_loss`. A policy with MTP layers (model.mtp) also trains them with `mtp_loss`, whose gradient reaches
+only them (docs/models.md). `trainer.max_steps` in the config counts RL steps; Lightning's
 global_step counts optimizer steps (`optimizer_steps_per_rl_step` per RL step).
 """
 
@@ -33,8 +34,10 @@ from glmlight.config import AlgoConfig
 from glmlight.distributed import all_reduce_gradients, clip_grad_norm, global_sums, grad_scale, grads_finite
 from glmlight.hooks import EvalTarget, with_hook
 from glmlight.models.lora import check_trainable_state, is_lora, keep_trainable_state
+from glmlight.models.mtp import mtp_of, num_mtp_layers
 from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
+from glmlight.ops.mtp import mtp_loss_terms, mtp_mask
 from glmlight.ops.policy_loss import ppo_clip_loss
 from glmlight.ops.reduce import aggregate_loss, masked_mean
 from glmlight.ops.schedule import lr_lambda
@@ -79,6 +82,9 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         self._reference_is_base = cfg.kl_coef > 0 and self.lora
         if self.lora:
             self.strict_loading = False  # checkpoints hold the adapters, not the frozen base
+        # The MTP layers (`glmlight.models.mtp`): trained with algo.mtp_loss_coef beside the policy loss, on a
+        # gradient path of their own (glmlight/models/glm5/forward.py, `forward_logits_mtp`)
+        self.mtp_coef = float(getattr(cfg, "mtp_loss_coef", 0.0)) if num_mtp_layers(policy) else 0.0
         if cfg.kl_coef > 0 and not self.lora:
             ref = copy.deepcopy(policy).eval()
             ref.requires_grad_(False)
@@ -236,6 +242,7 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         normalisers but run no forward; statistics are means over the rows that ran."""
         opt.zero_grad(set_to_none=True)
         params = [p for p in model.parameters() if p.requires_grad]
+        mtp_params = self.mtp_parameters() if model is self.policy else []
         if skip:
             return self._step_without_update(opt, sched)
         totals: dict[str, float] = {}
@@ -278,7 +285,13 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
                                          "stopping (lower the learning rate or check rewards and data)")
             return {**self._step_without_update(opt, sched), "train/skipped_nonfinite": 1.0}
         self._nonfinite_streak = 0
-        grad_norm = clip_grad_norm(params, self.cfg.grad_clip or float("inf"))
+        clip = self.cfg.grad_clip or float("inf")
+        if mtp_params:  # each clipped by its own norm: the MTP loss leaves the policy's update as it is
+            mtp_ids = {id(p) for p in mtp_params}
+            grad_norm = clip_grad_norm([p for p in params if id(p) not in mtp_ids], clip)
+            totals["train/mtp_grad_norm"] = float(clip_grad_norm(mtp_params, clip))
+        else:
+            grad_norm = clip_grad_norm(params, clip)
         opt.step()
         if sched is not None:
             sched.step()
@@ -287,9 +300,36 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
                        "train/skipped_nonfinite": 0.0})
         return totals
 
+    def mtp_parameters(self) -> list[torch.nn.Parameter]:
+        """The policy's trainable MTP parameters (none without MTP layers)."""
+        mtp = mtp_of(self.policy)
+        return [p for p in mtp.parameters() if p.requires_grad] if mtp is not None else []
+
+    def mtp_loss(self, mb: Experience, mtp_logits: list[torch.Tensor],
+                 scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The MTP loss of a micro-batch: depth d's cross-entropy summed over the response tokens it predicts
+        (`glmlight.ops.mtp.mtp_mask`: those the policy's loss counts), over the minibatch's trained tokens,
+        averaged over depths (so the micro-batches add up to a token mean). Statistics: the micro-batch's
+        token-mean cross-entropy (`train/mtp_loss`) and argmax accuracy per depth (`train/mtp_accuracy@d`)."""
+        total = mb.loss_mask.new_zeros((), dtype=torch.float32)
+        stats: dict[str, torch.Tensor] = {}
+        ce_means = []
+        for d, logits in enumerate(mtp_logits, start=1):
+            mask = mtp_mask(mb.loss_mask, mb.attention_mask, mb.prompt_length, d)
+            ce, correct, n = mtp_loss_terms(logits, mb.response_ids, mask)
+            total = total + ce / max(scale["total_tokens"], 1.0)
+            ce_means.append(ce.detach() / n.clamp(min=1))
+            stats[f"train/mtp_accuracy@{d}"] = correct / n.clamp(min=1)
+        stats["train/mtp_loss"] = torch.stack(ce_means).mean()
+        return total / len(mtp_logits), stats
+
     def micro_batch_loss(self, mb: Experience, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
-        logits = self.forward_logits(self.policy, mb)
+        mtp_logits = None
+        if self.mtp_coef:
+            logits, mtp_logits = self.forward_logits_mtp(self.policy, mb)
+        else:
+            logits = self.forward_logits(self.policy, mb)
         logprobs = self.logprobs(logits, mb.response_ids, mb)
         mask = mb.loss_mask
         pg, stats = self.policy_loss(mb, logprobs)
@@ -311,6 +351,10 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         extra, extra_stats = self.extra_loss(mb, logits, logprobs, mask, scale)
         stats.update(extra_stats)
         stats["train/pg_loss"] = loss.detach()
+        if mtp_logits is not None:
+            mtp, mtp_stats = self.mtp_loss(mb, mtp_logits, scale)
+            stats.update(mtp_stats)
+            extra = extra + self.mtp_coef * mtp
         return loss + extra, {k: torch.as_tensor(v).detach().float() for k, v in stats.items()}
 
     def policy_loss(self, mb: Experience, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -37,9 +37,10 @@ class GRPO(RLModule):
     def rows_without_gradient(self, mb: Experience) -> torch.Tensor | None:
         """Rows whose advantages are all 0 (a group whose rewards are all equal): the PPO / DIS per-token
         loss is the advantage times a finite factor, so with no KL, entropy or extra term such a row's
-        loss and gradient are exactly zero (Shao et al. 2024, eq. 3 with Â = 0)."""
+        loss and gradient are exactly zero (Shao et al. 2024, eq. 3 with Â = 0). With an MTP loss every row
+        runs (the MTP layers learn from every rollout token; the policy's gradient is the same)."""
         cfg = self.cfg
         if (not cfg.skip_zero_advantage_rows or mb.advantages is None or mb.ref_logprobs is not None
-                or cfg.entropy_coef or type(self).extra_loss is not RLModule.extra_loss):
+                or cfg.entropy_coef or type(self).extra_loss is not RLModule.extra_loss or self.mtp_coef):
             return None
         return (mb.advantages == 0).all(-1)

@@ -24,6 +24,7 @@ from glmlight.models import shared_prompt
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.glm5.replay import transformers_replay
 from glmlight.models.lora import base_model_context
+from glmlight.models.mtp_forward import hf_forward_logits_mtp
 from glmlight.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from glmlight.sample import Experience
 
@@ -88,6 +89,21 @@ class PolicyScoring:
         # (with logits_to_keep, the LM head runs on positions P-1.. only: a large vocabulary's logits of the
         # prompt positions would cost as much as a few layers, for nothing)
         return out.logits[:, -(exp.input_ids.shape[1] - P + 1) : -1]
+
+    def forward_logits_mtp(self, model: torch.nn.Module, exp: Experience) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward_logits` of a model with MTP layers (`glmlight.models.mtp`), and each MTP depth d's logits over
+        the same responses, [B, T, V]: entry j predicts response token j from position P + j - d - 1
+        (`glmlight.ops.mtp.mtp_mask` says which count). The MTP logits' gradient reaches the MTP layers only."""
+        P = exp.prompt_length
+        replay = replay_.replay_for(self.replay_mode if model is self.policy else "none", model, exp, None)
+        if self.use_glm_forward and glm_forward.supports(model):
+            logits, mtp = glm_forward.forward_logits_mtp(model, exp.input_ids, exp.attention_mask, exp.position_ids,
+                                                         start=P - 1, replay=replay)
+        else:
+            with transformers_replay(model, replay):
+                logits, mtp = hf_forward_logits_mtp(model, exp.input_ids, exp.attention_mask, exp.position_ids,
+                                                    start=P - 1)
+        return logits[:, :-1], [z[:, :-1] for z in mtp]
 
     def _shared_prompt_forward(self, model: torch.nn.Module, exp: Experience):
         """`shared_prompt.plan` when `algo.share_prompt_forward` is on and the models are not FSDP-sharded."""

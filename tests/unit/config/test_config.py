@@ -71,6 +71,17 @@ def test_dual_clip_with_dis_is_refused():
     assert validate({"algo": {"name": "grpo", "dual_clip_c": 3.0}}).algo.dual_clip_c == 3.0
 
 
+@pytest.mark.parametrize("other, what", [({"model": {"lora": {"rank": 8}}}, "model.lora"),
+                                         ({"trainer": {"strategy": "fsdp"}}, "trainer.strategy=fsdp"),
+                                         ({"trainer": {"strategy": "deepspeed"}}, "trainer.strategy=deepspeed")])
+def test_mtp_layers_with_lora_or_a_sharded_policy_are_refused(other, what):
+    with pytest.raises(ConfigError, match=f"config error: model.mtp.layers with {what} is not supported"):
+        validate({"model": {"mtp": {"layers": 1}}, **other} if "model" not in other else
+                 {"model": {"mtp": {"layers": 1}, **other["model"]}})
+    validate({"model": {"mtp": {"layers": 0}}, **other})
+    assert validate({}).model.mtp.layers is None and validate({}).algo.mtp_loss_coef == 0.2
+
+
 def test_task_subtraction_is_arithmetic_with_minus():
     from glmlight import compose
     from glmlight.builder import build_sources
