@@ -109,6 +109,7 @@ class TurnRequest:
     tools: list[ToolSpec] = field(default_factory=list)
     tool_choice: str = "auto"  # auto | none | required (the turn starts a tool call)
     tool_name: str | None = None  # with required: the tool the call is of (None: any of `tools`)
+    tool_named: bool = False  # the request's tool_choice named that tool (not `required` of a single tool)
     prefill: Message | None = None  # the request's final assistant message, which the turn continues
     max_tokens: int | None = None
     temperature: float | None = None

@@ -4,7 +4,8 @@ reference, "Create chat completion" and "The chat completion chunk object").
 Served: messages (system, developer, user, assistant with `tool_calls`, tool; text content, as a
 string or text parts; a final assistant message is continued, as Anthropic's prefill), `tools` of type
 function (`strict`: only calls whose arguments conform are returned), `tool_choice` auto, none,
-required or a named function (the turn starts with the template's tool-call opening, forced),
+required or a named function (the turn starts with the template's tool-call opening, forced; a call of
+the named function finishes with `finish_reason: "stop"`, as OpenAI answers it, not "tool_calls"),
 `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop`, `stream` (true, false or null;
 server-sent events, ending with `data: [DONE]`; `stream_options.include_usage`). Refused with a 400 in
 the wire's error form: `n` > 1, `logprobs` / `top_logprobs`, non-zero penalties, `logit_bias`, a
@@ -145,9 +146,11 @@ def parse_request(body: Any) -> TurnRequest:
     messages, prefill = split_prefill([_message(m, i) for i, m in enumerate(msgs)])
     tools = _tools(body.get("tools"))
     label = f"tool_choice={body.get('tool_choice')!r}" if name is None else "a tool_choice that names a function"
+    named = name is not None
     kind, name = forced_choice(kind, name, tools, prefill, label, "function")
     return TurnRequest(
-        messages=messages, tools=tools, tool_choice=kind, tool_name=name, prefill=prefill, max_tokens=max_tokens,
+        messages=messages, tools=tools, tool_choice=kind, tool_name=name, tool_named=named, prefill=prefill,
+        max_tokens=max_tokens,
         temperature=number(body, "temperature", 0.0, 2.0), top_p=top_p, stop=stop, stream=bool(body.get("stream")),
         model=str(body.get("model") or ""),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")))
@@ -158,8 +161,13 @@ def _calls(result: TurnResult) -> list[dict[str, Any]]:
             for c in result.tool_calls]
 
 
-def _finish(result: TurnResult) -> str:
-    return "stop" if result.finish == "stop_sequence" else result.finish
+def _finish(result: TurnResult, req: TurnRequest) -> str:
+    """The choice's finish_reason. A call of the function the request's tool_choice named finishes with "stop":
+    OpenAI answers a named tool_choice so (the openai package documents "tool_calls" for a model that called a
+    tool; OpenAI's own answer for a named function is "stop", and vLLM's server answers the same)."""
+    if result.finish == "stop_sequence" or result.finish == "tool_calls" and req.tool_named:
+        return "stop"
+    return result.finish
 
 
 def _usage(result: TurnResult) -> dict[str, int]:
@@ -167,17 +175,17 @@ def _usage(result: TurnResult) -> dict[str, int]:
             "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 
-def response(result: TurnResult, model: str) -> dict[str, Any]:
+def response(result: TurnResult, model: str, req: TurnRequest) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant",
                                "content": result.content if result.content or not result.tool_calls else None}
     if result.tool_calls:
         message["tool_calls"] = _calls(result)
     return {"id": f"chatcmpl-{result.episode}-{result.turn}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": message, "logprobs": None,
-                                         "finish_reason": _finish(result)}], "usage": _usage(result)}
+                                         "finish_reason": _finish(result, req)}], "usage": _usage(result)}
 
 
-def stream(result: TurnResult, model: str, include_usage: bool) -> list[bytes]:
+def stream(result: TurnResult, model: str, req: TurnRequest) -> list[bytes]:
     """The turn as server-sent events (the turn is generated whole, then sent)."""
     head = {"id": f"chatcmpl-{result.episode}-{result.turn}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": model}
@@ -189,8 +197,8 @@ def stream(result: TurnResult, model: str, include_usage: bool) -> list[bytes]:
     text = result.content
     events += [chunk({"content": text[i:i + 16]}) for i in range(0, len(text), 16)]
     events += [chunk({"tool_calls": [{"index": i, **c}]}) for i, c in enumerate(_calls(result))]
-    events.append(chunk({}, _finish(result)))
-    if include_usage:
+    events.append(chunk({}, _finish(result, req)))
+    if req.include_usage:
         events.append({**head, "choices": [], "usage": _usage(result)})
     return [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
 

@@ -157,14 +157,14 @@ class GatewayServer:
         """Send the turn. A client gone before the whole answer was written (disconnected, timed out) never
         received it: the turn is withdrawn from the episode's record (`GatewayEpisode.withdraw`)."""
         model = req.model or self.model_name
+        # the OpenAI wires' answers depend on the request (a Responses answer repeats its settings; Chat
+        # Completions' finish_reason, on a named tool_choice); Anthropic's on the turn alone
         if req.stream:
-            events = (openai_wire.stream(result, model, req.include_usage) if wire is openai_wire
-                      else responses_wire.stream(result, model, req) if wire is responses_wire
-                      else anthropic_wire.stream(result, model))
+            events = anthropic_wire.stream(result, model) if wire is anthropic_wire else wire.stream(result, model, req)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        else:  # a Responses answer repeats the request's settings
-            body = (responses_wire.response(result, model, req) if wire is responses_wire
-                    else wire.response(result, model))
+        else:
+            body = (anthropic_wire.response(result, model) if wire is anthropic_wire
+                    else wire.response(result, model, req))
             events, resp = [], web.json_response(body)
         try:
             if _gone(request):

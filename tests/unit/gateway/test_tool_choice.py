@@ -3,7 +3,8 @@
 appended to the turn's context as forced tokens, context and not action; the model samples the rest. Under
 each chat template the episode stays the template's rendering of the conversation token for token, the
 agent gets a structured call, an answer that is no call is answered as text and counted, and the trainer
-scores the sampled tokens at the engine's own log-probs."""
+scores the sampled tokens at the engine's own log-probs. A named function's call finishes with "stop" on
+Chat Completions, as OpenAI answers it."""
 
 import json
 import os
@@ -122,7 +123,8 @@ def test_forced_calls_are_the_templates_rendering_turn_by_turn(name):
     (ge,) = GatewayRollout(engine, tok, GatewayOptions(agent=agent), params, 4, 2048, counts).run(
         [Prompt(messages=[{"role": "user", "content": "2*3?"}])])
     assert ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and ge.ep.turns == 3, ge.failure
-    assert seen[0][0] == "tool_calls" and seen[0][2] == [("calc", {"expr": "2*3"})]
+    # a named function's call finishes with "stop", as OpenAI answers it; required's with "tool_calls"
+    assert seen[0][0] == "stop" and seen[0][2] == [("calc", {"expr": "2*3"})]
     assert seen[1][0] == "tool_calls" and seen[1][2] == [("est", {"expr": "2*3"})]
     assert seen[2][2] == [] and seen[2][1].endswith("It is 6.")
     assert counts["gateway_forced_calls"] == 2 and counts["gateway_forced_unparsed"] == 0
@@ -218,6 +220,38 @@ def test_forced_choices_the_gateway_cannot_serve_are_refused_in_the_wires_form(w
     with pytest.raises(WireError) as e:
         parse({"messages": messages, "max_tokens": 8, **kw})
     assert e.value.status == 400 and needle in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_functions_call_finishes_with_stop_as_openai_answers_it(stream):
+    """Chat Completions: OpenAI answers a call of the function `tool_choice` names with finish_reason "stop"
+    (not "tool_calls"); `required` and `auto` calls finish with "tool_calls". Streamed and not, read by the
+    openai client as its ChatCompletion / ChatCompletionChunk types."""
+    tok = TEMPLATES["tiny"]()
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    engine = ScriptedEngine([(ids(REST["tiny"][0]) + [tok.eos_token_id], "stop"),
+                             (ids(REST["tiny"][1]) + [tok.eos_token_id], "stop"),
+                             (ids("est: 2*3") + [tok.eos_token_id], "stop")])
+    seen = []
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            for choice in ({"type": "function", "function": {"name": "calc"}}, "required", "auto"):
+                kw = dict(model="m", messages=task.messages, tools=TOOLS, tool_choice=choice)
+                if stream:
+                    chunks = list(c.chat.completions.create(stream=True, **kw))
+                    calls = [d.function.name for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
+                    seen.append(([ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason], calls))
+                else:
+                    r = c.chat.completions.create(**kw)
+                    calls = [t.function.name for t in r.choices[0].message.tool_calls]
+                    seen.append(([r.choices[0].finish_reason], calls))
+
+    params = lambda n: SamplingParams(max_new_tokens=64, stop_token_ids=stop_token_ids(tok))  # noqa: E731
+    (ge,) = GatewayRollout(engine, tok, GatewayOptions(agent=agent), params, 4, 2048, Counter()).run(
+        [Prompt(messages=[{"role": "user", "content": "2*3?"}])])
+    assert ge.ep.status is Status.COMPLETED, ge.failure
+    assert seen == [(["stop"], ["calc"]), (["tool_calls"], ["est"]), (["tool_calls"], ["est"])]
 
 
 def _forced_agent(turns):
