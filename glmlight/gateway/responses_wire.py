@@ -6,13 +6,14 @@ system or developer; content a string or `input_text` / `output_text` parts), `f
 (an assistant turn's calls: they join the assistant message item before them, as the gateway's own
 answers list them) and `function_call_output` items (tool results); `instructions` (a system message
 first); function `tools` in the Responses form (`{type: function, name, description, parameters,
-strict}`), `tool_choice` auto or none, `max_output_tokens`, `temperature`, `top_p`, `stream`
-(server-sent events, each with its `sequence_number`: response.created, response.in_progress, per
-output item output_item.added, its text part's or arguments' events, output_item.done, then
-response.completed). `usage` carries input, output and total tokens with their details objects. A turn
-cut at the token budget (the request's `max_output_tokens` or the run's per-turn budget) is
-`status: incomplete` with `incomplete_details.reason: max_output_tokens`, as the API reports it, and the
-stream ends with response.incomplete.
+strict}`; `strict: true`: only calls whose arguments conform are returned), `tool_choice` auto or none,
+`max_output_tokens`, `temperature`, `top_p`, `stream` (server-sent events, each with its
+`sequence_number`: response.created, response.in_progress, per output item output_item.added, its text
+part's or arguments' events, output_item.done, then response.completed). `usage` carries input, output
+and total tokens with their details objects. A turn cut at the token budget (the request's
+`max_output_tokens` or the run's per-turn budget) is `status: incomplete` with
+`incomplete_details.reason: max_output_tokens`, as the API reports it, and the stream ends with
+response.incomplete.
 
 Refused with a 400 in the wire's error form: `previous_response_id` and `conversation` (the gateway
 keeps no responses: send the whole conversation, as the Agents SDK and pydantic-ai do by default),
@@ -20,10 +21,11 @@ keeps no responses: send the whole conversation, as the Agents SDK and pydantic-
 (the gateway never produces either), content other than text, tools other than functions, a forced
 `tool_choice` (`required`, a named function, allowed tools), a `text.format` other than text, and
 log-probs (`top_logprobs`, `include` of `message.output_text.logprobs`). Ignored: `store` (nothing is
-stored), `parallel_tool_calls` and `metadata` (echoed), a tool's `strict` (echoed; the output is not
-constrained), `reasoning`, `truncation`, the rest of `include`, `user`, `safety_identifier`,
-`service_tier`, `prompt_cache_key` / `_retention` / `_options`, `max_tool_calls`, `stream_options`,
-`text.verbosity`, and fields this module does not know.
+stored), `parallel_tool_calls` and `metadata` (echoed), `reasoning`, `truncation`, the rest of `include`,
+`user`, `safety_identifier`, `service_tier`, `prompt_cache_key` / `_retention` / `_options`,
+`max_tool_calls`, `stream_options`, `text.verbosity`, and fields this module does not know. A tool that
+omits `strict` is not strict here: OpenAI's Responses API makes such a tool strict and rewrites its schema
+into strict form (no additional properties, every property required); the gateway rewrites no schema.
 
 The answer repeats some of the request's settings (tools, tool_choice, parallel_tool_calls, ...), so
 `response` and `stream` take the parsed request, a `ResponsesRequest`, beside the turn's result.
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glmlight.gateway.messages import (Message, ToolCall, ToolSpec, TurnRequest, TurnResult, bad_request,
-                                       number)
+                                       number, tool_spec)
 from glmlight.gateway.openai_wire import error_body  # noqa: F401 - the OpenAI API's error form, one for both wires
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -133,7 +135,7 @@ def _tools(tools: Any) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
             kind = t.get("type") if isinstance(t, dict) else type(t).__name__
             raise bad_request(f"tools[{j}]: only function tools ({{type: function, name, parameters}}) are "
                               f"supported, got {kind!r}")
-        spec = ToolSpec(t["name"], str(t.get("description") or ""), t.get("parameters") or {})
+        spec = tool_spec(t["name"], t.get("description"), t.get("parameters"), t.get("strict"), f"tools[{j}]")
         specs.append(spec)
         echo.append({"type": "function", "name": spec.name, "description": spec.description or None,
                      "parameters": spec.parameters, "strict": t.get("strict")})

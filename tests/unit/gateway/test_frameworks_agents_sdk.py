@@ -117,6 +117,7 @@ def test_default_path_tool_call_round_trip(tokenizer, monkeypatch, agent):
     # the request fields it sends on this path (docs/agents.md, the frameworks tested)
     sent = ["include", "input", "instructions", "model", "tools"] + ["stream"] * (agent is run_responses_streamed)
     assert [sorted(b) for b in bodies] == [sorted(sent)] * 2
+    assert [t.get("strict") for b in bodies for t in b["tools"]] == [True] * 2  # strict: honoured (docs/agents.md)
     assert [i.get("type", "message") for i in bodies[1]["input"]] == ["message", "function_call",
                                                                       "function_call_output"]
 

@@ -1,7 +1,8 @@
 """The agent gateway's OpenAI Responses wire (POST /v1/responses, glmlight/gateway/responses_wire.py): its
 answers and stream events validated as the `openai` package's own pydantic types, driven by the official
 `openai` client, streamed and not; its episodes token for token the Chat Completions wire's and the
-calculator environment's; the requests it refuses, each in the wire's error form."""
+calculator environment's; `strict` tools, as on the other wires; the requests it refuses, each in the wire's
+error form."""
 
 import json
 
@@ -18,7 +19,10 @@ from glmlight.engines.local.engine import LocalEngine
 from glmlight.gateway import responses_wire
 from glmlight.gateway.messages import Message, ToolCall, WireError
 from glmlight.sample import Status
+from tests.support.chat_templates import TOKENIZERS
 from tests.unit.gateway.test_gateway import Recorder, _check_record, _example, _greedy, _prompt, _rollout
+from tests.unit.gateway.test_gateway_wire import _ids
+from tests.unit.gateway.test_gateway_wire import _rollout as _scripted
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 TOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
@@ -202,6 +206,10 @@ def test_a_turn_cut_at_the_budget_is_incomplete(tokenizer, stream):
     ({"input": "hi", "tool_choice": {"type": "function", "name": "calc"}}, "tool_choice={'type': 'function'"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]: only function tools"),
     ({"input": "hi", "tools": [{"type": "function", "function": {"name": "calc"}}]}, "tools[0]: only function tools"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "calc", "parameters": {"type": "objectt"},
+                                "strict": True}]}, "tools[0]: strict: true needs a valid JSON schema"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "calc", "parameters": {}, "strict": "yes"}]},
+     "tools[0].strict must be true or false, got 'yes'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]: only text parts (input_text, output_text) are supported, got 'input_image'"),
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0]: reasoning items are not supported"),
@@ -269,3 +277,33 @@ def test_a_refused_request_is_a_400_in_the_wire_form_and_fails_the_episode(token
     assert status == 400 and retry == "false" and body["type"] == "invalid_request_error"
     assert body["message"].startswith("previous_response_id is not supported")
     assert ge.ep.status is Status.FAILED and ge.failure[0] == "bad_request"
+
+
+# ----------------------------------------------------------------- strict tools
+def test_a_strict_tool_gets_only_calls_that_conform():
+    """A function tool with `strict: true` (the Agents SDK's default): a call whose arguments do not conform to
+    its schema is answered as text (a message item, no function_call), as an unparseable call is, and
+    counted; with `strict: false` the same call is returned; the answer repeats each tool's `strict`."""
+    tok = TOKENIZERS["tiny"]()
+    strict = {"type": "function", "name": "calc", "description": "exact value", "strict": True, "parameters": {
+        "type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"],
+        "additionalProperties": False}}
+    loose = {**strict, "strict": False}
+    bad = 'calc: {"expr": "2*3", "extra": 1}'
+    answers = [(_ids(tok, bad) + [tok.eos_token_id], "stop"), (_ids(tok, bad) + [tok.eos_token_id], "stop"),
+               (_ids(tok, "calc: 2*3") + [tok.eos_token_id], "stop")]
+    got = []
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            for tool in (strict, loose, strict):
+                body = c.responses.with_raw_response.create(model="m", input=task.messages,
+                                                            tools=[tool]).http_response.json()
+                r = Response.model_validate(body)
+                got.append((body["tools"][0]["strict"], r.output_text,
+                            [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]))
+
+    ge, _, counts = _scripted(tok, answers, agent)
+    assert got == [(True, bad, []), (False, "", [("calc", {"expr": "2*3", "extra": 1})]),
+                   (True, "", [("calc", {"expr": "2*3"})])]
+    assert counts["gateway_strict_mismatch"] == 1 and ge.ep.status is Status.COMPLETED
