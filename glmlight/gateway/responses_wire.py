@@ -4,28 +4,31 @@
 Served: `input` as a string (one user message) or a list of items: messages (role user, assistant,
 system or developer; content a string or `input_text` / `output_text` parts), `function_call` items
 (an assistant turn's calls: they join the assistant message item before them, as the gateway's own
-answers list them) and `function_call_output` items (tool results); `instructions` (a system message
-first); function `tools` in the Responses form (`{type: function, name, description, parameters,
-strict}`; `strict: true`: only calls whose arguments conform are returned), `tool_choice` auto or none,
-`max_output_tokens`, `temperature`, `top_p`, `stream` (server-sent events, each with its
-`sequence_number`: response.created, response.in_progress, per output item output_item.added, its text
-part's or arguments' events, output_item.done, then response.completed). `usage` carries input, output
-and total tokens with their details objects. A turn cut at the token budget (the request's
-`max_output_tokens` or the run's per-turn budget) is `status: incomplete` with
-`incomplete_details.reason: max_output_tokens`, as the API reports it, and the stream ends with
-response.incomplete.
+answers list them) and `function_call_output` items (tool results); an assistant message item right
+after another joins it too (one answer: a prefill and its continuation, as a client appends them); a
+final assistant message is continued, as on the other wires (the prefill: the answer's message item
+holds only the continuation); `instructions` (a system message first); function `tools` in the
+Responses form (`{type: function, name, description, parameters, strict}`; `strict: true`: only calls
+whose arguments conform are returned), `tool_choice` auto or none, `max_output_tokens`, `temperature`,
+`top_p`, `stream` (server-sent events, each with its `sequence_number`: response.created,
+response.in_progress, per output item output_item.added, its text part's or arguments' events,
+output_item.done, then response.completed). `usage` carries input, output and total tokens with their
+details objects. A turn cut at the token budget (the request's `max_output_tokens` or the run's per-turn
+budget) is `status: incomplete` with `incomplete_details.reason: max_output_tokens`, as the API reports
+it, and the stream ends with response.incomplete.
 
 Refused with a 400 in the wire's error form: `previous_response_id` and `conversation` (the gateway
 keeps no responses: send the whole conversation, as the Agents SDK and pydantic-ai do by default),
 `background`, `prompt` templates, `context_management`, `reasoning` and `item_reference` input items
 (the gateway never produces either), content other than text, tools other than functions, a forced
-`tool_choice` (`required`, a named function, allowed tools), a `text.format` other than text, and
-log-probs (`top_logprobs`, `include` of `message.output_text.logprobs`). Ignored: `store` (nothing is
-stored), `parallel_tool_calls` and `metadata` (echoed), `reasoning`, `truncation`, the rest of `include`,
-`user`, `safety_identifier`, `service_tier`, `prompt_cache_key` / `_retention` / `_options`,
-`max_tool_calls`, `stream_options`, `text.verbosity`, and fields this module does not know. A tool that
-omits `strict` is not strict here: OpenAI's Responses API makes such a tool strict and rewrites its schema
-into strict form (no additional properties, every property required); the gateway rewrites no schema.
+`tool_choice` (`required`, a named function, allowed tools), a final `function_call` item (its output
+comes first), a `text.format` other than text, and log-probs (`top_logprobs`, `include` of
+`message.output_text.logprobs`). Ignored: `store` (nothing is stored), `parallel_tool_calls` and
+`metadata` (echoed), `reasoning`, `truncation`, the rest of `include`, `user`, `safety_identifier`,
+`service_tier`, `prompt_cache_key` / `_retention` / `_options`, `max_tool_calls`, `stream_options`,
+`text.verbosity`, and fields this module does not know. A tool that omits `strict` is not strict here:
+OpenAI's Responses API makes such a tool strict and rewrites its schema into strict form (no additional
+properties, every property required); the gateway rewrites no schema.
 
 The answer repeats some of the request's settings (tools, tool_choice, parallel_tool_calls, ...), so
 `response` and `stream` take the parsed request, a `ResponsesRequest`, beside the turn's result.
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glmlight.gateway.messages import (Message, ToolCall, ToolSpec, TurnRequest, TurnResult, bad_request,
-                                       number, tool_spec)
+                                       number, split_prefill, tool_spec)
 from glmlight.gateway.openai_wire import error_body  # noqa: F401 - the OpenAI API's error form, one for both wires
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -81,7 +84,9 @@ def _call(item: dict[str, Any], where: str) -> ToolCall:
 
 def _messages(items: Any) -> list[Message]:
     """The conversation of `input`. A function_call item joins the assistant message just before it (the
-    text and calls of one answer, as `response` lists them); without one it opens an assistant message."""
+    text and calls of one answer, as `response` lists them); without one it opens an assistant message. An
+    assistant message item right after another (without calls) joins it, its text after the other's: a
+    prefill and the answer that continues it, as a client that appends the output items sends them."""
     if isinstance(items, str):
         return [Message("user", items)]
     if not isinstance(items, list) or not items:
@@ -97,7 +102,11 @@ def _messages(items: Any) -> list[Message]:
             role = item.get("role")
             if role not in _ROLES:
                 raise bad_request(f"{where}: role must be one of {sorted(_ROLES)}, got {role!r}")
-            out.append(Message(_ROLES[role], _text(item.get("content"), f"{where}.content")))
+            text = _text(item.get("content"), f"{where}.content")
+            if role == "assistant" and calls_join and not out[-1].tool_calls:
+                out[-1].content += text
+            else:
+                out.append(Message(_ROLES[role], text))
             calls_join = role == "assistant"
         elif kind == "function_call":
             call = _call(item, where)
@@ -185,12 +194,13 @@ def parse_request(body: Any) -> ResponsesRequest:
         raise bad_request("top_p must be in (0, 1]")
     temperature = number(body, "temperature", 0.0, 2.0)
     tools, tools_echo = _tools(body.get("tools"))
-    messages = _messages(body.get("input"))
+    messages, prefill = split_prefill(([Message("system", instructions)] if instructions else [])
+                                      + _messages(body.get("input")))
     metadata = body.get("metadata")
     return ResponsesRequest(
-        messages=([Message("system", instructions)] if instructions else []) + messages, tools=tools,
-        tool_choice=choice or "auto", max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-        stream=bool(body.get("stream", False)), model=str(body.get("model") or ""),
+        messages=messages, tools=tools, tool_choice=choice or "auto", prefill=prefill, max_tokens=max_tokens,
+        temperature=temperature, top_p=top_p, stream=bool(body.get("stream", False)),
+        model=str(body.get("model") or ""),
         echo={"instructions": instructions, "tools": tools_echo, "parallel_tool_calls": parallel,
               "max_output_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
               "metadata": metadata if isinstance(metadata, dict) else None})

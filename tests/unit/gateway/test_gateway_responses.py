@@ -1,8 +1,8 @@
 """The agent gateway's OpenAI Responses wire (POST /v1/responses, glmlight/gateway/responses_wire.py): its
 answers and stream events validated as the `openai` package's own pydantic types, driven by the official
 `openai` client, streamed and not; its episodes token for token the Chat Completions wire's and the
-calculator environment's; `strict` tools, as on the other wires; the requests it refuses, each in the wire's
-error form."""
+calculator environment's; a final assistant message continued (prefill) and `strict` tools, as on the other
+wires; the requests it refuses, each in the wire's error form."""
 
 import json
 
@@ -19,9 +19,9 @@ from glmlight.engines.local.engine import LocalEngine
 from glmlight.gateway import responses_wire
 from glmlight.gateway.messages import Message, ToolCall, WireError
 from glmlight.sample import Status
-from tests.support.chat_templates import TOKENIZERS
+from tests.support.chat_templates import TOKENIZERS, end_token
 from tests.unit.gateway.test_gateway import Recorder, _check_record, _example, _greedy, _prompt, _rollout
-from tests.unit.gateway.test_gateway_wire import _ids
+from tests.unit.gateway.test_gateway_wire import _ids, _open
 from tests.unit.gateway.test_gateway_wire import _rollout as _scripted
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -206,6 +206,9 @@ def test_a_turn_cut_at_the_budget_is_incomplete(tokenizer, stream):
     ({"input": "hi", "tool_choice": {"type": "function", "name": "calc"}}, "tool_choice={'type': 'function'"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]: only function tools"),
     ({"input": "hi", "tools": [{"type": "function", "function": {"name": "calc"}}]}, "tools[0]: only function tools"),
+    ({"input": [{"role": "user", "content": "2*3?"},
+                {"type": "function_call", "name": "calc", "call_id": "c", "arguments": "{}"}]},
+     "the request ends with an assistant message with tool calls"),
     ({"input": "hi", "tools": [{"type": "function", "name": "calc", "parameters": {"type": "objectt"},
                                 "strict": True}]}, "tools[0]: strict: true needs a valid JSON schema"),
     ({"input": "hi", "tools": [{"type": "function", "name": "calc", "parameters": {}, "strict": "yes"}]},
@@ -229,6 +232,22 @@ def test_refused_requests_name_what_is_refused(body, message):
     with pytest.raises(WireError) as e:
         responses_wire.parse_request(body)
     assert e.value.status == 400 and e.value.message.startswith(message), e.value.message
+
+
+def test_consecutive_assistant_message_items_are_one_message():
+    """An assistant message item right after another (a prefill, then the answer's output items as the client
+    appends them) joins it: one assistant message, their texts in order; a function_call after them joins
+    the same message."""
+    req = responses_wire.parse_request({"input": [
+        {"role": "user", "content": "2*3?"}, {"role": "assistant", "content": "It is"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": " 6"}]},
+        {"type": "function_call", "call_id": "c1", "name": "calc", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "6"},
+        {"role": "assistant", "content": "Yes"}, {"role": "user", "content": "ok"}]})
+    assert req.messages == [Message("user", "2*3?"), Message("assistant", "It is 6", [ToolCall("c1", "calc", {})]),
+                            Message("tool", "6", tool_call_id="c1"), Message("assistant", "Yes"),
+                            Message("user", "ok")]
+    assert req.prefill is None
 
 
 def test_input_items_become_the_shared_conversation():
@@ -277,6 +296,78 @@ def test_a_refused_request_is_a_400_in_the_wire_form_and_fails_the_episode(token
     assert status == 400 and retry == "false" and body["type"] == "invalid_request_error"
     assert body["message"].startswith("previous_response_id is not supported")
     assert ge.ep.status is Status.FAILED and ge.failure[0] == "bad_request"
+
+
+# ----------------------------------------------------------------- a final assistant message continued (prefill)
+@pytest.mark.parametrize("name", ["tiny", "smollm2", "glm45"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_final_assistant_message_is_continued_as_on_the_other_wires(name, stream):
+    """`input` ending with an assistant message: the model continues it (the context is the template's
+    rendering with that message open, as on the Chat Completions and Messages wires), the answer's message
+    item holds only the continuation, and the prefill is context. The client appends the output items after
+    its prefill item (consecutive assistant message items are one message), then a user turn and a new
+    prefill: the record extends, and each context is the template's rendering with its last message open."""
+    tok = TOKENIZERS[name]()
+    answers = [(_ids(tok, " 6") + [end_token(name, tok, "user")], "stop"),
+               (_ids(tok, " 12") + [end_token(name, tok, "user")], "stop")]
+    got = []
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            items = list(task.messages)
+            for prefill, follow in (("It is", "Double it?"), ("That is", None)):
+                items.append({"role": "assistant", "content": prefill})
+                if stream:
+                    with c.responses.with_streaming_response.create(model="m", input=items, stream=True) as raw:
+                        r = _validated(_sse(raw.iter_lines()))[-1].response
+                else:
+                    r = Response.model_validate(
+                        c.responses.with_raw_response.create(model="m", input=items).http_response.json())
+                got.append((r.status, [o.type for o in r.output], r.output_text))
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+                if follow:
+                    items.append({"role": "user", "content": follow})
+
+    ge, engine, _ = _scripted(tok, answers, agent)
+    conversation = [{"role": "user", "content": "2*3?"}, {"role": "assistant", "content": "It is"}]
+    first = _open(tok, conversation)
+    assert engine.contexts[0] == first, f"{tok.decode(engine.contexts[0])!r} != {tok.decode(first)!r}"
+    assert ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and ge.ep.turns == 2, ge.failure
+    assert got == [("completed", ["message"], " 6"), ("completed", ["message"], " 12")]
+    conversation[1]["content"] = "It is 6"
+    conversation += [{"role": "user", "content": "Double it?"}, {"role": "assistant", "content": "That is"}]
+    second = _open(tok, conversation)
+    assert engine.contexts[1] == second, f"{tok.decode(engine.contexts[1])!r} != {tok.decode(second)!r}"
+    ep = ge.ep
+    for ctx, (ids, _), prefill in zip(engine.contexts, answers, ("It is", "That is")):
+        at = len(ctx) - len(ep.prompt_ids)
+        n = len(_ids(tok, prefill))
+        assert ep.loss_mask[at:at + len(ids)] == [1] * len(ids) and ep.response_ids[at:at + len(ids)] == ids
+        assert at <= 0 or ep.loss_mask[at - n:at] == [0] * n  # the prefill: context
+
+
+def test_a_cut_answer_sent_back_continues_in_place():
+    """A turn cut at max_output_tokens (`status: incomplete`), its output items sent back as they came: the
+    final assistant message is the cut answer, so the engine continues the record as it is, and the two parts
+    are one action in one segment."""
+    tok = TOKENIZERS["tiny"]()
+    answers = [(_ids(tok, "calc: 37"), "length"), (_ids(tok, "*58") + [tok.eos_token_id], "stop")]
+    got = []
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            items = list(task.messages)
+            for _ in range(2):
+                r = c.responses.create(model="m", input=items, max_output_tokens=8)
+                got.append((r.status, r.output_text))
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+
+    ge, engine, _ = _scripted(tok, answers, agent)
+    assert got == [("incomplete", "calc: 37"), ("completed", "*58")]
+    assert ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and not ge.ep.segments
+    assert engine.contexts[1] == engine.contexts[0] + answers[0][0]
+    assert ge.ep.response_ids == answers[0][0] + answers[1][0] and set(ge.ep.loss_mask) == {1}
+    assert ge.final_text == "calc: 37*58"
 
 
 # ----------------------------------------------------------------- strict tools
