@@ -68,7 +68,7 @@ def rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
     for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "reward_timeout",
               "reward_seconds", "engine_errors", "invalid_tokens", "gateway_requests", "gateway_rewrites",
               "gateway_regenerated", "gateway_withdrawn_turns", "gateway_forced_calls", "gateway_forced_unparsed",
-              "gateway_strict_mismatch"):
+              "gateway_strict_mismatch", "gateway_disallowed_calls"):
         if k in counts:
             stats[f"rollout/{k}"] = float(counts[k])
     for k, v in counts.items():

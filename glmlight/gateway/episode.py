@@ -16,7 +16,8 @@ message the request asks the turn to continue (a prefill: its ids as the templat
 left open; the answer holds only the continuation, and the conversation the whole message; the agent's
 own answer cut by max_tokens, sent back to continue, is continued in place, one action), and the
 opening of a tool call a forced `tool_choice` asks for (`TurnCodec.forced_call`; the answer is read off
-the forced and the sampled text together; one that is no call is answered as text and counted).
+the forced and the sampled text together; one that is no call, or a call of a tool the request does not
+allow, is answered as text and counted).
 
 Nothing is trained that the agent did not see or that holds no action: an episode whose first
 request is over the context budget (`rollout.max_context`) fails as `context_exceeded` (counted,
@@ -353,14 +354,18 @@ class GatewayEpisode:
                           self.id)
 
     def _calls(self, req: TurnRequest, text: str) -> tuple[str, list[ToolCall]]:
-        """(the message's text, its tool calls). A call of a `strict` tool whose arguments do not conform,
-        or a forced turn that holds no call, is answered as text (as any unparseable call), and counted."""
+        """(the message's text, its tool calls). A call of a tool the request does not allow (`allowed`), a
+        call of a `strict` tool whose arguments do not conform, or a forced turn that holds no call, is
+        answered as text (as any unparseable call), and counted."""
         if req.tool_choice == "none" or not req.tools:
             return text, []
         if req.tool_choice == "required":
             self.counts["gateway_forced_calls"] += 1
         content, calls = self.codec.fmt.parse(text, req.tools, self._call_id)
         specs = {t.name: t for t in req.tools}
+        if req.allowed is not None and any(c.name not in req.allowed for c in calls):
+            self.counts["gateway_disallowed_calls"] += 1
+            content, calls = text, []
         if not all(specs[c.name].accepts(c.arguments) for c in calls):
             self.counts["gateway_strict_mismatch"] += 1
             content, calls = text, []

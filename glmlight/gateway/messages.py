@@ -5,9 +5,9 @@ conversation as `Message`s, the declared `ToolSpec`s, the sampling options) and 
 back into its own response. A request the gateway cannot serve raises `WireError`: an HTTP status,
 a kind (what the error means for the episode) and a message the agent gets in its wire's error body.
 
-What both wires check alike lives here too: the tool a forced `tool_choice` names (`forced_choice`), the
-final assistant message a turn continues (`split_prefill`), a tool declared `strict` (`tool_spec`,
-`ToolSpec.accepts`).
+What the wires check alike lives here too: the tool a forced `tool_choice` names and the tools a turn may
+call (`forced_choice`), the final assistant message a turn continues (`split_prefill`), a tool declared
+`strict` (`tool_spec`, `ToolSpec.accepts`).
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ class TurnRequest:
     tool_choice: str = "auto"  # auto | none | required (the turn starts a tool call)
     tool_name: str | None = None  # with required: the tool the call is of (None: any of `tools`)
     tool_named: bool = False  # the request's tool_choice named that tool (not `required` of a single tool)
+    allowed: list[str] | None = None  # the tools the turn's calls may be of (None: any of `tools`)
     prefill: Message | None = None  # the request's final assistant message, which the turn continues
     max_tokens: int | None = None
     temperature: float | None = None
@@ -176,18 +177,24 @@ def split_prefill(messages: list[Message]) -> tuple[list[Message], Message | Non
 
 
 def forced_choice(kind: str, name: str | None, tools: list[ToolSpec], prefill: Message | None, label: str,
-                  noun: str) -> tuple[str, str | None]:
-    """(tool_choice, tool_name) of a request whose tool choice is `kind` (auto | none | required) and `name`
-    (the tool a required call must be of, or None); `label` and `noun` are how the wire names them in an
-    error. `required` with a single tool names it."""
-    if kind != "required":
+                  noun: str, allowed: list[str] | None = None) -> tuple[str, str | None]:
+    """(tool_choice, tool_name) of a request whose tool choice is `kind` (auto | none | required), `name`
+    (the tool a required call must be of, or None) and `allowed` (the tools the turn may call, the Responses
+    API's allowed_tools; None: all of `tools`); `label` and `noun` are how the wire names them in an error.
+    `required` with a single tool, or a single allowed one, names it."""
+    if kind != "required" and allowed is None:
         return kind, None
     if not tools:
         raise bad_request(f"{label} needs tools: the request declares none to call")
-    if name is not None and name not in [t.name for t in tools]:
-        raise bad_request(f"tool_choice names the {noun} {name!r}, which is not among the request's tools "
-                          f"({', '.join(t.name for t in tools)})")
+    declared = [t.name for t in tools]
+    for n in ([name] if name is not None else []) + (allowed or []):
+        if n not in declared:
+            raise bad_request(f"tool_choice names the {noun} {n!r}, which is not among the request's tools "
+                              f"({', '.join(declared)})")
+    if kind != "required":
+        return kind, None
     if prefill is not None:
         raise bad_request("an assistant message to continue (prefill) cannot be combined with a forced tool_choice: "
                           "the turn would have to start with both the message's text and a tool call")
-    return kind, name if name is not None or len(tools) > 1 else tools[0].name
+    choices = declared if allowed is None else allowed
+    return kind, name if name is not None or len(choices) > 1 else choices[0]

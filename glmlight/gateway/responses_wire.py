@@ -9,20 +9,24 @@ after another joins it too (one answer: a prefill and its continuation, as a cli
 final assistant message is continued, as on the other wires (the prefill: the answer's message item
 holds only the continuation); `instructions` (a system message first); function `tools` in the
 Responses form (`{type: function, name, description, parameters, strict}`; `strict: true`: only calls
-whose arguments conform are returned), `tool_choice` auto or none, `max_output_tokens`, `temperature`,
-`top_p`, `stream` (server-sent events, each with its `sequence_number`: response.created,
-response.in_progress, per output item output_item.added, its text part's or arguments' events,
-output_item.done, then response.completed). `usage` carries input, output and total tokens with their
-details objects. A turn cut at the token budget (the request's `max_output_tokens` or the run's per-turn
-budget) is `status: incomplete` with `incomplete_details.reason: max_output_tokens`, as the API reports
-it, and the stream ends with response.incomplete.
+whose arguments conform are returned), `tool_choice` auto, none, required, a named function
+(`{type: function, name}`: the turn starts with the template's tool-call opening, forced) or
+`allowed_tools` (mode auto or required: the turn's calls may be of those function tools only; required
+forces a call, of the one tool when one is allowed), `max_output_tokens`, `temperature`, `top_p`,
+`stream` (server-sent events, each with its `sequence_number`: response.created, response.in_progress,
+per output item output_item.added, its text part's or arguments' events, output_item.done, then
+response.completed). `usage` carries input, output and total tokens with their details objects. A turn
+cut at the token budget (the request's `max_output_tokens` or the run's per-turn budget) is
+`status: incomplete` with `incomplete_details.reason: max_output_tokens`, as the API reports it, and the
+stream ends with response.incomplete.
 
 Refused with a 400 in the wire's error form: `previous_response_id` and `conversation` (the gateway
 keeps no responses: send the whole conversation, as the Agents SDK and pydantic-ai do by default),
 `background`, `prompt` templates, `context_management`, `reasoning` and `item_reference` input items
-(the gateway never produces either), content other than text, tools other than functions, a forced
-`tool_choice` (`required`, a named function, allowed tools), a final `function_call` item (its output
-comes first), a `text.format` other than text, and log-probs (`top_logprobs`, `include` of
+(the gateway never produces either), content other than text, tools other than functions, a
+`tool_choice` of another tool type (hosted tools, MCP, custom tools), a forced one naming an undeclared
+tool, without tools or beside a prefill, a final `function_call` item (its output comes first), a
+`text.format` other than text, and log-probs (`top_logprobs`, `include` of
 `message.output_text.logprobs`). Ignored: `store` (nothing is stored), `parallel_tool_calls` and
 `metadata` (echoed), `reasoning`, `truncation`, the rest of `include`, `user`, `safety_identifier`,
 `service_tier`, `prompt_cache_key` / `_retention` / `_options`, `max_tool_calls`, `stream_options`,
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glmlight.gateway.messages import (Message, ToolCall, ToolSpec, TurnRequest, TurnResult, bad_request,
-                                       number, split_prefill, tool_spec)
+                                       forced_choice, number, split_prefill, tool_spec)
 from glmlight.gateway.openai_wire import error_body  # noqa: F401 - the OpenAI API's error form, one for both wires
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -151,6 +155,30 @@ def _tools(tools: Any) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
     return specs, echo
 
 
+def _tool_choice(choice: Any) -> tuple[str, str | None, list[str] | None]:
+    """(auto | none | required, the function a required call is of, the functions the turn may call): the
+    Responses API's named function is `{type: function, name}`; `allowed_tools` restricts the calls."""
+    if choice in (None, "auto", "none", "required"):
+        return choice or "auto", None, None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "function" and isinstance(choice.get("name"), str):
+        return "required", choice["name"], None
+    if kind != "allowed_tools":
+        raise bad_request(f"tool_choice={choice!r} is not supported: auto, none, required, {{type: function, name}} "
+                          "or {type: allowed_tools, mode, tools}")
+    if choice.get("mode") not in ("auto", "required"):
+        raise bad_request(f"tool_choice.mode must be auto or required, got {choice.get('mode')!r}")
+    tools = choice.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise bad_request("tool_choice.tools must be a non-empty list")
+    for j, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+            got = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise bad_request(f"tool_choice.tools[{j}]: only function tools ({{type: function, name}}) can be "
+                              f"allowed, got {got!r}")
+    return choice["mode"], None, [t["name"] for t in tools]
+
+
 def parse_request(body: Any) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -175,9 +203,7 @@ def parse_request(body: Any) -> ResponsesRequest:
             isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad_request("text.format is not supported (only type text)")
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise bad_request(f"tool_choice={choice!r} is not supported: the model's output cannot be forced to call a "
-                          "tool (use auto or none)")
+    kind, name, allowed = _tool_choice(choice)
     max_tokens = body.get("max_output_tokens")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise bad_request(f"max_output_tokens must be a positive integer, got {max_tokens!r}")
@@ -196,14 +222,17 @@ def parse_request(body: Any) -> ResponsesRequest:
     tools, tools_echo = _tools(body.get("tools"))
     messages, prefill = split_prefill(([Message("system", instructions)] if instructions else [])
                                       + _messages(body.get("input")))
+    label = (f"tool_choice={choice!r}" if kind == "required" and name is None and allowed is None
+             else "a tool_choice that names a function" if name is not None else "tool_choice allowed_tools")
+    tool_choice, tool_name = forced_choice(kind, name, tools, prefill, label, "function", allowed)
     metadata = body.get("metadata")
     return ResponsesRequest(
-        messages=messages, tools=tools, tool_choice=choice or "auto", prefill=prefill, max_tokens=max_tokens,
-        temperature=temperature, top_p=top_p, stream=bool(body.get("stream", False)),
-        model=str(body.get("model") or ""),
-        echo={"instructions": instructions, "tools": tools_echo, "parallel_tool_calls": parallel,
-              "max_output_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-              "metadata": metadata if isinstance(metadata, dict) else None})
+        messages=messages, tools=tools, tool_choice=tool_choice, tool_name=tool_name, tool_named=name is not None,
+        allowed=allowed, prefill=prefill, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        stream=bool(body.get("stream", False)), model=str(body.get("model") or ""),
+        echo={"instructions": instructions, "tools": tools_echo, "tool_choice": choice or "auto",
+              "parallel_tool_calls": parallel, "max_output_tokens": max_tokens, "temperature": temperature,
+              "top_p": top_p, "metadata": metadata if isinstance(metadata, dict) else None})
 
 
 def _id(result: TurnResult) -> str:
@@ -242,9 +271,9 @@ def _response(result: TurnResult, model: str, req: ResponsesRequest, created: in
             "metadata": e.get("metadata"), "model": model, "output": _output(result) if done else [],
             "parallel_tool_calls": e.get("parallel_tool_calls", True), "previous_response_id": None,
             "reasoning": None, "store": False, "temperature": e.get("temperature"),
-            "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice, "tools": e.get("tools", []),
-            "top_p": e.get("top_p"), "truncation": "disabled", "usage": _usage(result) if done else None,
-            "user": None}
+            "text": {"format": {"type": "text"}}, "tool_choice": e.get("tool_choice", "auto"),
+            "tools": e.get("tools", []), "top_p": e.get("top_p"), "truncation": "disabled",
+            "usage": _usage(result) if done else None, "user": None}
 
 
 def response(result: TurnResult, model: str, req: ResponsesRequest) -> dict[str, Any]:

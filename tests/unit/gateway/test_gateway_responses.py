@@ -2,7 +2,7 @@
 answers and stream events validated as the `openai` package's own pydantic types, driven by the official
 `openai` client, streamed and not; its episodes token for token the Chat Completions wire's and the
 calculator environment's; a final assistant message continued (prefill) and `strict` tools, as on the other
-wires; the requests it refuses, each in the wire's error form."""
+wires (its forced tool_choice: test_tool_choice.py); the requests it refuses, each in the wire's error form."""
 
 import json
 
@@ -202,10 +202,30 @@ def test_a_turn_cut_at_the_budget_is_incomplete(tokenizer, stream):
      "previous_response_id is not supported: the gateway keeps no responses; send the whole conversation in input"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation is not supported"),
     ({"input": "hi", "background": True}, "background responses are not supported"),
-    ({"input": "hi", "tool_choice": "required"}, "tool_choice='required' is not supported"),
-    ({"input": "hi", "tool_choice": {"type": "function", "name": "calc"}}, "tool_choice={'type': 'function'"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]: only function tools"),
-    ({"input": "hi", "tools": [{"type": "function", "function": {"name": "calc"}}]}, "tools[0]: only function tools"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice='required' needs tools: the request declares none"),
+    ({"input": "hi", "tool_choice": {"type": "function", "name": "calc"}},
+     "a tool_choice that names a function needs tools"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice names the function 'nope', which is not among the request's tools (calc, est)"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "calc"}}},
+     "tool_choice={'type': 'function', 'function': {'name': 'calc'}} is not supported: auto, none, required, "
+     "{type: function, name} or {type: allowed_tools, mode, tools}"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "web_search_preview"}},
+     "tool_choice={'type': 'web_search_preview'} is not supported"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "required",
+                                                     "tools": [{"type": "function", "name": "nope"}]}},
+     "tool_choice names the function 'nope', which is not among the request's tools (calc, est)"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "any",
+                                                     "tools": [{"type": "function", "name": "calc"}]}},
+     "tool_choice.mode must be auto or required, got 'any'"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                                                     "tools": [{"type": "mcp", "server_label": "x"}]}},
+     "tool_choice.tools[0]: only function tools ({type: function, name}) can be allowed, got 'mcp'"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
+     "tool_choice.tools must be a non-empty list"),
+    ({"input": [{"role": "user", "content": "2*3?"}, {"role": "assistant", "content": "calc:"}], "tools": TOOLS,
+      "tool_choice": "required"},
+     "an assistant message to continue (prefill) cannot be combined with a forced tool_choice"),
     ({"input": [{"role": "user", "content": "2*3?"},
                 {"type": "function_call", "name": "calc", "call_id": "c", "arguments": "{}"}]},
      "the request ends with an assistant message with tool calls"),
@@ -213,6 +233,8 @@ def test_a_turn_cut_at_the_budget_is_incomplete(tokenizer, stream):
                                 "strict": True}]}, "tools[0]: strict: true needs a valid JSON schema"),
     ({"input": "hi", "tools": [{"type": "function", "name": "calc", "parameters": {}, "strict": "yes"}]},
      "tools[0].strict must be true or false, got 'yes'"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]: only function tools"),
+    ({"input": "hi", "tools": [{"type": "function", "function": {"name": "calc"}}]}, "tools[0]: only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]: only text parts (input_text, output_text) are supported, got 'input_image'"),
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0]: reasoning items are not supported"),

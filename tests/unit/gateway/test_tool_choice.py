@@ -1,10 +1,11 @@
-"""A forced `tool_choice` through the agent gateway: OpenAI's `required` and a named function, Anthropic's
-`any` and `tool`. The opening of the template's tool-call format (and for a named function its name) is
-appended to the turn's context as forced tokens, context and not action; the model samples the rest. Under
-each chat template the episode stays the template's rendering of the conversation token for token, the
-agent gets a structured call, an answer that is no call is answered as text and counted, and the trainer
-scores the sampled tokens at the engine's own log-probs. A named function's call finishes with "stop" on
-Chat Completions, as OpenAI answers it."""
+"""A forced `tool_choice` through the agent gateway: OpenAI's `required` and a named function (Chat
+Completions' `{type: function, function: {name}}`, the Responses API's `{type: function, name}` and its
+`allowed_tools`), Anthropic's `any` and `tool`. The opening of the template's tool-call format (and for a
+named function its name) is appended to the turn's context as forced tokens, context and not action; the
+model samples the rest. Under each chat template the episode stays the template's rendering of the
+conversation token for token, the agent gets a structured call, an answer that is no call is answered as
+text and counted, and the trainer scores the sampled tokens at the engine's own log-probs. A named
+function's call finishes with "stop" on Chat Completions, as OpenAI answers it."""
 
 import json
 import os
@@ -13,6 +14,7 @@ from collections import Counter
 import anthropic
 import openai
 import pytest
+from openai.types.responses import Response
 from tokenizers import AddedToken
 
 from glmlight.algorithms.grpo import GRPO, GRPOConfig
@@ -254,6 +256,111 @@ def test_a_named_functions_call_finishes_with_stop_as_openai_answers_it(stream):
     assert seen == [(["stop"], ["calc"]), (["tool_calls"], ["est"]), (["tool_calls"], ["est"])]
 
 
+# ----------------------------------------------------------------- the Responses API's forced tool_choice
+def _responses_tools(tools):
+    """Chat Completions function tools in the Responses API's flat form."""
+    return [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+             "parameters": t["function"]["parameters"], "strict": False} for t in tools]
+
+
+def _responses_ask(client, stream, **kw):
+    """One Responses turn: (the Response as the openai package's type, validated from the raw JSON or from the
+    stream's events, each validated too; the raw answer)."""
+    from tests.unit.gateway.test_gateway_responses import _sse, _validated
+
+    if not stream:
+        body = client.responses.with_raw_response.create(**kw).http_response.json()
+        return Response.model_validate(body), body
+    with client.responses.with_streaming_response.create(stream=True, **kw) as raw:
+        events = _sse(raw.iter_lines())
+    return _validated(events)[-1].response, events[-1][1]["response"]
+
+
+@pytest.mark.parametrize("name", ["tiny", "smollm2", "glm45", "hermes", "qwen25"])
+def test_responses_forced_calls_are_the_templates_rendering_turn_by_turn(name):
+    """The Responses API's `{"type": "function", "name": ...}` and `"required"`, as the Chat Completions twin
+    above: each context the engine continues is the template's rendering of the conversation, then the
+    forced opening; the answers are function_call items (validated as the openai package's Response, from
+    the JSON and from the stream's events) that repeat the request's tool_choice; the client sends the
+    output items back as they came and the record extends; the forced ids are context."""
+    tok = TEMPLATES[name]()
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prefix = ANSWER_PREFIX.get(name, "")
+    engine = ScriptedEngine([(ids(REST[name][0]) + [_end(name, tok, "tool")], "stop"),
+                             (ids(REST[name][1]) + [_end(name, tok, "tool")], "stop"),
+                             (ids(prefix + "It is 6.") + [_end(name, tok, "user")], "stop")])
+    seen = []
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            items = list(task.messages)
+            for choice, result, stream in (({"type": "function", "name": "calc"}, "6", False),
+                                           ("required", "~ 6", True), ("auto", None, False)):
+                r, body = _responses_ask(c, stream, model="m", input=items, tools=_responses_tools(TOOLS),
+                                         tool_choice=choice)
+                calls = [o for o in r.output if o.type == "function_call"]
+                seen.append((body["tool_choice"], r.status, [(o.name, json.loads(o.arguments)) for o in calls]))
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+                items += [{"type": "function_call_output", "call_id": o.call_id, "output": result} for o in calls]
+            seen.append(r.output_text)
+
+    params = lambda n: SamplingParams(max_new_tokens=64, stop_token_ids=stop_token_ids(tok))  # noqa: E731
+    counts = Counter()
+    (ge,) = GatewayRollout(engine, tok, GatewayOptions(agent=agent), params, 4, 2048, counts).run(
+        [Prompt(messages=[{"role": "user", "content": "2*3?"}])])
+    assert ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and ge.ep.turns == 3, ge.failure
+    assert seen[:2] == [({"type": "function", "name": "calc"}, "completed", [("calc", {"expr": "2*3"})]),
+                        ("required", "completed", [("est", {"expr": "2*3"})])]
+    assert seen[2][2] == [] and seen[3].endswith("It is 6.")
+    assert counts["gateway_forced_calls"] == 2 and counts["gateway_forced_unparsed"] == 0
+    conversation = [{"role": "user", "content": "2*3?"}, _call_turn(name, "calc"), _tool_turn(name, "6"),
+                    _call_turn(name, "est"), _tool_turn(name, "~ 6")]
+    for ctx, upto, opening in zip(engine.contexts, (1, 3, 5), (*OPENING[name], "")):
+        expected = encode_chat(tok, conversation[:upto], add_generation_prompt=True, tools=TOOLS) + ids(opening)
+        assert ctx == expected, f"context:  {tok.decode(ctx)!r}\nexpected: {tok.decode(expected)!r}"
+    ep = ge.ep
+    for ctx, opening in zip(engine.contexts[:2], OPENING[name]):  # forced: masked, no log-prob of their own
+        at = len(ctx) - len(ep.prompt_ids)
+        n = len(ids(opening))
+        assert ep.context[:len(ctx)] == ctx and ep.loss_mask[at - n:at] == [0] * n
+        assert ep.logprobs[at - n:at] == [0.0] * n and ep.versions[at - n:at] == [-1] * n
+
+
+def test_responses_allowed_tools_restrict_the_calls_and_required_forces_one():
+    """`{"type": "allowed_tools", "mode": "required", "tools": [calc]}` is a forced call of calc (the one tool
+    allowed: its opening and name); with mode `auto` a call of a tool outside the allowed ones is answered
+    as text, as an unparseable call is, and counted; the answer repeats the request's tool_choice."""
+    tok = _hermes_tokenizer()
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    est = '<tool_call>{"name": "est", "arguments": {"expr": "2*3"}}</tool_call>'
+    engine = ScriptedEngine([(ids(REST["hermes"][0]) + [tok.eos_token_id], "stop"),
+                             (ids(est) + [tok.eos_token_id], "stop")])
+    only_calc = [{"type": "function", "name": "calc"}]
+    seen = []
+
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as c:
+            items = list(task.messages)
+            for mode in ("required", "auto"):
+                choice = {"type": "allowed_tools", "mode": mode, "tools": only_calc}
+                r, body = _responses_ask(c, False, model="m", input=items, tools=_responses_tools(TOOLS),
+                                         tool_choice=choice)
+                seen.append((body["tool_choice"] == choice, [(o.type, getattr(o, "name", None)) for o in r.output],
+                             r.output_text))
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+                items += [{"type": "function_call_output", "call_id": o.call_id, "output": "6"}
+                          for o in r.output if o.type == "function_call"]
+
+    counts = Counter()
+    params = lambda n: SamplingParams(max_new_tokens=64, stop_token_ids=stop_token_ids(tok))  # noqa: E731
+    (ge,) = GatewayRollout(engine, tok, GatewayOptions(agent=agent), params, 4, 2048, counts).run(
+        [Prompt(messages=[{"role": "user", "content": "2*3?"}])])
+    assert ge.ep.status is Status.COMPLETED and ge.rewrites == 0, ge.failure
+    assert seen == [(True, [("function_call", "calc")], ""), (True, [("message", None)], est)]
+    assert engine.contexts[0][-len(ids(OPENING["hermes"][0])):] == ids(OPENING["hermes"][0])
+    assert counts["gateway_disallowed_calls"] == 1 and counts["gateway_forced_calls"] == 1
+
+
 def _forced_agent(turns):
     def agent(task):
         with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as client:
@@ -270,11 +377,31 @@ def _forced_agent(turns):
     return agent
 
 
-def test_the_trainer_scores_the_sampled_tokens_of_forced_turns_at_the_engines_log_probs(tiny_model, tokenizer):
+def _forced_responses_agent(turns):
+    """`_forced_agent` through the Responses API: its flat named function, `required` with one tool."""
+    def agent(task):
+        with openai.OpenAI(base_url=task.openai_base_url, api_key=task.api_key, max_retries=0) as client:
+            items = list(task.messages)
+            for t in range(turns):
+                choice = {"type": "function", "name": "calc"} if t % 2 == 0 else "required"
+                r = client.responses.create(model="m", input=items, tool_choice=choice,
+                                            tools=_responses_tools(TOOLS[:1] if t % 2 else TOOLS))
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+                calls = [o for o in r.output if o.type == "function_call"]
+                items += [{"type": "function_call_output", "call_id": o.call_id, "output": "= 1"} for o in calls]
+                if not calls:
+                    items.append({"role": "user", "content": f"more {t}"})
+    return agent
+
+
+@pytest.mark.parametrize("wire", ["chat", "responses"])
+def test_the_trainer_scores_the_sampled_tokens_of_forced_turns_at_the_engines_log_probs(tiny_model, tokenizer,
+                                                                                         wire):
     """The real tiny engine, sampled, through RolloutDataModule: every turn forced (a named function, and
-    `required` with one tool). Every action trained on is exactly the engine's ids, continued from a context
-    that ends with the forced opening (loss mask 0); at identical weights the trainer's log-probs of the
-    recorded tokens equal the engine's within float32 rounding: the forced tokens are context to both."""
+    `required` with one tool), through Chat Completions and through the Responses API. Every action trained on
+    is exactly the engine's ids, continued from a context that ends with the forced opening (loss mask 0); at
+    identical weights the trainer's log-probs of the recorded tokens equal the engine's within float32
+    rounding: the forced tokens are context to both."""
     engine = LocalEngine(tiny_model)
     calls = []
     generate = engine.generate
@@ -287,8 +414,9 @@ def test_the_trainer_scores_the_sampled_tokens_of_forced_turns_at_the_engines_lo
     engine.generate = recording
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=8, max_context=512,
                         temperature=1.0)
+    agent = (_forced_agent if wire == "chat" else _forced_responses_agent)(3)
     dm = RolloutDataModule(engine, tokenizer, ArithmeticTask(seed=0), lambda s: float(len(s.response_ids) % 3), cfg,
-                           gateway=GatewayOptions(agent=_forced_agent(3)), max_turns=8)
+                           gateway=GatewayOptions(agent=agent), max_turns=8)
     exp = dm.next_experience()
     assert not any(k.startswith("dropped/") and v for k, v in dm.totals.items()), dict(dm.totals)
     forced = tokenizer("calc:", add_special_tokens=False)["input_ids"]
