@@ -106,9 +106,14 @@ def _override_error(overrides: list[str], hydra_compose: Callable[..., Any], e: 
 
 
 def setup_logging() -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    """glmlight's log lines on stderr. Called again in the same process (a second run), it replaces the handler
+    it added before, bound to the stderr of that time, so lines are neither repeated nor sent to a closed stream."""
     logger = logging.getLogger("glmlight")
+    for old in [h for h in logger.handlers if h.get_name() == "glmlight-cli"]:
+        logger.removeHandler(old)
+    handler = logging.StreamHandler()
+    handler.set_name("glmlight-cli")
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
 
