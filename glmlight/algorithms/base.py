@@ -44,6 +44,9 @@ from glmlight.ops.schedule import lr_lambda
 from glmlight.sample import Experience, Sample
 
 log = logging.getLogger(__name__)
+# Statistics of a micro-batch that are its share of the minibatch's loss (divided by the whole minibatch's
+# normaliser): summed over micro-batches and ranks, as the loss is, where the others are means over rows.
+LOSS_SHARES = ("train/pg_loss",)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -262,8 +265,8 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
             if micro is None:
                 continue
             loss_value += loss.item()
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v.item() * len(micro) / len(active)
+            for k, v in stats.items():  # means over the rows that ran, but a share of the loss adds up
+                totals[k] = totals.get(k, 0.0) + v.item() * (1.0 if k in LOSS_SHARES else len(micro) / len(active))
         if idle is not None:
             totals["train/rows_without_gradient_frac"] = 1.0 - len(active) / len(rows)
             if not len(active):  # what backward of the all-zero loss would leave: zero gradients
@@ -272,6 +275,8 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         if not self.sharded:
             all_reduce_gradients(params)  # data parallel: every rank joins, even with no rows (FSDP reduces its own)
         loss_value = global_sums({"loss": loss_value})["loss"]  # the global minibatch's loss
+        if model is self.policy:  # and its policy-loss part, summed over ranks as the loss is
+            totals.update(global_sums({k: totals.get(k, 0.0) for k in LOSS_SHARES}))
         if self._engine_steps and micros:
             return {**totals, **self._engine_step(opt, sched, model, loss_value)}
         if all(p.grad is None for p in params):

@@ -172,3 +172,21 @@ def test_trainer_side_teacher_scoring_keeps_the_token_budget(monkeypatch):
     # different micro-batch shapes run other matmul blockings: float32 rounding apart (tests/support/tolerances.py)
     tol = model_logprob_tolerance(teacher_model, [s.prompt_ids + s.response_ids for s in exp.samples])
     torch.testing.assert_close(out["rows"], out["tokens"], rtol=0, atol=tol)
+
+
+def test_the_logged_policy_loss_does_not_depend_on_the_micro_batches(tmp_path):
+    """train/pg_loss is the minibatch's policy loss however it is split: each micro-batch's term is already its
+    share of the minibatch's loss (divided by the whole minibatch's normaliser), so the shares add up; a mean
+    over 4 micro-batches logged a quarter of it."""
+    import json
+
+    samples = _samples([6, 3, 4, 3, 2, 3, 5, 3])
+    logged = {}
+    for name, size in (("one", 8), ("four", 2)):
+        _one_step(tmp_path, name, samples, f"algo.micro_batch_size={size}", "algo.loss_agg=token_mean")
+        rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        logged[name] = next((r["train/pg_loss"], r["train/loss"]) for r in rows if "train/pg_loss" in r)
+    (pg_one, loss_one), (pg_four, loss_four) = logged["one"], logged["four"]
+    assert loss_four == pytest.approx(loss_one, rel=1e-5, abs=1e-7)
+    assert pg_one == pytest.approx(loss_one, rel=1e-5, abs=1e-7)  # no KL or entropy term: the loss is the policy loss
+    assert pg_four == pytest.approx(pg_one, rel=1e-5, abs=1e-7)
