@@ -30,6 +30,8 @@ class ParallelSteps:
     cfg: Any
     policy: torch.nn.Module
     _reference: list[torch.nn.Module]
+    _trainer: Any  # Lightning's, set when the module is attached to a Trainer
+    trainer: Any
 
     def per_row(self, exp: Experience, fn: Callable[[Experience], torch.Tensor]) -> torch.Tensor:
         """`fn` ([b, t] per response token) over the micro-batches of `exp`, as one [B, T] tensor."""

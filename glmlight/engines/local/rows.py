@@ -56,6 +56,7 @@ class RowCache:
     rows_cap: int
     capacity: int
     capture: Capture | None
+    admit: Callable[[list[list[int]]], torch.Tensor]  # the runner's prefill of new rows: their last logits
 
     def _alloc(self, rows: int, capacity: int) -> None:
         raise NotImplementedError

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from typing import Any, Callable
 
 from glmlight.errors import EngineError
 from glmlight.engines.servers.server_types import Answer, FleetFailed, UpdateFailed
@@ -15,8 +17,17 @@ log = logging.getLogger("glmlight.engines.servers.base")
 
 
 class SuspectTracking:
-    """Uses the engine's `_expect`, `_url_version`, `_version`, `_suspects`, `_current`, `_fleet_lock`,
-    `http`, `health_path`, `_served_label` and `_update_fleet`."""
+    """Part of `ServerEngineBase`, which sets the state and defines the calls declared here."""
+
+    http: Any
+    _version: int
+    _current: Any
+    _expect: dict[str, str | None]
+    _url_version: dict[str, int]
+    _suspects: set[str]
+    _fleet_lock: threading.RLock
+    _served_label: Callable[..., Any]
+    _update_fleet: Callable[..., Any]
 
     def _is_stale(self, a: Answer) -> bool:
         want = self._expect.get(a.url)

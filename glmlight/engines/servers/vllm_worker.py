@@ -58,7 +58,12 @@ from glmlight.engines.weight_delta import DeltaBase
 log = logging.getLogger(__name__)
 
 class WeightLoaderExtension:
-    """Mixed into each vLLM worker by `worker_extension_cls`; see the module docstring."""
+    """Mixed into each vLLM worker by `worker_extension_cls`; see the module docstring. vLLM's worker, the class
+    it is mixed into, holds the attributes declared here."""
+
+    model_runner: Any
+    vllm_config: Any
+    device: Any
 
     # ------------------------------------------------------------------ RPC methods
     def glmlight_weight_version(self, spec: str | None = None) -> dict:
