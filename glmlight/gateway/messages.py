@@ -36,6 +36,18 @@ def bad_request(message: str) -> WireError:
     return WireError(400, BAD_REQUEST, message)
 
 
+def call_arguments(raw: Any, where: str) -> dict[str, Any]:
+    """A tool call's arguments as an OpenAI client sends them back: a JSON string (or an object) of an object;
+    missing or empty means none. `where` names the field in the error."""
+    try:
+        args = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
+    except ValueError:
+        raise bad_request(f"{where} is not valid JSON") from None
+    if not isinstance(args, dict):
+        raise bad_request(f"{where} must be a JSON object")
+    return args
+
+
 def number(body: dict, key: str, low: float, high: float) -> float | None:
     """`body[key]` as a float in [low, high], None when absent; anything else is a 400 that names it."""
     v = body.get(key)

@@ -23,7 +23,7 @@ from typing import Any
 
 from glmlight.gateway.messages import (AUTH, BAD_REQUEST, CLOSED, CONTEXT, NOT_FOUND, TOO_LARGE, Message,
                                        ToolCall, ToolSpec, TurnRequest, TurnResult, WireError, bad_request,
-                                       forced_choice, number, request_messages, split_prefill, tool_spec)
+                                       call_arguments, forced_choice, number, request_messages, split_prefill, tool_spec)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -52,13 +52,7 @@ def _tool_calls(calls: Any, where: str) -> list[ToolCall]:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or c.get("type", "function") != "function":
             raise bad_request(f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, arguments}}}}")
-        raw = fn.get("arguments") or "{}"
-        try:
-            args = json.loads(raw) if isinstance(raw, str) else raw
-        except ValueError:
-            raise bad_request(f"{where}.tool_calls[{j}].function.arguments is not valid JSON") from None
-        if not isinstance(args, dict):
-            raise bad_request(f"{where}.tool_calls[{j}].function.arguments must be a JSON object")
+        args = call_arguments(fn.get("arguments"), f"{where}.tool_calls[{j}].function.arguments")
         out.append(ToolCall(str(c.get("id") or ""), fn["name"], args))
     return out
 

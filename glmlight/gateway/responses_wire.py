@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glmlight.gateway.messages import (Message, ToolCall, ToolSpec, TurnRequest, TurnResult, bad_request,
-                                       forced_choice, number, split_prefill, tool_spec)
+                                       call_arguments, forced_choice, number, split_prefill, tool_spec)
 from glmlight.gateway.openai_wire import error_body  # noqa: F401 - the OpenAI API's error form, one for both wires
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -76,14 +76,7 @@ def _text(content: Any, where: str) -> str:
 def _call(item: dict[str, Any], where: str) -> ToolCall:
     if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
         raise bad_request(f"{where}: a function_call item needs its name and call_id")
-    raw = item.get("arguments") or "{}"
-    try:
-        args = json.loads(raw) if isinstance(raw, str) else raw
-    except ValueError:
-        raise bad_request(f"{where}.arguments is not valid JSON") from None
-    if not isinstance(args, dict):
-        raise bad_request(f"{where}.arguments must be a JSON object")
-    return ToolCall(item["call_id"], item["name"], args)
+    return ToolCall(item["call_id"], item["name"], call_arguments(item.get("arguments"), f"{where}.arguments"))
 
 
 def _messages(items: Any) -> list[Message]:
