@@ -98,3 +98,36 @@ def gateway_train_steps(tmp_path, agent: str):
     assert t["produced"] == t["trained"] >= 3 * 16, dict(t)
     assert trained.turns and set(trained.turns) <= answers
     return run
+
+
+def responses_round_trip(tokenizer, agent, monkeypatch):
+    """A framework's agent `agent` through one gateway episode on the Responses wire, against a policy that calls
+    `calc` and then answers with its result (the calculator environment's expert). Checks what every framework
+    on its default path must give: the function tool run and its output sent back as a function_call_output
+    item, each request extending the episode's record (no history rewritten), the actions the engine's answers
+    as produced. Returns the episode and the request bodies as the framework sent them."""
+    from collections import Counter
+
+    from glmlight.agents.envs import CalculatorEnv
+    from glmlight.agents.expert import ExpertEngine
+    from glmlight.engines.base import SamplingParams
+    from glmlight.gateway import responses_wire
+    from glmlight.gateway.runner import GatewayOptions, GatewayRollout
+    from glmlight.prompt import Prompt
+    from glmlight.sample import Status
+    from tests.unit.gateway.test_gateway import Recorder, _check_record
+
+    bodies, parse = [], responses_wire.parse_request
+    monkeypatch.setattr(responses_wire, "parse_request", lambda body: (bodies.append(body), parse(body))[1])
+    env = CalculatorEnv(system_prompt=None, expert_calc_rate=1.0)
+    engine = Recorder(ExpertEngine(tokenizer, env.expert))
+    (ge,) = GatewayRollout(engine, tokenizer, GatewayOptions(agent=agent, reward="agent"),
+                           lambda n: SamplingParams(max_new_tokens=16, stop_token_ids=[tokenizer.eos_token_id]),
+                           4, 512, Counter()).run([Prompt(messages=[{"role": "user", "content": "37*58="}])])
+    assert ge.failure is None and ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and ge.ep.turns == 2
+    assert [(c.name, c.arguments) for c in ge.calls] == [("calc", {"expression": "37*58"})]
+    assert tokenizer.decode(ge.ep.prompt_ids + ge.ep.response_ids) == (
+        "<|system|>Use calc, then answer with the number.<|user|>37*58=<|assistant|>calc: 37*58<eos>"
+        "<|observation|>= 2146<|assistant|>answer: 2146<eos>")
+    assert _check_record(ge.ep, engine.calls) == 2
+    return ge, bodies

@@ -8,22 +8,13 @@ coroutine agents, show every episode working in every rollout (the agents share 
 glmlight.gateway.event_loop) and every action trained on being the engine's ids and log-probs as produced."""
 
 import logging
-from collections import Counter
 
 import agents
 import openai
 import pytest
 from agents.models.openai_provider import OpenAIProvider
 
-from glmlight.agents.envs import CalculatorEnv
-from glmlight.agents.expert import ExpertEngine
-from glmlight.engines.base import SamplingParams
-from glmlight.gateway import responses_wire
-from glmlight.gateway.runner import GatewayOptions, GatewayRollout
-from glmlight.prompt import Prompt
-from glmlight.sample import Status
-from tests.support.tito import gateway_train_steps
-from tests.unit.gateway.test_gateway import Recorder, _check_record
+from tests.support.tito import gateway_train_steps, responses_round_trip
 
 agents.set_tracing_disabled(True)
 
@@ -88,32 +79,14 @@ async def run_one_client(task):
     await _run(task, OpenAIProvider(openai_client=client, use_responses=False))
 
 
-def _sent(monkeypatch):
-    """The bodies of the episode's /v1/responses requests, as the framework sent them."""
-    bodies, parse = [], responses_wire.parse_request
-    monkeypatch.setattr(responses_wire, "parse_request", lambda body: (bodies.append(body), parse(body))[1])
-    return bodies
-
-
 @pytest.mark.parametrize("agent", [run_responses, run_responses_streamed])
 def test_default_path_tool_call_round_trip(tokenizer, monkeypatch, agent):
     """A policy that calls `calc` and then answers with its result (the calculator environment's expert): on
     the SDK's default path the SDK runs the function tool, sends its output back as a function_call_output
     item, and gets the answer as its final output; each request extends the episode's record (no history
     rewritten), whose actions are the engine's answers as produced."""
-    bodies = _sent(monkeypatch)
-    env = CalculatorEnv(system_prompt=None, expert_calc_rate=1.0)
-    engine = Recorder(ExpertEngine(tokenizer, env.expert))
-    (ge,) = GatewayRollout(engine, tokenizer, GatewayOptions(agent=agent, reward="agent"),
-                           lambda n: SamplingParams(max_new_tokens=16, stop_token_ids=[tokenizer.eos_token_id]),
-                           4, 512, Counter()).run([Prompt(messages=[{"role": "user", "content": "37*58="}])])
-    assert ge.failure is None and ge.ep.status is Status.COMPLETED and ge.rewrites == 0 and ge.ep.turns == 2
-    assert [(c.name, c.arguments) for c in ge.calls] == [("calc", {"expression": "37*58"})]
+    ge, bodies = responses_round_trip(tokenizer, agent, monkeypatch)
     assert ge.reported["info"] == {"final_output": "answer: 2146"}
-    assert tokenizer.decode(ge.ep.prompt_ids + ge.ep.response_ids) == (
-        "<|system|>Use calc, then answer with the number.<|user|>37*58=<|assistant|>calc: 37*58<eos>"
-        "<|observation|>= 2146<|assistant|>answer: 2146<eos>")
-    assert _check_record(ge.ep, engine.calls) == 2
     # the request fields it sends on this path (docs/agents.md, the frameworks tested)
     sent = ["include", "input", "instructions", "model", "tools"] + ["stream"] * (agent is run_responses_streamed)
     assert [sorted(b) for b in bodies] == [sorted(sent)] * 2
