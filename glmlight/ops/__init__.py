@@ -49,6 +49,9 @@ quant        quantize_fp8_block        float8_e4m3fn + one scale per 128 x 128 b
 mtp          mtp_input                 eh_proj [enorm(Emb(x_{t+d})); hnorm(h^{d-1}_t)] (DeepSeek-V3 MTP, sec. 2.2)
              mtp_mask                  the response tokens depth d predicts, [B, T]
              mtp_loss_terms            Σ cross-entropy, correct argmax and count over a mask
+speculative  accept_drafts             one round of speculative sampling: accepted drafts, emitted tokens
+             residual_distribution     norm(max(0, p − q)), drawn from at a rejection
+             speculation_speedup       tokens/s of speculative over plain decoding (eq. 1's expected tokens)
 """
 
 from glmlight.ops.advantages import group_advantages, soft_overlong_penalty
@@ -75,6 +78,7 @@ from glmlight.ops.policy_loss import PolicyLossOutput, ppo_clip_loss
 from glmlight.ops.quant import dequantize_fp8_block, quantize_fp8_block
 from glmlight.ops.reduce import aggregate_loss, masked_mean
 from glmlight.ops.schedule import lr_lambda
+from glmlight.ops.speculative import accept_drafts, residual_distribution, speculation_speedup
 from glmlight.ops.value import merge_moments, segment_terminals, terminal_rewards, turn_rewards, value_loss
 
 __all__ = [
@@ -85,6 +89,7 @@ __all__ = [
     "mismatch_sums", "mix_outcome_advantages", "mtp_input", "mtp_loss_terms", "mtp_mask", "opd_advantages",
     "pass_at_k", "ppo_clip_loss",
     "quantize_fp8_block", "reduce_mismatch_sums", "rejection_sampling", "reverse_kl", "segment_lambda",
-    "segment_terminals", "skip_observation_gae", "soft_overlong_penalty", "terminal_rewards", "token_agreement", "topk_agreement",
+    "segment_terminals", "skip_observation_gae", "soft_overlong_penalty", "accept_drafts",
+    "residual_distribution", "speculation_speedup", "terminal_rewards", "token_agreement", "topk_agreement",
     "topk_mask", "topk_recent", "truncated_is", "turn_rewards", "value_loss",
 ]
