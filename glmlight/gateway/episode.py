@@ -9,6 +9,11 @@ assistant turn; the engine continues that exact context, and its ids go in as sa
 an assistant turn the gateway did not produce, other tools where the template renders them) closes
 the current segment and opens a new one from the request's messages, rendered by the chat template
 (as CompactionRL's segments: each segment is a sample of its own, all share the episode's reward).
+A request that extends the conversation opens a new segment as well when the chat template renders that
+conversation otherwise than the record holds it (`TurnCodec.extend`: GLM-4.5's template drops the reasoning
+of the turns before the last user turn, GLM-4.7's renders a turn without kept reasoning as `</think>` alone,
+and a turn holding special tokens the agent never saw renders without them), so every context the engine
+continues is the template's own rendering of the conversation (docs/agents.md, segments).
 
 Ids the model did not sample go in as context too (loss mask 0, no log-prob of their own), so the
 trainer scores the sampled ids under exactly the context the engine sampled them in: a final assistant
@@ -259,8 +264,10 @@ class GatewayEpisode:
             ids = []  # the record holds the answer's ids, unclosed: the engine continues them
         elif (new := self._new_messages(req)) is not None:
             opened = [] if req.prefill is None else self.codec.prefill(req.prefill, req.tools)
-            if opened is not None:
-                ids = self.codec.splice(self.last_action, new, req.tools) + opened + forced
+            spliced = None if opened is None else self.codec.extend(self.ep.context, self.last_action, new,
+                                                                    req.messages, req.tools)
+            if spliced is not None:
+                ids = spliced + opened + forced
         if ids is not None:
             if len(self.ep.context) + len(ids) >= self.max_context:
                 raise self._truncate(f"the conversation exceeds the episode's context budget "

@@ -15,6 +15,10 @@ GLM-4.5's template, where the next turn's role marker ends the turn). The sample
 very token (`<|im_end|>` in ChatML, `<|observation|>` before a tool result in GLM-4.5's template): it is
 in the episode already, sampled. A turn cut short (by max_tokens or a stop string) gets all of it, so
 the next turn starts where the template starts one (`glmlight.models.tokenizer.splice_after_action`).
+`extend` checks the splice against the template's rendering of the whole conversation (as text): where the
+template renders what closes a turn by its content (GLM-4.5's training variant: `<|observation|>` after tool
+calls) the rest of that rendering is taken instead, and where it renders the earlier turns otherwise than the
+episode holds them, nothing extends the episode (the turn opens a new segment).
 
 Two kinds of ids go into a turn's context that the model does not sample: a final assistant message the
 turn continues (a prefill: `encode` with it, or `prefill` after the turns spliced before it), rendered as
@@ -135,3 +139,33 @@ class TurnCodec:
         """The ids that follow the sampled turn `action`: what closes it, `new` (the messages after it) and
         the next assistant turn's opening; the model's own end token is not rendered again."""
         return splice_after_action(action, self.stop_ids, self.closing + self.extension(new, tools))
+
+    def extend(self, held: list[int], action: list[int], new: list[Message], messages: list[Message],
+               tools: list[ToolSpec]) -> list[int] | None:
+        """The ids that take `held` (a segment's ids, ending with the sampled turn `action`) to the template's
+        rendering of `messages` (the conversation, `new` its last messages) up to the next assistant turn's
+        opening: the splice, or else the rest of that rendering's text after `held`'s (a template that renders
+        what closes a turn by the turn's own content, e.g. `<|observation|>` after a tool-call turn in GLM-4.5's
+        training variant). None when the template renders the conversation otherwise than `held` holds it (an
+        earlier turn's reasoning dropped, a turn's text rewritten): the turn opens a new segment. Texts are
+        compared, not ids, so a sampled turn the tokenizer would split otherwise still extends its segment."""
+        rendered = [self.fmt.template_message(m, tools) for m in messages]
+        kw = {"tools": [t.openai() for t in tools]} if tools else {}
+        try:
+            with self._lock:
+                want = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **kw)
+        except Exception:  # noqa: BLE001 - `encode` (a new segment) reports what the template cannot render
+            return None
+        ids = self.splice(action, new, tools)
+        if self._text(held + ids) == want:
+            return ids
+        have = self._text(held)
+        if not isinstance(want, str) or not want.startswith(have):
+            return None
+        with self._lock:
+            rest = list(self.tokenizer(want[len(have):], add_special_tokens=False)["input_ids"])
+        return rest if self._text(held + rest) == want else None
+
+    def _text(self, ids: list[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

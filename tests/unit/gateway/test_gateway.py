@@ -313,13 +313,20 @@ def test_concurrent_episodes_through_the_data_module(tokenizer, tiny_model):
     dm = RolloutDataModule(engine, tokenizer, ArithmeticTask(seed=0), reward, cfg,
                            gateway=GatewayOptions(agent=_echo_agent(2)), max_turns=4)
     exp = dm.next_experience()
-    assert dm.totals["produced"] == 24 and dm.totals["trained"] + sum(
-        v for k, v in dm.totals.items() if k.startswith("dropped/")) == 24
+    # a turn whose ids hold special tokens the agent never saw (the tiny model samples e.g. `<pad>` mid-turn) is
+    # rendered otherwise by the chat template: its episode goes on in a new segment, a sample of its own
+    produced = dm.totals["produced"]
+    assert produced >= 24 and dm.totals["trained"] + sum(
+        v for k, v in dm.totals.items() if k.startswith("dropped/")) == produced
     assert all(s.metadata["turns"] == 2 for s in exp.samples)
+    actions = Counter()
     for s in exp.samples:
-        assert s.status is Status.COMPLETED and _check_record(s, engine.calls) == 2
-        question = dm.source[s.metadata["prompt_index"]].messages[-1]["content"]
-        assert tokenizer.decode(s.prompt_ids, skip_special_tokens=True) == question
+        assert s.status is Status.COMPLETED
+        actions[s.rollout_id, s.metadata["num_segments"]] += _check_record(s, engine.calls)
+        if s.segment == 0:
+            question = dm.source[s.metadata["prompt_index"]].messages[-1]["content"]
+            assert tokenizer.decode(s.prompt_ids, skip_special_tokens=True) == question
+    assert all(n == 2 for (_, segments), n in actions.items() if segments == 1)
     assert engine.stats()["max_batch"] > 1
 
 

@@ -434,7 +434,9 @@ def test_the_trainer_scores_the_sampled_tokens_of_forced_turns_at_the_engines_lo
             assert any(s.response_ids[a:b] == g.token_ids and s.rollout_logprobs[a:b] == g.logprobs
                        for g in by_ctx[ctx]), "an action is not the engine's answer to the context before it"
             actions += 1
-    assert actions == 3 * len(exp.samples)
+    # a forced turn whose text the line format renders otherwise (`calc:x` sampled, `calc: x` rendered) goes on in a
+    # new segment: every episode's segments together hold its three actions
+    assert actions == 3 * len({s.rollout_id for s in exp.samples})
     module = GRPO(GRPOConfig(), tiny_model, temperature=1.0, top_k=0)
     lp = module.compute_logprobs(tiny_model.eval(), exp)
     m = exp.loss_mask.bool()
