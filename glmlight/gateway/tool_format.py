@@ -13,7 +13,9 @@ to the chat template when the gateway has to render them (a prompt, or a rewritt
 - `hermes` (templates that render `<tool_call>` blocks: Qwen2.5, Qwen3 and others): a call is
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 - `glm` (GLM-4.5 and later): `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>`,
-  a value read as JSON unless its parameter is a string.
+  with or without newlines between the name and the tags (GLM-4.5 writes them, GLM-4.7 does not), a key
+  stripped, a value never: as written when its parameter admits only a string (the template writes a string
+  as it is), else typed by the schema as SGLang's and vLLM's GLM parsers do (`GlmFormat.value`).
 
 For `hermes` and `glm` the template renders the structured calls, tool results and tool declarations
 itself (`tool_calls`, role `tool`, `tools=`). Text outside the calls (reasoning included) is the
@@ -176,21 +178,61 @@ class GlmFormat(ToolFormat):
             if name not in declared:
                 return m.group(0)
             props = _properties(declared[name])
-            args = {}
-            for k, v in self._ARG.findall(m.group(2)):
-                k = k.strip()
-                if isinstance(props.get(k), dict) and props[k].get("type") == "string":
-                    args[k] = v
-                    continue
-                try:
-                    args[k] = json.loads(v)
-                except ValueError:
-                    args[k] = v
+            args = {k.strip(): self.value(v, props.get(k.strip())) for k, v in self._ARG.findall(m.group(2))}
             calls.append(ToolCall(new_id(), name, args))
             return ""
 
         rest = self._CALL.sub(take, text)
         return (text if not calls else rest.strip()), calls
+
+
+    @staticmethod
+    def value(raw: str, schema: Any) -> Any:
+        """An argument's value as written between `<arg_value>` tags, typed by its parameter's schema: as written
+        when the schema admits only a string; else JSON-decoded when the decoded type is one it admits (an integer
+        where it admits a number; `True`/`False` where it admits a boolean), else as written when it admits a
+        string, else JSON-decoded when it decodes at all. A parameter whose schema names no type is JSON-decoded
+        when it decodes."""
+        admitted = _admitted_types(schema)
+        if admitted == {"string"}:
+            return raw
+        try:
+            decoded = json.loads(raw)
+        except ValueError:
+            if admitted and "boolean" in admitted and raw.strip() in ("True", "False"):
+                return raw.strip() == "True"
+            return raw
+        if admitted is None or _json_type(decoded) in admitted:
+            return decoded
+        return raw if "string" in admitted else decoded
+
+
+_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+               (dict, "object"))
+
+
+def _json_type(value: Any) -> str:
+    return "null" if value is None else next(t for cls, t in _JSON_TYPES if isinstance(value, cls))
+
+
+def _admitted_types(schema: Any) -> set[str] | None:
+    """The JSON types a parameter's schema admits (`type`, `enum`/`const` values, `anyOf`/`oneOf` branches; an
+    integer where it admits a number); None when it names none."""
+    if not isinstance(schema, dict):
+        return None
+    kinds: set[str] = set()
+    kind = schema.get("type")
+    kinds.update([kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)]
+                 if isinstance(kind, list) else [])
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list):
+        kinds.update(_json_type(v) for v in values if isinstance(v, (type(None), bool, int, float, str, list, dict)))
+    for key in ("anyOf", "oneOf"):
+        for branch in schema.get(key) or []:
+            kinds.update(_admitted_types(branch) or ())
+    if "number" in kinds:
+        kinds.add("integer")
+    return kinds or None
 
 
 FORMATS = {f.name: f for f in (LineFormat, HermesFormat, GlmFormat)}
