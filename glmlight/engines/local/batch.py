@@ -6,6 +6,11 @@ top-k, tokens generated, max new tokens, slot; `stops` [n, S]), so a decode step
 samples, records and checks every row with a fixed number of tensor ops, and
 compaction is one `index_select` each. Sampled tokens and log-probs go straight
 into per-slot output buffers and are read back only when a request finishes.
+
+A batch made for speculative decoding (`speculative=True`) also holds each request's two further
+uniform streams (`Request.spec_uniforms`: acceptance tests and resampled tokens,
+`glmlight.engines.local.speculation`) and the engine iteration of every token (a round emits several),
+and records several tokens per row at once (`record_many`).
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ class Request:
     uniforms: torch.Tensor  # [max_new_tokens] float64, drawn from the request's own seed
     future: Future = field(default_factory=Future)
     first_iteration: int = -1  # engine iteration that sampled the request's first token
+    spec_uniforms: torch.Tensor | None = None  # [2, max_new_tokens] float64: speculative decoding's own streams
 
 
 class RunningBatch:
-    def __init__(self, device: torch.device, filter_order: str = "sequential"):
+    def __init__(self, device: torch.device, filter_order: str = "sequential", speculative: bool = False):
         self.device = device
         self.filter_order = filter_order  # how top-k and top-p combine (glmlight/ops/logprobs.py)
+        self.speculative = speculative
         self.requests: list[Request] = []
         self.floats = torch.zeros(0, 2, device=device)
         self.ints = torch.zeros(0, 4, dtype=torch.long, device=device)
@@ -62,6 +69,12 @@ class RunningBatch:
             s, L = old.shape
             tokens[:s, :L], logps[:s, :L], uniforms[:s, :L] = self.tokens, self.logps, self.uniforms
         self.tokens, self.logps, self.uniforms = tokens, logps, uniforms
+        if self.speculative:  # the speculative streams and the iteration of every token
+            spec = torch.zeros(2, slots, length, dtype=torch.float64, device=dev)
+            iters = torch.zeros(slots, length, dtype=torch.long, device=dev)
+            if old is not None:
+                spec[:, :s, :L], iters[:s, :L] = self.spec_uniforms, self.iterations
+            self.spec_uniforms, self.iterations = spec, iters
 
     def _take_slots(self, k: int, length: int) -> list[int]:
         slots, L = self.tokens.shape
@@ -80,6 +93,8 @@ class RunningBatch:
         for r, s in zip(requests, slots):
             r.first_iteration = iteration
             self.uniforms[s, : r.params.max_new_tokens] = r.uniforms.to(self.device)
+            if self.speculative:
+                self.spec_uniforms[:, s, : r.params.max_new_tokens] = r.spec_uniforms.to(self.device)
         dev = self.device
         floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in requests], device=dev)
         ints = torch.tensor([[r.params.top_k, 0, r.params.max_new_tokens, s] for r, s in zip(requests, slots)],
@@ -107,24 +122,54 @@ class RunningBatch:
     def sampler(self, lo: int = 0, hi: int | None = None) -> partial:
         """`sample_with_uniforms` bound to the settings of rows lo..hi-1 and the uniforms of their
         next tokens: a row-wise function of their logits [hi - lo, V] -> (tokens, log-probs)."""
-        ints, floats = self.ints[lo:hi], self.floats[lo:hi]
-        return partial(sample_with_uniforms, temperature=floats[:, 0], top_k=ints[:, TOP_K], top_p=floats[:, 1],
-                       uniforms=self.uniforms[ints[:, SLOT], ints[:, STEP]], use_top_k=self._use_top_k,
-                       use_top_p=self._use_top_p, greedy=self._greedy, order=self.filter_order)
+        ints = self.ints[lo:hi]
+        return partial(sample_with_uniforms, uniforms=self.uniforms[ints[:, SLOT], ints[:, STEP]],
+                       **self.settings(lo, hi))
 
-    def record(self, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    def settings(self, lo: int = 0, hi: int | None = None) -> dict:
+        """The sampling settings of rows lo..hi-1 as `sample_with_uniforms`' keyword arguments (no uniforms)."""
+        ints, floats = self.ints[lo:hi], self.floats[lo:hi]
+        return dict(temperature=floats[:, 0], top_k=ints[:, TOP_K], top_p=floats[:, 1], use_top_k=self._use_top_k,
+                    use_top_p=self._use_top_p, greedy=self._greedy, order=self.filter_order)
+
+    def record(self, tok: torch.Tensor, lp: torch.Tensor, iteration: int = 0) -> torch.Tensor:
         """Record every row's sampled token and its log-prob and advance the rows; returns the bool
-        mask of rows that finished [n]."""
+        mask of rows that finished [n]. `iteration`: the engine iteration (kept for a speculative batch)."""
         ints = self.ints
         step, slot = ints[:, STEP], ints[:, SLOT]
         self.tokens[slot, step] = tok
         self.logps[slot, step] = lp.to(self.logps.dtype)
+        if self.speculative:
+            self.iterations[slot, step] = iteration
         ints[:, STEP] += 1
         done = ints[:, STEP] >= ints[:, MAX_NEW]
         if self.stops.shape[1]:
             done |= (self.stops == tok[:, None]).any(-1)
         self.last = tok
         return done
+
+    def record_many(self, tok: torch.Tensor, lp: torch.Tensor, count: torch.Tensor, iteration: int, lo: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record up to count[i] (>= 1) tokens tok [m, J] with their log-probs lp [m, J] for rows lo..lo+m-1 of a
+        speculative batch, each row stopping at its first stop token or its max_new_tokens; returns (the bool mask
+        of those rows that finished [m], how many tokens each recorded [m])."""
+        ints = self.ints[lo: lo + tok.shape[0]]  # a view: advanced in place
+        step, slot, J = ints[:, STEP], ints[:, SLOT], tok.shape[1]
+        j = torch.arange(J, device=self.device)
+        keep = j < torch.minimum(count, ints[:, MAX_NEW] - step)[:, None]  # [m, J]
+        stop = torch.zeros_like(keep)
+        if self.stops.shape[1]:
+            stop = (self.stops[lo: lo + tok.shape[0], None, :] == tok[:, :, None]).any(-1) & keep
+            keep &= (stop.long().cumsum(-1) - stop.long()) == 0  # nothing after the first stop token
+        n = keep.sum(-1)
+        r, c = keep.nonzero(as_tuple=True)
+        at = (slot[r], step[r] + c)  # (before the steps advance)
+        self.tokens[at], self.logps[at], self.iterations[at] = tok[r, c], lp[r, c].to(self.logps.dtype), iteration
+        ints[:, STEP] += n
+        done = (ints[:, STEP] >= ints[:, MAX_NEW]) | (stop & keep).any(-1)
+        last = tok.gather(1, (n - 1).unsqueeze(1)).squeeze(1)
+        self.last = torch.cat([self.last[:lo], last]) if lo else last
+        return done, n
 
     def finish(self, rows: list[int], reason: str | None = None) -> list[tuple[Request, Generation]]:
         """Read back the outputs of `rows` (finish reason from their last token unless given)."""
@@ -134,13 +179,14 @@ class RunningBatch:
         meta = self.ints[idx].tolist()
         slots = idx.new_tensor([m[SLOT] for m in meta])
         toks, lps = self.tokens[slots].tolist(), self.logps[slots].tolist()
+        iters = self.iterations[slots].tolist() if self.speculative else None
         out = []
         for i, row in enumerate(rows):
             r, n = self.requests[row], meta[i][STEP]
             t = toks[i][:n]
             why = reason or ("stop" if t and t[-1] in r.params.stop_token_ids else "length")
-            out.append((r, Generation(token_ids=t, logprobs=lps[i][:n], finish_reason=why,
-                                      versions=self.versions(r.first_iteration, n))))
+            versions = self.versions(r.first_iteration, n) if iters is None else self.versions_at(iters[i][:n])
+            out.append((r, Generation(token_ids=t, logprobs=lps[i][:n], finish_reason=why, versions=versions)))
             self.free.append(meta[i][SLOT])
         return out
 
@@ -170,6 +216,11 @@ class RunningBatch:
                 k += 1
             out.append(marks[k][1])
         return out
+
+    def versions_at(self, iterations: list[int]) -> list[int]:
+        """The weight version of tokens sampled at these (ascending) engine iterations."""
+        marks = self.marks
+        return [marks[bisect_right(marks, (it, float("inf"))) - 1][1] for it in iterations]
 
 
 def fill_holes(n: int, finished: list[int]) -> list[int]:

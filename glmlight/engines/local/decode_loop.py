@@ -1,5 +1,6 @@
 """The decode thread of `LocalEngine` (a mixin, glmlight/engines/local/engine.py): each iteration
-steps the running rows, admits queued requests into the batch (their prompts prefilled), samples,
+steps the running rows (or, with speculative decoding, runs a speculative round over them:
+speculation.py), admits queued requests into the batch (their prompts prefilled), samples,
 and retires the rows that finished; it exits after `IDLE_EXIT_S` idle (the next submit starts
 another). Also what ends every request at once (`_abort_locked`)."""
 
@@ -35,6 +36,7 @@ class DecodeLoop:
     max_batch_size: int
     on_step: Callable[..., Any] | None
     _runner: Any
+    _spec: Any  # speculation.Speculation, or None
     _version: int
     _stats: Any
     _capture: Any
@@ -69,7 +71,7 @@ class DecodeLoop:
                 with self._lock:
                     done = [(r, e) for r in self._batch.requests + self._admitting]
                     self._admitting = []
-                    self._batch = RunningBatch(self.device, self.filter_order)
+                    self._batch = RunningBatch(self.device, self.filter_order, self._spec is not None)
                     self._batch.mark_version(self._iteration, self._version)
                     if self._runner is not None:
                         self._runner.reset()
@@ -104,11 +106,24 @@ class DecodeLoop:
         with self._lock, torch.inference_mode():
             if self.model is None:
                 return []
-            batch, runner = self._batch, self._runner
+            batch, runner, spec = self._batch, self._runner, self._spec
             self._admitting = self._take_pending()
             running = len(batch)
+            speculate = bool(running) and spec is not None and spec.choose()
+            spec_on = spec is not None and spec.on  # (before this round's measurement may turn it off or on)
             # (tokens, log-probs) of the running rows (sampled inside a compiled step), then of newcomers
-            sampled = [runner.step(batch.last, batch.sampler())] if running else []
+            sampled, spec_done = [], None
+            if speculate:  # several tokens per running row (speculation.py)
+                tok, lp, accepted = spec.round(runner, batch)
+                spec_done, recorded = batch.record_many(tok, lp, accepted + 1, self._iteration)
+                runner.advance(recorded)
+                self._count_speculation(running, spec_on, recorded, accepted)
+            elif running:
+                t0 = time.perf_counter() if spec is not None else 0.0
+                sampled = [runner.step(batch.last, batch.sampler())]
+                if spec is not None:
+                    spec.note_plain(time.perf_counter() - t0)
+                    self._count_speculation(running, spec_on, None, None)
             shared_prefills = 0
             if self._admitting:
                 prompts = [r.prompt for r in self._admitting]
@@ -119,9 +134,18 @@ class DecodeLoop:
                 batch.add(self._admitting, self._iteration)
                 self._admitting = []
                 sampled.append(batch.sampler(running)(logits))
-            if not sampled:
+            if spec_done is not None:
+                finished = spec_done
+                if sampled:  # newcomers: their first token
+                    tok, lp = sampled[0]
+                    new_done, _ = batch.record_many(tok[:, None], lp[:, None], torch.ones_like(tok), self._iteration,
+                                                    lo=running)
+                    finished = torch.cat([spec_done, new_done])
+            elif not sampled:
                 return []
-            finished = batch.record(*(sampled[0] if len(sampled) == 1 else map(torch.cat, zip(*sampled))))
+            else:
+                finished = batch.record(*(sampled[0] if len(sampled) == 1 else map(torch.cat, zip(*sampled))),
+                                        iteration=self._iteration)
             self._iteration += 1
             n = len(batch)
             rows = finished.nonzero()[:, 0].tolist()
@@ -139,8 +163,22 @@ class DecodeLoop:
                 s["prefills"] += n > running
                 s["shared_prefills"] += shared_prefills
                 s["max_batch"] = max(s["max_batch"], n)
-                s["tokens"] += n
+                s["tokens"] += n if spec_done is None else n - running + int(recorded.sum())
             return done
+
+    def _count_speculation(self, running: int, on: bool, recorded: torch.Tensor | None,
+                           accepted: torch.Tensor | None) -> None:
+        """The speculation counters of `stats` after a decode round of `running` rows (plain: recorded None),
+        `on`: whether speculation was on when the round was chosen."""
+        with self._cv:
+            s = self._stats
+            s["spec_decode_rounds"] += 1
+            s["spec_on_rounds"] += int(on)
+            s["spec_row_forwards"] += running
+            s["spec_decode_tokens"] += running if recorded is None else int(recorded.sum())
+            if accepted is not None:
+                s["spec_drafted"] += running * self._spec.depth
+                s["spec_accepted"] += int(accepted.sum())
 
     def _abort_locked(self) -> list[tuple[Request, Generation]]:
         """End all queued and running requests with "abort" (caller holds the lock)."""

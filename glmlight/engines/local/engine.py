@@ -18,6 +18,11 @@ Glm4MoeLite: preallocated per-row cache, few ops per step), `DenseRunner` (dense
 models: the Llama family and GLM-4.5 / Glm4Moe, the same layout) and `HFRunner` (any other
 causal LM, through its own forward and a merged DynamicCache).
 
+`speculative_depth=K` (rollout.speculative.depth): the GLM-5 runner drafts K tokens per round with the model's
+first MTP layer, one target forward verifies them and speculative sampling accepts them, so the samples keep
+the target's distribution exactly; a rule measured as it runs turns it off where it does not pay
+(speculation.py).
+
 `weight_format="fp8"`: the engine holds the linear weights of its copy in the block-quantised
 FP8 layout of GLM-5 / DeepSeek-V3 FP8 checkpoints (float8_e4m3fn, one `weight_scale_inv` per
 128 x 128 block; `glmlight.models.fp8`), quantised from the trainer's weights at every update,
@@ -41,15 +46,17 @@ from torch.nn.utils import parametrize
 from transformers import PreTrainedModel
 
 from glmlight.dtypes import resolve_dtype
-from glmlight.errors import EngineError
+from glmlight.errors import ConfigError, EngineError
 from glmlight.models.fp8 import hold_for_engine
+from glmlight.models.mtp import num_mtp_layers
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.engines.local import dense_runner, glm_runner
 from glmlight.engines.base import Generation, NamedTensors, SamplingParams, normalize_requests
 from glmlight.engines.local.batch import Request, RunningBatch, fill_holes, resolve_requests
 from glmlight.engines.local.decode_loop import IDLE_EXIT_S, DecodeLoop  # noqa: F401 - IDLE_EXIT_S re-exported
 from glmlight.engines.local.hf_runner import HFRunner
-from glmlight.engines.local.sampling import request_uniforms
+from glmlight.engines.local.sampling import request_spec_uniforms, request_uniforms
+from glmlight.engines.local.speculation import SPEC_COUNTERS, Speculation
 from glmlight.engines.transport import load_weights_file
 
 log = logging.getLogger(__name__)
@@ -87,7 +94,8 @@ class LocalEngine(DecodeLoop):
                  device: str | torch.device = "cpu", pad_token_id: int = 0, seed: int = 0, version: int = 0,
                  on_weight_update: str = "continue", max_batch_size: int = 256, runner: str = "auto",
                  num_threads: int | None = 1, compile: bool = False, weight_format: str = "auto",
-                 share_prefill: bool = True):
+                 share_prefill: bool = True, speculative_depth: int = 0, speculative_auto_off: bool = True,
+                 speculative_probe_every: int = 32):
         if on_weight_update not in ("continue", "abort"):
             raise ValueError(f"on_weight_update must be 'continue' or 'abort', got {on_weight_update!r}")
         if runner not in ("auto", "glm", "dense", "hf"):
@@ -133,6 +141,9 @@ class LocalEngine(DecodeLoop):
             log.info("engine: %s decodes through its own forward (the generic runner; the fast runners are for "
                      "GlmMoeDsa, Glm4MoeLite, Glm4Moe and dense Llama-family models: %s)", type(model).__name__, why)
         self.runner_kind = kind
+        self._spec: Speculation | None = None
+        if speculative_depth:
+            self._spec = self._speculation(speculative_depth, speculative_auto_off, speculative_probe_every, compile)
         self._generator = torch.Generator().manual_seed(seed)
         self._version = version
         self._lock = threading.RLock()  # the model, the runner and the running batch: one decode step at a time
@@ -143,7 +154,7 @@ class LocalEngine(DecodeLoop):
         self._cv = threading.Condition()  # the queue and the decode thread's life
         self._pending: deque[Request] = deque()
         self._admitting: list[Request] = []  # taken from the queue, not yet in the batch
-        self._batch = RunningBatch(self.device, self.filter_order)
+        self._batch = RunningBatch(self.device, self.filter_order, self._spec is not None)
         self._batch.mark_version(0, version)
         self._iteration = 0
         self._thread: threading.Thread | None = None
@@ -151,11 +162,34 @@ class LocalEngine(DecodeLoop):
         self.last_sync_bytes = 0
         self._stats = dict(iterations=0, decode_steps=0, prefills=0, admitted=0, admitted_mid_decode=0,
                            shared_prefills=0, max_batch=0, tokens=0, aborted=0)
+        if self._spec is not None:
+            self._stats.update(dict.fromkeys(SPEC_COUNTERS, 0))
         self.on_step: Callable[[int], None] | None = None  # called by the decode thread after each step
         self._capture = (False, False)  # replay records: (routing, index), for requests admitted from
         self._capture_since = 0  # this engine iteration on
         self._unserved: str | None = None  # why the engine refuses requests (a weight update failed half-way)
         self._stale: set[str] = set()  # the weights such an update named: the next one must name them all
+
+    def _speculation(self, depth: int, auto_off: bool, probe_every: int, compile: bool) -> Speculation:
+        """Speculative decoding with the model's MTP layers (speculation.py); ConfigError where it cannot run."""
+        key = f"rollout.speculative.depth={depth}"
+        if depth < 0:
+            raise ConfigError(f"config error: {key} must be >= 0")
+        if num_mtp_layers(self.model) == 0:
+            raise ConfigError(f"config error: {key} drafts with the policy's MTP layers and this "
+                              f"{type(self.model).__name__} has none (model.mtp.layers=N gives it N)")
+        if self.runner_kind != "glm":
+            raise ConfigError(f"config error: {key} needs the embedded engine's GLM-5 runner (GlmMoeDsa, "
+                              f"Glm4MoeLite models); the {self.runner_kind} runner of {type(self.model).__name__} "
+                              "cannot draft")
+        if compile:
+            raise ConfigError(f"config error: {key} decodes eagerly: set rollout.compile=false")
+        self._runner.enable_speculation()
+        return Speculation(depth, auto_off=auto_off, probe_every=probe_every)
+
+    def speculation(self) -> Speculation | None:
+        """The speculative decoder and its on/off state (None when the engine does not speculate)."""
+        return self._spec
 
     # ----------------------------------------------------------------- protocol
     @property
@@ -167,7 +201,8 @@ class LocalEngine(DecodeLoop):
         batch), prefills, admitted, admitted_mid_decode (requests that joined a batch that was
         decoding), shared_prefills (admitted requests whose prompt was prefilled once for an identical one
         admitted with it: the fast runners' copies), max_batch (largest batch sampled in one step), tokens,
-        aborted."""
+        aborted; with speculative decoding also `SPEC_COUNTERS` (speculation.py: drafted and accepted
+        drafts, the running rows' decode rounds, row forwards and tokens, rounds with speculation on)."""
         with self._cv:
             return dict(self._stats)
 
@@ -207,6 +242,8 @@ class LocalEngine(DecodeLoop):
             seed = params.seed if params.seed is not None else int(
                 torch.randint(2**62, (1,), generator=self._generator))
             req = Request(list(prompt_ids), params, seed, request_uniforms(seed, params.max_new_tokens))
+            if self._spec is not None:
+                req.spec_uniforms = request_spec_uniforms(seed, params.max_new_tokens)
             req.future.set_running_or_notify_cancel()
             self._pending.append(req)
             if self._thread is None:

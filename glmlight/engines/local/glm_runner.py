@@ -64,9 +64,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from glmlight.errors import EngineError
 from glmlight.models.glm5.arch import glm4_moe_lite_unsupported, is_glm4_moe_lite, is_glm5
 from glmlight.models.glm5.moe import moe_forward, moe_forward_routed
 from glmlight.ops.dsa import topk_mask, topk_recent
+from glmlight.ops.mtp import mtp_input
 from glmlight.engines.local.glm_weights import Layer, read_layers
 from glmlight.engines.local.records import Capture
 from glmlight.engines.local.rows import (DECODE_WINDOW, RowCache, _dynamic, _map_tensors,  # noqa: F401 - re-exported
@@ -123,6 +125,15 @@ class GlmDsaRunner(RowCache):
         self.absorb_o = hidden * self.H * self.L <= ABSORB_MAX_GROWTH * self.H * self.dv * (self.L + hidden)
         self._rope_len = 0
         self.capture: Capture | None = None  # replay records (set_capture)
+        # speculative decoding (`enable_speculation`): the MTP layer that drafts, its norms and projection, the
+        # main model's normed last hidden state and token at every cached position, and per row how many
+        # positions of the draft layer's cache hold the inputs of accepted tokens
+        self.draft_layers: list[Layer] = []
+        self.mtp: Any = None
+        self.hidden: torch.Tensor | None = None
+        self.token_ids: torch.Tensor | None = None
+        self.mtp_len = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.catchup = 0  # positions the last draft's catch-up covered (speculation's cost rule reads it)
         self.refresh()
         self.n = 0  # rows in the running batch
         self.lens = torch.zeros(0, dtype=torch.long, device=self.device)  # tokens cached per row
@@ -148,6 +159,8 @@ class GlmDsaRunner(RowCache):
         self.embed, self.final_norm, self.final_eps, self.lm_head = head_weights(self.model)
         self.eps = self.cfg.rms_norm_eps
         self.layers = read_layers(self.model, absorb_q=self.absorb_q, absorb_o=self.absorb_o)
+        if self.mtp is not None:
+            self._read_draft()
         self._rope_table(max(self._rope_len, 256))
 
     def _rope_table(self, length: int) -> None:
@@ -163,11 +176,18 @@ class GlmDsaRunner(RowCache):
     @torch.inference_mode()
     def _alloc(self, rows: int, capacity: int) -> None:
         dev, dt, n, T = self.device, self.dtype, self.n, self._max_len
-        C = [torch.zeros(rows, capacity, self.L + self.rope, dtype=dt, device=dev) for _ in self.layers]
+        cached = self.layers + self.draft_layers
+        C = [torch.zeros(rows, capacity, self.L + self.rope, dtype=dt, device=dev) for _ in cached]
         IK = [torch.zeros(rows, capacity, L.indexer.head_dim, dtype=dt, device=dev) if L.indexer is not None
-              else None for L in self.layers]
+              else None for L in cached]
+        if self.mtp is not None:
+            hidden = torch.zeros(rows, capacity, self.cfg.hidden_size, dtype=dt, device=dev)
+            token_ids = torch.zeros(rows, capacity, dtype=torch.long, device=dev)
+            if self.hidden is not None and self.rows_cap and n:
+                hidden[:n, :T], token_ids[:n, :T] = self.hidden[:n, :T], self.token_ids[:n, :T]
+            self.hidden, self.token_ids = hidden, token_ids
         if self.rows_cap and n:
-            for l in range(len(self.layers)):
+            for l in range(min(len(cached), len(self.C))):
                 C[l][:n, :T] = self.C[l][:n, :T]
                 if IK[l] is not None:
                     IK[l][:n, :T] = self.IK[l][:n, :T]
@@ -180,7 +200,9 @@ class GlmDsaRunner(RowCache):
         self._alloc_capture(rows, capacity, n, T)
 
     def _move_rows(self, dst: torch.Tensor, src: torch.Tensor, T: int) -> None:
-        for l in range(len(self.layers)):
+        if self.hidden is not None:
+            self.hidden[dst, :T], self.token_ids[dst, :T] = self.hidden[src, :T], self.token_ids[src, :T]
+        for l in range(len(self.C)):
             self.C[l][dst, :T] = self.C[l][src, :T]
             if self.IK[l] is not None:
                 self.IK[l][dst, :T] = self.IK[l][src, :T]
@@ -232,12 +254,139 @@ class GlmDsaRunner(RowCache):
         logits = self._forward(tokens[:, None], lens[:, None], lens + 1, 0, keys, None)
         return logits if sample is None else sample(logits)
 
+    # ----------------------------------------------------------------- speculative decoding
+    @torch.inference_mode()
+    def enable_speculation(self) -> None:
+        """Draft with the model's first MTP layer (`glmlight.models.mtp`): from now on every forward keeps the
+        main model's normed last hidden state and token per cached position, and `draft` / `verify` / `advance`
+        run speculative rounds. Raises EngineError for a model without MTP layers."""
+        from glmlight.models.mtp import mtp_of
+
+        if self.mtp is not None:
+            return
+        mtp = mtp_of(self.model)
+        if mtp is None or not len(mtp.layers):
+            raise EngineError(f"speculative decoding drafts with the model's MTP layers; this "
+                              f"{type(self.model).__name__} has none (model.mtp.layers=N gives it some)")
+        if self.compiled:
+            raise EngineError("speculative decoding runs eagerly: it cannot be combined with compile=True")
+        if self.n:
+            raise EngineError("enable_speculation on a runner with running rows")
+        self.mtp = mtp.layers[0]
+        self._read_draft()
+        self._alloc(self.rows_cap, self.capacity)
+
+    def _read_draft(self) -> None:
+        """The drafting MTP layer's decoder block as the runner's fused layer (its cache: index len(layers))."""
+        self.draft_layers = read_layers(self.model, absorb_q=self.absorb_q, absorb_o=self.absorb_o, layers=[self.mtp])
+
+    def _keep_hidden(self, ids: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, r0: int) -> None:
+        """The normed last hidden state (the MTP layer's input, DeepSeek-V3 sec. 2.2) and the token at every
+        position a forward ran (padding included: positions past a row's length are written again later)."""
+        B, S = ids.shape
+        flat = ((torch.arange(r0, r0 + B, device=self.device)[:, None] * self.capacity) + pos).view(-1)
+        normed = _rms(h, self.final_norm, self.final_eps)
+        self.hidden.view(-1, normed.shape[-1]).index_copy_(0, flat, normed.reshape(-1, normed.shape[-1]))
+        self.token_ids.view(-1).index_copy_(0, flat, ids.reshape(-1))
+
+    def _mtp_step(self, tokens: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor, total: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafting MTP layer at `pos` [n, S] over the next tokens [n, S] and the previous depth's hidden
+        states prev [n, S, hidden]: (its normed output [n, S, hidden], the draft layer's own hidden state for the
+        next depth). Writes the layer's cache at `pos`; `total` [n] = its valid positions after the call."""
+        m = self.mtp
+        x = mtp_input(F.embedding(tokens, self.embed), prev, m.enorm.weight, m.hnorm.weight, m.eh_proj.weight,
+                      m.enorm.variance_epsilon)
+        y = self._run(x, pos, total, 0, self._positions[: int(pos.max()) + 1], [len(self.layers)], record=False)
+        return _rms(y, m.shared_head.norm.weight, m.shared_head.norm.variance_epsilon)
+
+    @torch.inference_mode()
+    def draft(self, last: torch.Tensor, k: int, sample: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft k tokens after every row's last sampled token `last` [n] (not yet cached): (drafts [n, k], the
+        draft's distributions [n, k, V]). `sample(logits [n, V], j)` -> (tokens [n], probs [n, V]) draws draft
+        j (0-based).
+
+        Depth 1 at position t = len - 1 reads Emb(last) and the main model's normed hidden state at t; first the
+        layer's cache catches up on the positions accepted since its last round (mtp_len..len - 1, their
+        inputs Emb(x_{t+1}) and h_t from the cache's kept hidden states and tokens, in the same forward). Drafts
+        2..k run the same layer on at the next positions, each fed by the draft before and the layer's own
+        normed output (its hidden state) at the position before, as SGLang's and vLLM's MTP drafters chain one
+        MTP layer; those positions of the layer's cache are provisional and written again by the next catch-up."""
+        n, lens = self.n, self.lens
+        start = self.mtp_len
+        count = lens - start  # >= 1: position len - 1 at least
+        S = self.catchup = int(count.max())
+        self._ensure(n, max(int(start.max()) + S, self._max_len) + k + 1)
+        pos = start[:, None] + torch.arange(S, device=self.device)  # [n, S]; past len - 1: padding
+        rows = torch.arange(n, device=self.device)[:, None]
+        nxt = (pos + 1).clamp(max=self.capacity - 1)
+        tokens = torch.where(pos + 1 == lens[:, None], last[:, None], self.token_ids[rows, nxt])
+        g = self._mtp_step(tokens, self.hidden[rows, pos], pos, lens)
+        g = g[rows[:, 0], count - 1]  # [n, hidden] at position len - 1
+        self.mtp_len = lens.clone()
+        drafts, probs = [], []
+        for j in range(k):
+            tok, q = sample(F.linear(g, self.lm_head), j)
+            drafts.append(tok)
+            probs.append(q)
+            if j + 1 < k:
+                at = (lens + j)[:, None]
+                g = self._mtp_step(tok[:, None], g[:, None], at, lens + j + 1)[:, 0]
+        return torch.stack(drafts, 1), torch.stack(probs, 1)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's forward over tokens [n, S] (the last sampled token, then the drafts) at positions
+        len..len + S - 1 of every row: logits [n, S, V]. Writes the caches and the replay records there; the
+        lengths move only with `advance` (positions past it are rolled back: masked, written again later)."""
+        n, S = tokens.shape
+        self._ensure(n, self._max_len + S)
+        pos = self.lens[:, None] + torch.arange(S, device=self.device)
+        h = self._run(F.embedding(tokens, self.embed), pos, self.lens + S, 0, self._positions[: self._max_len + S],
+                      range(len(self.layers)), record=True)
+        self._keep_hidden(tokens, h, pos, 0)
+        return F.linear(_rms(h, self.final_norm, self.final_eps), self.lm_head)
+
+    @torch.inference_mode()
+    def advance(self, counts: torch.Tensor) -> None:
+        """Every row keeps `counts` [n] of the positions `verify` ran (the tokens it emitted, the last one of
+        them not yet cached)."""
+        self.lens = self.lens + counts
+        self._max_len = int(self.lens.max()) if self.n else 0
+
+    def _admitted(self, lens: torch.Tensor) -> None:
+        super()._admitted(lens)
+        if self.mtp is not None:  # new rows: the draft layer's cache catches up on their prompts in their first round
+            self.mtp_len = torch.cat([self.mtp_len, torch.zeros_like(lens)])
+
+    @torch.inference_mode()
+    def keep(self, rows: list[int]) -> None:
+        if self.mtp is not None:
+            self.mtp_len = self.mtp_len[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        super().keep(rows)
+
+    def reset(self) -> None:
+        super().reset()
+        self.mtp_len = self.mtp_len[:0]
+
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, total: torch.Tensor, r0: int, keys: torch.Tensor,
                  last: torch.Tensor | None) -> torch.Tensor:
         """ids/pos [B, S] for cache rows r0..r0+B-1; `total` [B] valid tokens per row after this
         call; attention runs over the cache positions `keys` = [0, T). `last` [B] picks one position
         per row (None: the only one)."""
-        B, S = ids.shape
+        B = ids.shape[0]
+        h = self._run(F.embedding(ids, self.embed), pos, total, r0, keys, range(len(self.layers)), record=True)
+        if self.hidden is not None:  # speculation: the normed last hidden states and tokens, for the MTP draft
+            self._keep_hidden(ids, h, pos, r0)
+        h = h[:, 0] if last is None else h[torch.arange(B, device=self.device), last]
+        return F.linear(_rms(h, self.final_norm, self.final_eps), self.lm_head)
+
+    def _run(self, h: torch.Tensor, pos: torch.Tensor, total: torch.Tensor, r0: int, keys: torch.Tensor,
+             layers: Any, record: bool) -> torch.Tensor:
+        """The decoder layers `layers` (indices into `self.layers + self.draft_layers`, and into the caches)
+        over the inputs h [B, S, hidden] at `pos` (see `_forward`); their output, before the final norm.
+        `record`: write the replay records (the MTP draft's layer writes none)."""
+        B, S = pos.shape
         H, L, r = self.H, self.L, self.rope
         cos, sin = self._cos[pos][:, :, None], self._sin[pos][:, :, None]  # [B, S, 1, r]
         T = keys.shape[0]
@@ -245,9 +394,9 @@ class GlmDsaRunner(RowCache):
         row_start = torch.arange(r0, r0 + B, device=self.device)[:, None] * self.C[0].shape[1]  # rows' offsets
         flat = (row_start + pos).view(-1)  # flat cache index of every new token
         rows = slice(r0, r0 + B)
-        h = F.embedding(ids, self.embed)
         selected = None
-        for l, Ly in enumerate(self.layers):
+        for l in layers:
+            Ly = self.layers[l] if l < len(self.layers) else self.draft_layers[l - len(self.layers)]
             x = _rms(h, Ly.in_norm, self.eps)
             parts = F.linear(x, Ly.w_in, Ly.b_in).split(Ly.split_in, dim=-1)
             q_resid = _rms(parts[0], Ly.q_norm, Ly.q_eps)
@@ -268,7 +417,7 @@ class GlmDsaRunner(RowCache):
             Cl.view(-1, L + r).index_copy_(0, flat, torch.cat([latent, k_rot], dim=-1).view(-1, L + r))
             if Ly.indexer is not None:
                 selected = self._select(l, Ly, parts[4], rot[:, :, H:], iq_pass, mask, rows, keys)
-                if self.capture is not None:
+                if self.capture is not None and record:
                     self._record_index(l, flat, selected)
             # attention in the latent space: q·k = (W_uk^T q_nope)·latent + q_rot·k_rot
             q_lat = q_nope.view(B * S, H, L) if Ly.w_uk is None else \
@@ -288,9 +437,8 @@ class GlmDsaRunner(RowCache):
             if Ly.w_uv is not None:
                 o = torch.matmul(o.view(B * S, H, L).transpose(0, 1), Ly.w_uv).transpose(0, 1)  # [BS, H, dv]
             h = h + F.linear(o.reshape(B, S, -1), Ly.o_proj, Ly.o_bias)
-            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps), l, flat)
-        h = h[:, 0] if last is None else h[torch.arange(B, device=self.device), last]
-        return F.linear(_rms(h, self.final_norm, self.final_eps), self.lm_head)
+            h = h + self._mlp(Ly, _rms(h, Ly.post_norm, self.eps), l, flat if record else None)
+        return h
 
     def _select(self, l: int, Ly: Layer, head_w: torch.Tensor, q_rot: torch.Tensor, q_pass: torch.Tensor,
                 mask: torch.Tensor, rows: slice, positions: torch.Tensor) -> torch.Tensor | None:
@@ -316,7 +464,7 @@ class GlmDsaRunner(RowCache):
         if not Ly.moe:
             g, u = F.linear(x, Ly.gate_up).chunk(2, dim=-1)
             return F.linear(F.silu(g) * u, Ly.down)
-        if self.capture is None or self.capture.experts is None:
+        if self.capture is None or self.capture.experts is None or flat is None:
             return moe_forward(Ly.mlp, Ly.experts, x)
         y, idx = moe_forward_routed(Ly.mlp, Ly.experts, x)
         self.capture.experts.write(self._moe_slot[l], flat, idx)

@@ -52,12 +52,13 @@ def deinterleave(r: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
 
 
-def read_layers(model: torch.nn.Module, *, absorb_q: bool, absorb_o: bool) -> list[Layer]:
+def read_layers(model: torch.nn.Module, *, absorb_q: bool, absorb_o: bool, layers: Any = None) -> list[Layer]:
     """One `Layer` per decoder layer of a GlmMoeDsaForCausalLM (or Glm4MoeLiteForCausalLM), from its current
-    parameters.
+    parameters; or per layer of `layers` (modules of the model's layer structure: its MTP layers' blocks).
     Weights the model holds in FP8 (`glmlight.models.fp8`) are read dequantised, once (`fp8_view`)."""
     with fp8_view():
-        return _read_layers(model, absorb_q=absorb_q, absorb_o=absorb_o)
+        return _read_layers(model, model.model.layers if layers is None else layers, absorb_q=absorb_q,
+                            absorb_o=absorb_o)
 
 
 def fp8_view():
@@ -69,15 +70,15 @@ def fp8_view():
     return parametrize.cached()
 
 
-def _read_layers(model: torch.nn.Module, *, absorb_q: bool, absorb_o: bool) -> list[Layer]:
-    m, cfg = model.model, model.config
+def _read_layers(model: torch.nn.Module, decoder_layers: Any, *, absorb_q: bool, absorb_o: bool) -> list[Layer]:
+    cfg = model.config
     device = next(model.parameters()).device
     H, L, r, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
     nope = cfg.qk_nope_head_dim
     # GLM-5 always rotates interleaved pairs; Glm4MoeLite as its config says
     perm = (deinterleave(r) if getattr(cfg, "rope_interleave", True) else torch.arange(r)).to(device)
     layers: list[Layer] = []
-    for layer in m.layers:
+    for layer in decoder_layers:
         a, ix = layer.self_attn, getattr(layer.self_attn, "indexer", None)
         kv_a = a.kv_a_proj_with_mqa.weight
         ws = [a.q_a_proj.weight, kv_a[:L], kv_a[L:][perm]]

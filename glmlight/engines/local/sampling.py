@@ -70,3 +70,11 @@ def request_uniforms(seed: int, n: int, device: torch.device | str = "cpu") -> t
     so the stream is the same on every device)."""
     g = torch.Generator().manual_seed(seed)
     return torch.rand(n, generator=g, dtype=torch.float64).to(device)
+
+
+def request_spec_uniforms(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[2, n]: the uniforms of speculative decoding's acceptance tests and of its resampled tokens (token `t`'s
+    in column `t`), drawn from the request's generator after its `request_uniforms`, which stay what they are."""
+    g = torch.Generator().manual_seed(seed)
+    torch.rand(n, generator=g, dtype=torch.float64)
+    return torch.rand(2, n, generator=g, dtype=torch.float64).to(device)
