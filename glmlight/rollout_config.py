@@ -59,6 +59,23 @@ ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", request_retr
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding in the embedded engine, drafting with the policy's MTP layers (docs/engines.md,
+    "Speculative rollout"): exact, the samples have the policy's own distribution."""
+
+    # tokens drafted per round (0: off). Needs a policy with MTP layers (model.mtp.layers=N, or a checkpoint's
+    # own) decoded by the GLM-5 runner (GlmMoeDsa, Glm4MoeLite), without rollout.compile
+    depth: int = 0
+    # decode plainly while the measured acceptance rate and costs say speculation is slower (rollout/spec_enabled),
+    # probing the other way every probe_every decode rounds
+    auto_off: bool = True
+    probe_every: int = 32
+
+
+ranges(SpeculativeConfig, depth=">= 0", probe_every=">= 1")
+
+
+@dataclass
 class RolloutConfig:
     backend: str = "local"  # local | sglang | vllm | vllm_ascend
     # An engine of your own: {_target_: pkg.make_engine, ...}, called as make_engine(cfg=, policy=, tokenizer=,
@@ -94,6 +111,8 @@ class RolloutConfig:
     engine_retry_backoff_s: float = 0.5
     on_weight_update: str = "continue"  # async: in-flight generations continue (per-token versions) or abort
     seed: int = 0
+    # embedded engine: speculative rollout with the policy's MTP layers (speculative.depth=K; default off)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: "ServerConfig" = field(default_factory=lambda: ServerConfig())
 
 

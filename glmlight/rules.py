@@ -63,6 +63,12 @@ def check_rules(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "rollout.compile") and OmegaConf.select(cfg, "rollout.backend") != "local":
         raise ConfigError(f"config error: rollout.compile is for the embedded engine (rollout=local); "
                           f"{OmegaConf.select(cfg, 'rollout.backend')} servers capture their own graphs")
+    depth = OmegaConf.select(cfg, "rollout.speculative.depth") or 0
+    if depth > 0 and OmegaConf.select(cfg, "rollout.backend") != "local":
+        raise ConfigError(f"config error: rollout.speculative.depth={depth} is for the embedded engine (rollout=local); "
+                          f"{OmegaConf.select(cfg, 'rollout.backend')} servers speculate with their own flags")
+    if depth > 0 and OmegaConf.select(cfg, "rollout.compile"):
+        raise ConfigError(f"config error: rollout.speculative.depth={depth} decodes eagerly: set rollout.compile=false")
     if OmegaConf.select(cfg, "algo.dual_clip_c") is not None and OmegaConf.select(cfg, "algo.policy_loss") == "dis":
         raise ConfigError("config error: algo.dual_clip_c applies to algo.policy_loss=ppo; DIS bounds the ratio with "
                           "its trust window instead (algo.dis_eps_low / algo.dis_eps_high)")

@@ -31,7 +31,7 @@ from glmlight.agents.loop import AgentLoop
 from glmlight.config import EvalConfig, RolloutConfig
 from glmlight.data import evaluation
 from glmlight.data.rollout_groups import answer_samples, episode_trajectories, filter_groups
-from glmlight.data.rollout_stats import outcome, rollout_stats  # noqa: F401 - outcome re-exported
+from glmlight.data.rollout_stats import engine_spec_counts, outcome, rollout_stats  # noqa: F401 - outcome re-exported
 from glmlight.data.shaping import apply_overlong
 from glmlight.data.groups import tag_dropped
 from glmlight.data.producer import AsyncProducer
@@ -162,6 +162,7 @@ class RolloutDataModule(pl.LightningDataModule):
         episodic = [p for p in prompts if self.is_episode(p)]
         single = [p for p in prompts if not self.is_episode(p)]
         samples, reward_seconds = [], 0.0
+        spec_before = engine_spec_counts(engine)  # speculative decoding's counters (the embedded engine's)
         if episodic:
             episodes = self._episodes(episodic, n, counts, greedy, engine, ids)
             counts["env_failed"] += sum(s.status is Status.FAILED for s in episodes)
@@ -177,6 +178,8 @@ class RolloutDataModule(pl.LightningDataModule):
             counts["reward_failed"] += scored["failed"]
             counts["reward_timeout"] += scored["timeout"]
             samples += answers
+        if spec_before is not None:
+            counts.update(engine_spec_counts(engine) - spec_before)
         counts["rollout_seconds"] += time.perf_counter() - t0 - reward_seconds
         counts["produced"] += len(samples)
         counts["rollout_tokens"] += sum(s.num_action_tokens for s in samples)

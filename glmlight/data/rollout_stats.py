@@ -1,7 +1,7 @@
 """What a rollout batch is measured by: the reward before length shaping (`outcome`) and the
 `rollout/*` metrics logged every step (rewards, lengths, the share of answers cut at the length limit
 and of groups whose rewards are all equal, throughput, agent statistics, replay record memory, drop
-counts by reason)."""
+counts by reason, speculative decoding's acceptance, tokens per forward and on/off share)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,27 @@ def equal_reward_group_frac(batch: list[Sample]) -> float | None:
     if not sized:
         return None
     return sum(len(rewards) == 1 for rewards in sized) / len(sized)
+
+
+def engine_spec_counts(engine: object) -> Counter | None:
+    """The speculative decoding counters of an embedded engine that speculates (`spec_*` of `LocalEngine.stats`),
+    None for any other engine."""
+    if getattr(engine, "speculation", lambda: None)() is None:
+        return None
+    return Counter({k: v for k, v in engine.stats().items() if k.startswith("spec_")})
+
+
+def spec_stats(counts: Counter) -> dict[str, float]:
+    """rollout/spec_accept_rate (accepted drafts / drafted), rollout/spec_tokens_per_forward (tokens emitted per
+    row and target forward over the decode rounds, plain ones counting 1) and rollout/spec_enabled (the share of
+    decode rounds with speculation on) of the batch's generation; {} without speculation."""
+    if not counts.get("spec_decode_rounds"):
+        return {}
+    stats = {"rollout/spec_tokens_per_forward": counts["spec_decode_tokens"] / counts["spec_row_forwards"],
+             "rollout/spec_enabled": counts["spec_on_rounds"] / counts["spec_decode_rounds"]}
+    if counts.get("spec_drafted"):
+        stats["rollout/spec_accept_rate"] = counts["spec_accepted"] / counts["spec_drafted"]
+    return stats
 
 
 def rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
@@ -65,6 +86,7 @@ def rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
     if records:  # replay records (routed experts, DSA top-k): their memory per token of prompt + response
         tokens = sum(len(s.prompt_ids) + s.response_length for s in batch)
         stats["rollout/replay_bytes_per_token"] = sum(t.numel() * t.element_size() for t in records) / tokens
+    stats.update(spec_stats(counts))
     for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "reward_timeout",
               "reward_seconds", "engine_errors", "invalid_tokens", "gateway_requests", "gateway_rewrites",
               "gateway_regenerated", "gateway_withdrawn_turns", "gateway_forced_calls", "gateway_forced_unparsed",

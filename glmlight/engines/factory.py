@@ -26,7 +26,9 @@ def build_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, *, replay: s
 
         return LocalEngine(policy, dtype=r.dtype, device=engine_device(cfg), pad_token_id=tokenizer.pad_token_id,
                            seed=r.seed, on_weight_update=r.on_weight_update, compile=r.compile,
-                           weight_format=r.weight_format, num_threads=r.num_threads)
+                           weight_format=r.weight_format, num_threads=r.num_threads,
+                           speculative_depth=r.speculative.depth, speculative_auto_off=r.speculative.auto_off,
+                           speculative_probe_every=r.speculative.probe_every)
     return build_server_engine(cfg, policy, replay=replay)
 
 

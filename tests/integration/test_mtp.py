@@ -162,3 +162,20 @@ def test_glm45_structure_through_model_hf_trains_and_exports_a_fresh_mtp_layer(t
     back = load_causal_lm(out, load_tokenizer(out))
     assert attach_mtp(back, None, path=out) == 1
     assert all(torch.equal(v, trained[k]) for k, v in back.state_dict().items())
+
+
+def test_grpo_with_speculative_rollout_logs_the_speculation_metrics(tmp_path):
+    """rollout.speculative.depth: the embedded engine drafts with the synced MTP layer and every step logs
+    rollout/spec_accept_rate, rollout/spec_tokens_per_forward and rollout/spec_enabled."""
+    root = tmp_path / "run"
+    run = glmlight.build(compose(overrides_for_tests(
+        root, "model.mtp.layers=1", "rollout.speculative.depth=2", "rollout.speculative.auto_off=false",
+        "rollout.max_new_tokens=8", "~callbacks.held_out_eval", "~callbacks.sample_table", "export.enabled=false")))
+    with run:
+        run.fit()
+    rows = [r for r in csv.DictReader(open(glob.glob(str(root / "**" / "metrics.csv"), recursive=True)[0]))
+            if r.get("rollout/spec_enabled")]
+    assert len(rows) == 2
+    for r in rows:
+        assert 0 <= float(r["rollout/spec_accept_rate"]) <= 1 and float(r["rollout/spec_enabled"]) == 1.0
+        assert 1 <= float(r["rollout/spec_tokens_per_forward"]) <= 3
