@@ -294,7 +294,7 @@ def build_policy(cfg: DictConfig, tokenizer: Any, source: PromptSource | None = 
     gradient checkpointing, and with `warm` the supervised warm start (cached) when model.warm_start.steps
     > 0, on the task's `source` scored by `reward` (both built from the config when not given)."""
     m = cfg.model
-    policy = load_causal_lm(m.path, tokenizer, preset=m.preset, dtype=m.dtype, seed=m.seed,
+    policy = load_causal_lm(m.path, tokenizer, preset=m.preset, dtype=m.dtype, seed=m.seed, arch=m.arch,
                             trust_remote_code=m.trust_remote_code, index_topk=m.index_topk,
                             n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok)
     if m.gradient_checkpointing:
@@ -314,6 +314,11 @@ def build_policy(cfg: DictConfig, tokenizer: Any, source: PromptSource | None = 
     return policy
 
 
+def model_tokenizer(m: DictConfig) -> Any:
+    """The policy's tokenizer: model.path's (or the tiny models' character tokenizer) with model.chat_template."""
+    return load_tokenizer(m.path, m.trust_remote_code, chat_template=m.chat_template)
+
+
 def with_lora(cfg: DictConfig, policy: torch.nn.Module) -> torch.nn.Module:
     """`policy` with the LoRA adapters of model.lora (unchanged at rank 0)."""
     lora = cfg.model.lora
@@ -324,7 +329,7 @@ def policy_from_checkpoint(cfg: DictConfig | dict, ckpt_path: str) -> tuple[torc
     """(policy, tokenizer) of a run's Lightning checkpoint, built as `build(cfg)` builds them (a LoRA
     checkpoint holds only the adapters: the base is rebuilt from model.path, or the seed and warm start)."""
     cfg = prepare_model(validate(cfg))
-    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    tokenizer = model_tokenizer(cfg.model)
     lora = cfg.model.lora
     # a LoRA checkpoint holds only the adapters: the base they were trained on is rebuilt (warm start included)
     policy = with_lora(cfg, build_policy(cfg, tokenizer, warm=lora.rank > 0))
@@ -356,7 +361,7 @@ def build(cfg: DictConfig | dict) -> Run:
         require_npu()
     prepare_model(cfg)  # a GGUF source becomes its cached checkpoint directory (converted on first use)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    tokenizer = model_tokenizer(cfg.model)
     source, eval_source = build_sources(cfg.task, cfg.seed)
     eval_sets = build_eval_sets(cfg.eval, cfg.task)
     reward = task_reward(cfg.task, source)

@@ -111,7 +111,14 @@ class ModelConfig:
     # a local Hugging Face checkpoint, or a GGUF file (converted once into gguf.cache_dir); None = the tiny
     # GLM-5 default, or the GGUF of gguf.package
     path: Optional[str] = None
-    preset: str = "tiny"  # tiny GLM-5 size when path is None: test | tiny | small
+    preset: str = "tiny"  # tiny model's size when path is None: test | tiny | small
+    # The tiny model's architecture when path is None (glmlight/models/tiny.py): glm5 (GlmMoeDsa) | glm4moe
+    # (GLM-4.5/4.6/4.7) | glm4moe_lite (GLM-4.7-Flash)
+    arch: str = "glm5"
+    # The tokenizer's chat template, replacing its own: glm45 / glm45_training (GLM-4.5/4.6's, from the trl
+    # package; on the tiny models' character tokenizer with GLM's added tokens) or a .jinja file's path;
+    # None = the tokenizer's own (glmlight/models/chat_templates.py)
+    chat_template: Optional[str] = None
     index_topk: Optional[int] = None  # tiny GLM-5: DSA indexer top-k (below the sequence length = sparse)
     n_routed_experts: Optional[int] = None  # tiny GLM-5: routed experts per MoE layer (preset's if None)
     num_experts_per_tok: Optional[int] = None  # tiny GLM-5: experts each token is routed to (preset's if None)

@@ -30,6 +30,7 @@ CHOICES = {
     "algo.reward_placement": ("terminal", "turns"),
     "algo.distill_loss": ("sampled", "full"),
     "model.forward": ("auto", "glmlight", "transformers"),
+    "model.arch": ("glm5", "glm4moe", "glm4moe_lite"),  # glmlight/models/tiny.py ARCHES
     "algo.lr_schedule": ("constant", "cosine", "linear"),
     "logger.name": ("wandb", "csv", "none"),
     "model.warm_start.lr_schedule": ("constant", "cosine", "wsd"),

@@ -21,12 +21,13 @@ import os
 import re
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GlmMoeDsaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from glmlight.dtypes import resolve_dtype
 from glmlight.errors import ConfigError
 from glmlight.models.glm5.indexer import install_fast_indexer
-from glmlight.models.tiny import PRESETS, tiny_glm5_config
+from glmlight.models.chat_templates import with_chat_template
+from glmlight.models.tiny import PRESETS, tiny_config
 from glmlight.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,18 @@ log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model")
 
 
-def load_tokenizer(path: str | None, trust_remote_code: bool = False, key: str = "model.path"
-                   ) -> PreTrainedTokenizerBase:
-    """The tokenizer of a local checkpoint (`key` names the config key in errors), or the character tokenizer."""
+def load_tokenizer(path: str | None, trust_remote_code: bool = False, key: str = "model.path",
+                   chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local checkpoint (`key` names the config key in errors), or the character tokenizer;
+    with `chat_template` (glmlight/models/chat_templates.py) rendering with that template instead of its own."""
     if path is None:
-        return build_char_tokenizer()
+        tok = build_char_tokenizer()
+        return with_chat_template(tok, chat_template, char_tokenizer=True) if chat_template else tok
+    tok = _checkpoint_tokenizer(path, trust_remote_code, key)
+    return with_chat_template(tok, chat_template, char_tokenizer=False) if chat_template else tok
+
+
+def _checkpoint_tokenizer(path: str, trust_remote_code: bool, key: str) -> PreTrainedTokenizerBase:
     _check_local(path, key)
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES) and not trust_remote_code:
         raise ConfigError(f"config error: {key}={path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
@@ -61,20 +69,20 @@ def load_tokenizer(path: str | None, trust_remote_code: bool = False, key: str =
 
 def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, preset: str = "tiny",
                    dtype: str | None = None, seed: int = 0, trust_remote_code: bool = False, key: str = "model.path",
-                   **tiny_overrides) -> PreTrainedModel:
-    """A local checkpoint (safetensors only), or the tiny GLM-5 initialised from `seed`, in `dtype`; None: the
-    checkpoint's own (`checkpoint_dtype`), float32 for the tiny GLM-5."""
+                   arch: str = "glm5", **tiny_overrides) -> PreTrainedModel:
+    """A local checkpoint (safetensors only), or the tiny `arch` model (glmlight/models/tiny.py) initialised from
+    `seed`, in `dtype`; None: the checkpoint's own (`checkpoint_dtype`), float32 for the tiny models."""
     torch_dtype = resolve_dtype(dtype) if dtype is not None else torch.float32
     if path is None:
         if preset not in PRESETS:
             where = key.rsplit(".", 1)[0] + ".preset"
             raise ConfigError(f"config error: {where}={preset!r} is not one of {sorted(PRESETS)}")
-        config = tiny_glm5_config(len(tokenizer), preset, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id,
-                                  **{k: v for k, v in tiny_overrides.items() if v is not None})
+        config = tiny_config(arch, len(tokenizer), preset, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id,
+                             **{k: v for k, v in tiny_overrides.items() if v is not None})
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = GlmMoeDsaForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
         install_fast_indexer(model)
         return model.to(torch_dtype)
     config = check_checkpoint(path, key)

@@ -5,10 +5,8 @@ renders tokenizes as the real model's tokenizer would split it at its markers.""
 
 from __future__ import annotations
 
-import os
-
-from tokenizers import AddedToken
-
+from glmlight.models.chat_templates import GLM45_SPECIAL, GLM45_TAGS, glm45_tokenizer  # noqa: F401 - fixtures
+from glmlight.models.chat_templates import template_text
 from glmlight.models.tokenizer import build_char_tokenizer
 
 # SmolLM2-135M-Instruct's chat template, as its tokenizer_config.json has it.
@@ -17,20 +15,6 @@ SMOLLM2_TEMPLATE = (
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-# GLM-4.5's added tokens: role markers and control tokens are special (dropped from decoded text); the
-# reasoning and tool-call tags are not (an agent reads them in the decoded text), as in its tokenizer.
-GLM45_SPECIAL = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>"]
-GLM45_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-              "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]
-
-
-def glm45_template() -> str:
-    """GLM-4.5/4.6's chat template as the `trl` wheel ships it."""
-    import trl
-
-    with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", "glm4moe.jinja")) as f:
-        return f.read()
 
 
 def tiny_tokenizer():
@@ -48,14 +32,9 @@ def smollm2_tokenizer():
     return tok
 
 
-def glm45_tokenizer():
-    """GLM-4.5's template: `[gMASK]<sop>` first, no end-of-turn text after an assistant turn (the model ends
-    its turn with the next role marker, `<|observation|>` or `<|user|>`), tool results in role `tool`."""
-    tok = build_char_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": GLM45_SPECIAL})
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in GLM45_TAGS])
-    tok.chat_template = glm45_template()
-    return tok
+def glm45_template() -> str:
+    """GLM-4.5/4.6's chat template as the `trl` wheel ships it."""
+    return template_text("glm45")
 
 
 TOKENIZERS = {"tiny": tiny_tokenizer, "smollm2": smollm2_tokenizer, "glm45": glm45_tokenizer}
