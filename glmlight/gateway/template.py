@@ -38,7 +38,7 @@ from glmlight.errors import ConfigError
 from glmlight.gateway.messages import Message, ToolCall, ToolSpec, bad_request
 from glmlight.gateway.tool_format import ToolFormat
 from glmlight.models.tokenizer import (SPLICE_BASE, PromptEncodingError, assistant_closing, encode_chat,
-                                       splice_after_action, spliced_turns)
+                                       extend_to_rendering, rendered_text, splice_after_action, spliced_turns)
 
 _PROBE_TOOL = ToolSpec("probe", "a probe", {"type": "object", "properties": {"a": {"type": "string"}}})
 _PROBE_NAME = "glmlight_probe_tool"  # a tool name that appears nowhere else in a rendered probe call
@@ -150,22 +150,10 @@ class TurnCodec:
         earlier turn's reasoning dropped, a turn's text rewritten): the turn opens a new segment. Texts are
         compared, not ids, so a sampled turn the tokenizer would split otherwise still extends its segment."""
         rendered = [self.fmt.template_message(m, tools) for m in messages]
-        kw = {"tools": [t.openai() for t in tools]} if tools else {}
-        try:
-            with self._lock:
-                want = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **kw)
-        except Exception:  # noqa: BLE001 - `encode` (a new segment) reports what the template cannot render
+        with self._lock:  # (`encode`, a new segment, reports what the template cannot render)
+            want = rendered_text(self.tokenizer, rendered, [t.openai() for t in tools] or None)
+        if want is None:
             return None
         ids = self.splice(action, new, tools)
-        if self._text(held + ids) == want:
-            return ids
-        have = self._text(held)
-        if not isinstance(want, str) or not want.startswith(have):
-            return None
         with self._lock:
-            rest = list(self.tokenizer(want[len(have):], add_special_tokens=False)["input_ids"])
-        return rest if self._text(held + rest) == want else None
-
-    def _text(self, ids: list[int]) -> str:
-        with self._lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            return extend_to_rendering(self.tokenizer, held, ids, want)

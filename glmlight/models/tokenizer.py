@@ -156,3 +156,37 @@ def splice_after_action(action: list[int], stop_ids: set[int], rendered: list[in
     next turn starts where the template starts one."""
     ended = bool(action) and action[-1] in stop_ids and rendered[:1] == action[-1:]
     return list(rendered[1:] if ended else rendered)
+
+
+def rendered_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None = None) -> str | None:
+    """The chat template's text of `messages` up to the opening of the next assistant turn; None when the
+    template cannot render them (`encode_chat`, which a new segment is encoded with, reports why)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **({"tools": tools} if tools else {}))
+    except Exception:  # noqa: BLE001 - jinja and transformers raise many kinds
+        return None
+    return text if isinstance(text, str) else None
+
+
+def extend_to_rendering(tokenizer: PreTrainedTokenizerBase, held: list[int], spliced: list[int],
+                        want: str | None) -> list[int] | None:
+    """The ids that take `held` (a segment's ids) to `want` (the template's text of the conversation,
+    `rendered_text`): `spliced` (the turns spliced after the last sampled turn) when `held` + `spliced` is that
+    text, or else the rest of `want` after `held`'s text (a template that renders what closes a turn by the
+    turn's own content, e.g. `<|observation|>` after a tool-call turn in GLM-4.5's training variant). None when
+    `want` does not continue `held`'s text (the template renders an earlier turn otherwise than `held` holds it:
+    the turn opens a new segment). Texts are compared, not ids, so a sampled turn the tokenizer would split
+    otherwise still extends its segment."""
+    if want is None:
+        return None
+    text = lambda ids: tokenizer.decode(ids, skip_special_tokens=False,  # noqa: E731
+                                        clean_up_tokenization_spaces=False)
+    if text(held + spliced) == want:
+        return list(spliced)
+    have = text(held)
+    if not want.startswith(have):
+        return None
+    rest = list(tokenizer(want[len(have):], add_special_tokens=False)["input_ids"])
+    return rest if text(held + rest) == want else None
