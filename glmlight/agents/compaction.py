@@ -10,13 +10,21 @@ trained on there); all ids are spliced as produced, never re-tokenized.
 
 The summary's ids go inside the resume turn, before whatever the template closes a
 user turn with (nothing in GLM's template, `<|im_end|>` and a newline in ChatML).
+
+The summary request is a user turn of the conversation, checked against the chat template's rendering as an
+observation is (`AgentLoop.extension`): where the template renders the conversation otherwise once a user turn
+follows (GLM-4.5's drops the reasoning of earlier turns), the summary is asked for in a new segment whose prompt
+is that rendering. The resume prompt is the context's replacement by design (a new segment); the conversation
+resumes as the opening messages, the resume turn with the summary's text and the kept steps' turns, and the
+turns after it are checked against its rendering as any turn is.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from glmlight.agents.loop import AgentLoop, Episode, Segment, encode_observation
+from glmlight.agents.loop import AgentLoop, Episode, encode_observation
+from glmlight.errors import DataError
 from glmlight.models.tokenizer import encode_chat, turn_closing
 from glmlight.engines.base import SamplingParams
 from glmlight.sample import Status
@@ -34,6 +42,7 @@ class CompactingAgentLoop(AgentLoop):
         self.threshold, self.keep_last_steps = threshold, keep_last_steps
         self.summary_max_tokens = summary_max_tokens
         self.request_ids = encode_observation(self.tokenizer, summary_prompt, "user", self.closing) + self.gen_prompt
+        self.request = {"role": "user", "content": summary_prompt}
         self.resume_header = resume_header
         self.user_closing = turn_closing(self.tokenizer, "user")
         if threshold <= len(self.request_ids) + summary_max_tokens:
@@ -43,15 +52,23 @@ class CompactingAgentLoop(AgentLoop):
     def before_turn(self, active: list[Episode]) -> None:
         due = [e for e in active if not e.done and e.awaiting_prompt
                and self.max_context - len(e.context) < self.threshold]
-        room = [e for e in due if len(e.context) + len(self.request_ids) + 1 < self.max_context]
+        room = []
         for e in due:
-            if e not in room:
+            try:
+                ids, segment = self.extension(e, [self.request], self.request_ids)
+            except DataError as err:  # the template cannot render the conversation with the request
+                e.finish(Status.FAILED, f"summary request: {err}")
+                continue
+            if (len(ids) if segment else len(e.context) + len(ids)) + 1 < self.max_context:
+                room.append((e, ids, segment))
+            else:
                 e.finish(Status.TRUNCATED)
         if not room:
             return
-        for e in room:
-            e.add_observation(self.request_ids)
+        for e, ids, segment in room:
+            self.take(e, [], ids, segment)  # (the conversation resumes from the summary: the request is not in it)
             e.awaiting_prompt = False
+        room = [e for e, _, _ in room]
         params = []
         for e in room:
             p = self.params(len(e.context))
@@ -80,19 +97,19 @@ class CompactingAgentLoop(AgentLoop):
 
     def resume(self, ep: Episode, summary_ids: list[int]) -> None:
         """Close the current segment and continue from the resume prompt."""
-        ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
-                                   ep.routed_experts, ep.indexer_topk, ep.turn_rewards))
         ep.summary_lengths.append(len(summary_ids))  # the segment's last action tokens are its summary
         k = min(self.keep_last_steps, len(ep.steps))
         prompt = self.resume_prompt(ep, summary_ids, k)
         while k > 0 and len(prompt) + self.threshold > self.max_context:
             k -= 1
             prompt = self.resume_prompt(ep, summary_ids, k)
-        ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions = prompt, [], [], [], []
-        ep.routed_experts = ep.indexer_topk = None  # the new segment's records start with its prompt
-        ep.turn_rewards = []
-        ep.records_lost, ep.record_turns = False, 0
+        ep.new_segment(prompt)
         ep.steps = ep.steps[len(ep.steps) - k:] if k else []
+        core = summary_ids[:-1] if summary_ids and summary_ids[-1] in self.stop_ids else summary_ids
+        summary = self.tokenizer.decode(core, skip_special_tokens=True)
+        # the last steps' turns are the conversation's last messages (an assistant turn and an observation each)
+        ep.conversation = (ep.messages + [{"role": "user", "content": self.resume_header + summary}]
+                           + (ep.conversation[len(ep.conversation) - 2 * k:] if k else []))
         ep.info["compactions"] = ep.info.get("compactions", 0) + 1
         if len(prompt) + 1 >= self.max_context:
             ep.finish(Status.TRUNCATED)

@@ -7,6 +7,18 @@ and appended (loss_mask 0, log-prob 0, version -1). Nothing already in the
 context is ever re-tokenized. Episodes of a batch advance turn by turn together,
 so each turn is one batched engine call.
 
+The episode keeps the conversation beside its ids (`Episode.conversation`: the opening messages, each sampled
+turn's text as an assistant turn, each observation), and every context the engine continues is the chat
+template's rendering of it: after each turn the spliced ids are checked against the template's text of the
+conversation (`glmlight.models.tokenizer.extend_to_rendering`, as the agent gateway checks its turns). Where the
+rendering continues the segment's text, the splice (or the rendering's rest) extends it; where the template renders
+an earlier turn otherwise than the segment holds it (GLM-4.5's template drops the reasoning of turns before the
+last user turn, GLM-4.7's renders a turn without kept reasoning as `</think>` alone, a turn ended with a stop token
+the template does not put there), the segment is closed and a new one starts whose prompt is the template's
+rendering (`Episode.new_segment`: the earlier actions are context there, loss mask 0; they were trained on, as
+sampled, in the segment that sampled them). Such turns are counted (`env/rewrites`, `rollout/env_rewrites`);
+each segment is a sample of its own (docs/agents.md, segments).
+
 An observation's ids are what the template renders after an assistant turn
 (`glmlight.models.tokenizer.spliced_turns`): a default system prompt or BOS the template puts at
 the start of a conversation is not repeated. Before them comes what closes the sampled turn (the
@@ -32,7 +44,8 @@ import torch
 from glmlight.agents.env import Environment, step_result_problem
 from glmlight.agents.observation_role import resolve_observation_role
 from glmlight.errors import DataError
-from glmlight.models.tokenizer import assistant_closing, encode_chat, splice_after_action, spliced_turns
+from glmlight.models.tokenizer import (assistant_closing, encode_chat, extend_to_rendering, rendered_text,
+                                       splice_after_action, spliced_turns)
 from glmlight.prompt import Prompt
 from glmlight.engines.base import Generation, RolloutEngine, SamplingParams
 from glmlight.sample import Sample, Status
@@ -74,6 +87,7 @@ class Episode:
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] = field(default_factory=list)  # the opening messages
+    conversation: list[dict[str, str]] = field(default_factory=list)  # what the current segment's ids render
     steps: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (action ids, observation ids)
     awaiting_prompt: bool = False  # the context ends with an observation: open an assistant turn first
     segments: list["Segment"] = field(default_factory=list)  # closed segments (context compaction)
@@ -118,10 +132,24 @@ class Episode:
     def finish(self, status: Status, error: str | None = None) -> None:
         self.done, self.status, self.error = True, status, error
 
+    def new_segment(self, prompt_ids: list[int]) -> bool:
+        """Close the current segment (kept when it holds an action) and start one whose prompt is `prompt_ids`
+        (a rewritten history, a compacted context); whether the closed one was kept."""
+        kept = any(self.loss_mask)
+        if kept:
+            self.segments.append(Segment(self.prompt_ids, self.response_ids, self.loss_mask, self.logprobs,
+                                         self.versions, self.routed_experts, self.indexer_topk, self.turn_rewards))
+        self.prompt_ids, self.response_ids, self.loss_mask = list(prompt_ids), [], []
+        self.logprobs, self.versions = [], []
+        self.routed_experts = self.indexer_topk = None  # the new segment's records start with its prompt
+        self.turn_rewards, self.records_lost, self.record_turns = [], False, 0
+        return kept
+
 
 @dataclass
 class Segment:
-    """A closed part of a compacted episode: its own prompt and response (TITO, as produced)."""
+    """A closed part of an episode (compacted, or rewritten by the chat template): its own prompt and response
+    (TITO, as produced)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -156,6 +184,7 @@ class AgentLoop:
                 raise TypeError(f"reset returned {type(ep.messages).__name__}, expected a list of "
                                 "{role, content} messages")
             ep.prompt_ids = encode_chat(self.tokenizer, ep.messages, add_generation_prompt=True)
+            ep.conversation = list(ep.messages)
         except Exception as e:  # noqa: BLE001 - an environment crash fails the sample, not the run
             ep.prompt_ids = [self.tokenizer.eos_token_id]
             ep.finish(Status.FAILED, f"reset: {type(e).__name__}: {e}")
@@ -214,19 +243,46 @@ class AgentLoop:
         elif ep.turns >= self.max_turns:
             ep.finish(Status.TRUNCATED)
         else:
+            new = [{"role": "assistant", "content": action},
+                   {"role": self.observation_role, "content": result.observation or ""}]
             try:
                 obs = splice_after_action(g.token_ids, self.stop_ids, self.closing + encode_observation(
                     self.tokenizer, result.observation or "", self.observation_role, self.closing))
+                ids, segment = self.extension(ep, new, obs + self.gen_prompt)
             except DataError as e:  # e.g. characters the tokenizer has no token for
                 ep.finish(Status.FAILED, f"step: observation: {e}")
                 log.warning("environment %s: observation cannot be encoded: %s", type(ep.env).__name__, e)
                 return
-            if len(ep.context) + len(obs) + len(self.gen_prompt) >= self.max_context:
+            if (len(ids) if segment else len(ep.context) + len(ids)) >= self.max_context:
                 ep.finish(Status.TRUNCATED)
-            else:
-                ep.add_observation(obs)
-                ep.steps.append((list(g.token_ids), obs))
-                ep.awaiting_prompt = True
+                return
+            # the next turn's opening goes in when it is taken (context compaction puts its request before it)
+            ep.awaiting_prompt = ids[len(ids) - len(self.gen_prompt):] == self.gen_prompt
+            body = ids[:len(ids) - len(self.gen_prompt)] if ep.awaiting_prompt else ids
+            self.take(ep, new, body, segment)
+            ep.steps.append((list(g.token_ids), obs if segment else body))
+
+    def extension(self, ep: Episode, new: list[dict[str, str]], spliced: list[int]) -> tuple[list[int], bool]:
+        """(ids, whether they open a new segment): the ids that take the episode's context to the chat template's
+        rendering of its conversation followed by `new`, up to the next assistant turn's opening (`spliced`, the
+        ids spliced after the context, or the rendering's rest), or, where the template renders the conversation
+        otherwise than the context holds it, that whole rendering: a new segment's prompt. DataError when the
+        template cannot render or the tokenizer cannot encode the conversation."""
+        messages = ep.conversation + new
+        ids = extend_to_rendering(self.tokenizer, ep.context, spliced, rendered_text(self.tokenizer, messages))
+        if ids is not None:
+            return ids, False
+        return encode_chat(self.tokenizer, messages, add_generation_prompt=True), True
+
+    def take(self, ep: Episode, new: list[dict[str, str]], ids: list[int], segment: bool) -> None:
+        """Extend the episode's conversation by `new` and its context by `ids`, or open a new segment whose
+        prompt is `ids` (counted: `env/rewrites`)."""
+        ep.conversation = ep.conversation + new
+        if not segment:
+            ep.add_observation(ids)
+            return
+        ep.new_segment(ids)
+        ep.info["rewrites"] = ep.info.get("rewrites", 0) + 1
 
 
 def episode_to_samples(ep: Episode, group_id: int, rollout_id: int) -> list[Sample]:

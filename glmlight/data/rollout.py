@@ -225,8 +225,9 @@ class RolloutDataModule(pl.LightningDataModule):
                 self.observation_role)
         loop = CompactingAgentLoop(*args, **self.compaction) if self.compaction else AgentLoop(*args)
         episodes = loop.run(prompts, n)
-        for ep in episodes:
-            counts["compactions"] += len(ep.segments)
+        for ep in episodes:  # segments: compactions and turns the chat template renders otherwise (rewrites)
+            counts["compactions"] += ep.info.get("compactions", 0)
+            counts["env_rewrites"] += ep.info.get("rewrites", 0)
         return [s for t in episode_trajectories(episodes, n, counts, ids) for s in t]
 
     def _gateway_episodes(self, prompts: list[Prompt], n: int, counts: Counter, engine: RolloutEngine,

@@ -87,10 +87,10 @@ def rollout_stats(batch: list[Sample], counts: Counter) -> dict[str, float]:
         tokens = sum(len(s.prompt_ids) + s.response_length for s in batch)
         stats["rollout/replay_bytes_per_token"] = sum(t.numel() * t.element_size() for t in records) / tokens
     stats.update(spec_stats(counts))
-    for k in ("compactions", "agent_turns", "env_failed", "env_aborted", "reward_failed", "reward_timeout",
-              "reward_seconds", "engine_errors", "invalid_tokens", "gateway_requests", "gateway_rewrites",
-              "gateway_regenerated", "gateway_withdrawn_turns", "gateway_forced_calls", "gateway_forced_unparsed",
-              "gateway_strict_mismatch", "gateway_disallowed_calls"):
+    for k in ("compactions", "env_rewrites", "agent_turns", "env_failed", "env_aborted", "reward_failed",
+              "reward_timeout", "reward_seconds", "engine_errors", "invalid_tokens", "gateway_requests",
+              "gateway_rewrites", "gateway_regenerated", "gateway_withdrawn_turns", "gateway_forced_calls",
+              "gateway_forced_unparsed", "gateway_strict_mismatch", "gateway_disallowed_calls"):
         if k in counts:
             stats[f"rollout/{k}"] = float(counts[k])
     for k, v in counts.items():

@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
-from glmlight.agents.loop import Episode, Segment
+from glmlight.agents.loop import Episode
 from glmlight.gateway.messages import (CLOSED, CONTEXT, SERVER, Message, ToolCall, ToolSpec,
                                        TurnRequest, TurnResult, WireError)
 from glmlight.gateway.template import TurnCodec
@@ -306,15 +306,9 @@ class GatewayEpisode:
 
     def _new_segment(self) -> None:
         """Close the current segment (when it holds an action) and start an empty one: a rewritten history."""
-        ep = self.ep
-        if any(ep.loss_mask):
-            ep.segments.append(Segment(ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions,
-                                       ep.routed_experts, ep.indexer_topk, ep.turn_rewards))
+        if self.ep.new_segment([]):
             self.sampling.append([])
         self.sampling[-1] = []
-        ep.prompt_ids, ep.response_ids, ep.loss_mask, ep.logprobs, ep.versions = [], [], [], [], []
-        ep.routed_experts = ep.indexer_topk = None
-        ep.turn_rewards, ep.records_lost, ep.record_turns = [], False, 0
         self.last_action, self.open_text = [], None
         self.rewrites += 1
         self.counts["gateway_rewrites"] += 1

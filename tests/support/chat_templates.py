@@ -49,7 +49,8 @@ ANSWER_PREFIX = {"tiny": "", "smollm2": "", "glm45": "\n<think></think>\n"}
 def end_token(name: str, tok, following_role: str) -> int:
     """The token a model of template `name` ends an assistant turn with when a `following_role` turn comes
     next: its end-of-turn token (tiny: <eos>, ChatML: <|im_end|>), or for GLM-4.5 the next turn's role marker
-    (`<|observation|>` before a tool result, `<|user|>` before a user turn)."""
-    if name != "glm45":
+    (`<|observation|>` before a tool result, `<|user|>` before a user turn; GLM-4.5's training variant and
+    GLM-4.7's alike)."""
+    if not name.startswith("glm"):
         return tok.eos_token_id
     return tok.convert_tokens_to_ids("<|observation|>" if following_role == "tool" else "<|user|>")

@@ -1,8 +1,8 @@
 """The environment loop under GLM's chat templates with reasoning and two parallel tool calls in a turn, the
 environment's results in role `tool`: every context the engine continues is the template's own rendering of the
-conversation (the sampled turns as the assistant's content), one segment. The loop splices and never renders the
-conversation again, so this holds where the template renders it as one growing prefix (docs/agents.md, segments):
-GLM-4.5's template with or without reasoning, GLM-4.7's when the model reasons."""
+conversation (the sampled turns as the assistant's content), one segment: the templates render these
+conversations as one growing prefix (GLM-4.5's with or without reasoning, GLM-4.7's when the model reasons). Where
+a template rewrites history the turn opens a new segment (tests/unit/agents/test_template_splicing.py)."""
 
 import pytest
 
