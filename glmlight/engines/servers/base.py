@@ -112,7 +112,11 @@ class ServerEngineBase(ReplayCapture, SuspectTracking, FleetUpdate):
             self._shapes: dict[str, tuple[int, ...]] | None = None  # name -> shape the servers serve
             for url in self.urls:
                 self._wait_ready(url, ready_timeout_s)
-            self._after_ready()
+            try:
+                self._after_ready()
+            except EngineError:
+                self._raise_if_exited()  # a server that died on its first requests: say why, from its log
+                raise
             for url in self.urls[1:] if router else self.urls:
                 self._expect[url] = None
         except BaseException:
@@ -255,6 +259,17 @@ class ServerEngineBase(ReplayCapture, SuspectTracking, FleetUpdate):
     def _check_launcher(self) -> None:
         if self.launcher is not None:
             self.launcher.check()
+
+    def _raise_if_exited(self, wait_s: float = 15.0) -> None:
+        """After a failed request to a managed server: if its process exits within `wait_s` (a worker that
+        died takes the server down a moment after the error), raise its exit as one line with the log's
+        last lines (`ManagedServer.check`) instead of the client-side symptom (a refused connection, a 500)."""
+        if self.launcher is None:
+            return
+        deadline = time.monotonic() + wait_s
+        while self.launcher.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.launcher.check()
 
     def _restart_exited_server(self) -> None:
         """A managed server that exited (killed, crashed) is started again on the same address, up to

@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import re
 import threading
 import uuid
 from collections.abc import Sequence
@@ -108,17 +109,23 @@ class ManagedServer:
         rc = self.proc.poll()
         if rc is not None:
             code = f"signal {rc - 128}" if rc > 128 else (f"signal {-rc}" if rc < 0 else f"code {rc}")
-            raise EngineError(f"managed {self.spec.name} server exited with {code}; last log lines: "
-                              f"{self.log_tail()} (full log: {self.spec.log_path})")
+            cause = first_exception(self._log_lines(65536))
+            raise EngineError(f"managed {self.spec.name} server exited with {code}"
+                              + (f": {self._redact(cause)}" if cause else "")
+                              + f"; last log lines: {self.log_tail()} (full log: {self.spec.log_path})")
 
-    def log_tail(self, n: int = 6) -> str:
+    def _log_lines(self, nbytes: int) -> list[str]:
         try:
             with open(self.spec.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self.spec.log_path) - 8192))
-                lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+                f.seek(max(0, os.path.getsize(self.spec.log_path) - nbytes))
+                return [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
         except OSError:
+            return []
+
+    def log_tail(self, n: int = 6) -> str:
+        if not os.path.exists(self.spec.log_path):
             return "(no log)"
-        return self._redact(" | ".join(lines[-n:])) or "(empty log)"
+        return self._redact(" | ".join(self._log_lines(8192)[-n:])) or "(empty log)"
 
     def _redact(self, text: str) -> str:
         for secret in self.spec.secrets:
@@ -153,6 +160,20 @@ class ManagedServer:
         self._log.close()
         with _live_lock:
             _live.discard(self)
+
+
+_EXCEPTION = re.compile(r"(?:^|[\s\]|])((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception)): (\S.*)$")
+
+
+def first_exception(lines: Sequence[str]) -> str | None:
+    """The first `SomeError: message` line of a server's log, without the log prefix: a worker's root cause
+    comes before the errors it causes in vLLM's engine core and API server. Connection errors are skipped:
+    SGLang's launcher calls its own HTTP port before it listens and logs the refusal as a traceback."""
+    for line in lines:
+        m = _EXCEPTION.search(line)
+        if m and not any(w in m.group(1) for w in ("Connection", "MaxRetry")):
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return None
 
 
 def server_processes(server_id: str) -> list[int]:

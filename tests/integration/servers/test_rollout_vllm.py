@@ -629,3 +629,36 @@ def test_delta_sync_sends_the_changed_elements_and_goes_whole_when_a_server_lack
     finally:
         a.close()
         b.close()
+
+
+# A server that passes its health check and dies on its first request, printing its worker's error as vLLM's
+# CPU build does for an MLA model whose latent width its MLA backend does not take (vllm 0.32.0,
+# model_executor/layers/attention/mla_attention.py).
+DIES_ON_FIRST_REQUEST = '''
+import http.server, os, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        if self.path.startswith("/health"):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"ok"); return
+        self.die()
+    def do_POST(self): self.die()
+    def die(self):
+        print("(Worker pid=1) ERROR [multiproc_executor.py:1063] ValueError: Head dimension 24 is not supported by MLA.")
+        print("(EngineCore pid=2) ERROR [core.py:1512] RuntimeError: Worker failed with error 'Head dimension 24'")
+        print("UserWarning: resource_tracker: leaked semaphore objects", flush=True)
+        os._exit(1)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_a_managed_server_that_dies_on_its_first_request_is_reported_with_its_error(tmp_path):
+    """Not the client's symptom (a refused connection) but the server's exit and its root cause, one line."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_ON_FIRST_REQUEST)
+    with pytest.raises(EngineError) as err:
+        build_server_engine(launch_config(tmp_path, "vllm", [sys.executable, str(script)]))
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "exited with code 1: ValueError: Head dimension 24 is not supported by MLA." in msg

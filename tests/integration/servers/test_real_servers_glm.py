@@ -1,0 +1,44 @@
+"""GLM-4.5 (Glm4Moe) and GLM-4.7-Flash (Glm4MoeLite) served by the REAL vLLM and SGLang CPU servers, started by
+glmlight's managed launch: a tiny checkpoint of each (glmlight/engines/servers/tiny_checkpoint.py), sampled
+log-probs equal the trainer's float32 forward, and a tensor weight sync moves every answer to the new weights
+and version. Slow (a server start per case); which combinations serve and the errors of those that cannot are
+in docs/servers.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from glmlight.engines.base import SamplingParams
+from glmlight.engines.factory import build_server_engine
+from glmlight.engines.servers.launch import server_processes
+from glmlight.engines.servers.tiny_checkpoint import build_tiny_checkpoint
+from glmlight.engines.transport import read_checkpoint
+from tests.support.real_servers import interpreter, logprob_tol, max_diff, server_config, trainer_logprobs
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "glm4_moe_lite"])
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_a_glm_moe_model_is_served_with_the_trainers_logprobs_and_synced(backend, arch, tmp_path):
+    from glmlight.models.loading import load_causal_lm, load_tokenizer
+
+    python = interpreter(backend)
+    ckpts = [build_tiny_checkpoint(str(tmp_path / f"{arch}-{i}"), arch, seed=i) for i in range(2)]
+    tok = load_tokenizer(ckpts[0])
+    models = [load_causal_lm(p, tok).eval() for p in ckpts]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ("12+34=", "hello there")]
+    tol = logprob_tol(models, prompts)
+    engine = build_server_engine(server_config(backend, python, ckpts[0], str(tmp_path)))
+    try:
+        for i in range(2):
+            if i:
+                engine.update_weights(read_checkpoint(ckpts[1]), version=1)
+            outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0, seed=0))
+            for out, prompt in zip(outs, prompts):
+                assert len(out.token_ids) == 12 and set(out.versions) == {i}
+                assert max_diff(out.logprobs, trainer_logprobs(models[i], prompt, out.token_ids)) <= tol
+    finally:
+        server_id = engine.launcher.server_id
+        engine.close()
+    assert server_processes(server_id) == []
