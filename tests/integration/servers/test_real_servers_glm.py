@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from glmlight.engines.base import SamplingParams
+from glmlight.errors import EngineError
 from glmlight.engines.factory import build_server_engine
 from glmlight.engines.servers.launch import server_processes
 from glmlight.engines.servers.tiny_checkpoint import build_tiny_checkpoint
@@ -18,8 +19,14 @@ from tests.support.real_servers import interpreter, logprob_tol, max_diff, serve
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "glm4_moe_lite"])
-@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+# vLLM serves the tiny GLM-4.7-Flash and syncs it, but its log-probs differ from the trainer's by up to ~0.5 nats
+# (docs/servers.md); strict: this fails once they agree, and the docs must say so then.
+VLLM_MLA_DIFFERS = pytest.mark.xfail(strict=True, reason="vLLM 0.32 CPU's GLM-4.7-Flash log-probs differ from the "
+                                                         "trainer's (docs/servers.md)")
+
+
+@pytest.mark.parametrize("backend, arch", [("vllm", "glm4_moe"), ("sglang", "glm4_moe"),
+                                           pytest.param("vllm", "glm4_moe_lite", marks=VLLM_MLA_DIFFERS)])
 def test_a_glm_moe_model_is_served_with_the_trainers_logprobs_and_synced(backend, arch, tmp_path):
     from glmlight.models.loading import load_causal_lm, load_tokenizer
 
@@ -42,3 +49,12 @@ def test_a_glm_moe_model_is_served_with_the_trainers_logprobs_and_synced(backend
         server_id = engine.launcher.server_id
         engine.close()
     assert server_processes(server_id) == []
+
+
+def test_sglang_on_cpu_cannot_serve_glm_mla_and_says_why(tmp_path):
+    """SGLang 0.5.23's torch-native attention runs MLA's prefill through its multi-head path on the latent cache;
+    the managed launch reports the server's exit with that error (docs/servers.md)."""
+    python = interpreter("sglang")
+    ckpt = build_tiny_checkpoint(str(tmp_path / "glm4_moe_lite"), "glm4_moe_lite")
+    with pytest.raises(EngineError, match=r"exited with .*RuntimeError: Expected size for first two dimensions"):
+        build_server_engine(server_config("sglang", python, ckpt, str(tmp_path)))
