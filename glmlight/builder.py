@@ -28,7 +28,7 @@ from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.lora import apply_lora
 from glmlight.models.mtp import attach_mtp
-from glmlight.models.warm_start import label_examples, supervised_warm_start
+from glmlight.models.warm_start import label_examples, mtp_warm_start, supervised_warm_start
 from glmlight.rewards import task_reward
 from glmlight.run import Run, _resume_path, save_run_config, write_run_report  # noqa: F401 - re-exported
 from glmlight.engines.factory import build_engine
@@ -213,10 +213,11 @@ def use_glm_forward(cfg: DictConfig, policy: torch.nn.Module) -> bool:
 
 
 def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource,
-               make_datamodule: Any) -> str | None:
+               make_datamodule: Any, fit: Any = None) -> str | None:
     """The supervised warm start (cached): on reference answers, or on the environment's expert episodes
     through the task's own agent loop (model.warm_start.data); with model.warm_start.mix, the rows of
-    other tasks (each built as its own run would build it) in the same batches."""
+    other tasks (each built as its own run would build it) in the same batches. `fit`: what trains on the rows
+    (`supervised_warm_start` by default, or `mtp_warm_start` for the MTP layers)."""
     identity, examples = _warm_start_rows(cfg, tokenizer, make_datamodule)
     mix = []
     for name in cfg.model.warm_start.mix:
@@ -228,7 +229,7 @@ def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source:
         mix.append((other_source, other_examples or label_examples(tokenizer, other.task.answer_format)))
         identity.setdefault("mix", []).append(other_identity)
     examples = examples or label_examples(tokenizer, cfg.task.answer_format)
-    return supervised_warm_start(policy, tokenizer, source, cfg.model.warm_start, identity, examples, mix)
+    return (fit or supervised_warm_start)(policy, tokenizer, source, cfg.model.warm_start, identity, examples, mix)
 
 
 def _task_config(cfg: DictConfig, name: str) -> DictConfig:
@@ -299,7 +300,8 @@ def build_policy(cfg: DictConfig, tokenizer: Any, source: PromptSource | None = 
                             n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok)
     if m.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    if warm and m.warm_start.steps > 0:
+    warm = warm and m.warm_start.steps > 0
+    if warm:
         source = source if source is not None else build_sources(cfg.task, cfg.seed)[0]
         reward = reward if reward is not None else task_reward(cfg.task, source)
         warm_start(cfg, policy, tokenizer, source, _datamodule_factory(cfg, policy, tokenizer, source, reward))
@@ -310,7 +312,10 @@ def build_policy(cfg: DictConfig, tokenizer: Any, source: PromptSource | None = 
             log.info("%s: its MTP layers are not kept with model.lora / trainer.strategy=%s", m.path,
                      cfg.trainer.strategy)
         layers = 0
-    attach_mtp(policy, layers, path=m.path, seed=m.seed)
+    if attach_mtp(policy, layers, path=m.path, seed=m.seed) and warm and m.warm_start.mtp:
+        # then fitted on the warm start's rows, the main model frozen (cached)
+        warm_start(cfg, policy, tokenizer, source, _datamodule_factory(cfg, policy, tokenizer, source, reward),
+                   fit=mtp_warm_start)
     return policy
 
 

@@ -55,6 +55,10 @@ class WarmStartConfig:
     # already learned (conf/pipeline/glm5.yaml).
     mix: list[str] = field(default_factory=list)
     mix_batch_size: list[int] = field(default_factory=list)
+    # A policy with MTP layers (model.mtp): fit them afterwards on the same rows, the same steps and schedule, the
+    # main model frozen (glmlight.models.warm_start.mtp_warm_start), so that speculative rollout's draft starts
+    # trained; false = they start as initialised (or as the checkpoint has them)
+    mtp: bool = True
     cache_dir: str = ".cache/glmlight"
 
 

@@ -68,3 +68,56 @@ def test_a_warm_start_whose_expert_episodes_all_fail_stops_with_their_reasons(to
     assert "\n" not in line and "none of expert 0's 3 episodes has an action to train on" in line, line
     for reason in ("agent_crashed: 1", "bad_request: 1", "context_exceeded: 1"):
         assert reason in line, line
+
+
+def _sums(n: int, offset: int = 0) -> ListSource:
+    return ListSource([Prompt(messages=[{"role": "user", "content": f"{a}+{b}="}], label=str(a + b))
+                       for a, b in ((i % 10, (3 * i + offset) % 10) for i in range(offset, offset + n))])
+
+
+def test_the_mtp_warm_start_lowers_the_mtp_loss_on_held_out_rows_and_leaves_the_main_model(tokenizer, tmp_path):
+    """A policy with an MTP layer has it fitted on the warm start's rows (the main model frozen): its loss on
+    sums it never saw falls, the main model's weights are untouched, the result is cached and loaded back."""
+    from glmlight.models.loading import load_causal_lm
+    from glmlight.models.mtp import attach_mtp
+    from glmlight.models.warm_start import label_examples, masked_mtp_loss, mtp_warm_start
+
+    def model():
+        m = load_causal_lm(None, tokenizer, preset="test", seed=0)
+        attach_mtp(m, 1, seed=0)
+        return m
+
+    held = label_examples(tokenizer)(list(_sums(16, offset=100)))
+    cfg = WarmStartConfig(steps=12, lr=1e-2, batch_size=16, warmup_steps=0, cache_dir=str(tmp_path))
+    policy = model()
+    main = {k: v.clone() for k, v in policy.state_dict().items() if not k.startswith("mtp.")}
+    with torch.no_grad():
+        before, _ = masked_mtp_loss(policy, held, tokenizer.pad_token_id)
+    path = mtp_warm_start(policy, tokenizer, _sums(64), cfg, {"task": "sums"})
+    with torch.no_grad():
+        after, accuracy = masked_mtp_loss(policy, held, tokenizer.pad_token_id)
+    assert float(after) < float(before) - 0.5, (float(before), float(after))  # 4.66 -> 3.67 measured
+    assert all(torch.equal(policy.state_dict()[k], v) for k, v in main.items())
+    assert all(p.requires_grad for p in policy.parameters())  # the frozen main model is trainable again
+    fresh = model()
+    assert mtp_warm_start(fresh, tokenizer, _sums(64), cfg, {"task": "sums"}) == path  # the cache, loaded
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in policy.state_dict().items())
+    assert mtp_warm_start(model(), tokenizer, _sums(64), WarmStartConfig(steps=12, mtp=False), {}) is None
+
+
+def test_build_policy_fits_the_mtp_layers_after_the_warm_start(tokenizer, tmp_path):
+    """model.mtp.layers=1 with a warm start: the layer built after the warm start is fitted on its rows (cached
+    beside it); with model.warm_start.mtp=false it stays as initialised."""
+    from glmlight import builder
+    from glmlight.cli import compose
+
+    def build(*extra):
+        cfg = compose(["model.preset=test", "model.mtp.layers=1", "model.warm_start.steps=2",
+                       "model.warm_start.batch_size=4", f"model.warm_start.cache_dir={tmp_path}", *extra])
+        return builder.build_policy(cfg, tokenizer)
+
+    fitted, plain = build(), build("model.warm_start.mtp=false")
+    assert len(list(tmp_path.glob("warm_start_mtp-*.safetensors"))) == 1
+    diff = {k: not torch.equal(v, plain.state_dict()[k]) for k, v in fitted.state_dict().items()}
+    assert any(v for k, v in diff.items() if k.startswith("mtp.")) and not any(
+        v for k, v in diff.items() if not k.startswith("mtp."))
