@@ -60,13 +60,15 @@ ranges(ServerConfig, max_in_flight=">= 1", request_timeout_s="> 0", request_retr
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding in the embedded engine, drafting with the policy's MTP layers (docs/engines.md,
-    "Speculative rollout"): exact, the samples have the policy's own distribution."""
+    """Speculative decoding in the embedded engine, drafting with the policy's MTP layers (docs/models.md,
+    "Speculative rollout"): exact, the samples have the policy's own distribution. With a managed SGLang or vLLM
+    server, `depth` goes to the server's own MTP speculative flags (docs/servers.md, "Speculative decoding")."""
 
-    # tokens drafted per round (0: off). Needs a policy with MTP layers (model.mtp.layers=N, or a checkpoint's
-    # own) decoded by the GLM-5 runner (GlmMoeDsa, Glm4MoeLite), without rollout.compile
+    # tokens drafted per round (0: off). Embedded engine: needs a policy with MTP layers (model.mtp.layers=N, or a
+    # checkpoint's own) decoded by the GLM-5 runner (GlmMoeDsa, Glm4MoeLite), without rollout.compile. Servers: a
+    # managed launch (rollout.server.launch=true), not on CPU (neither CPU build speculates correctly)
     depth: int = 0
-    # decode plainly while the measured acceptance rate and costs say speculation is slower (rollout/spec_enabled),
+    # embedded engine only: decode plainly while the measured acceptance rate and costs say speculation is slower (rollout/spec_enabled),
     # probing the other way every probe_every decode rounds
     auto_off: bool = True
     probe_every: int = 32

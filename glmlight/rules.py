@@ -65,9 +65,21 @@ def check_rules(cfg: DictConfig) -> None:
         raise ConfigError(f"config error: rollout.compile is for the embedded engine (rollout=local); "
                           f"{OmegaConf.select(cfg, 'rollout.backend')} servers capture their own graphs")
     depth = OmegaConf.select(cfg, "rollout.speculative.depth") or 0
-    if depth > 0 and OmegaConf.select(cfg, "rollout.backend") != "local":
-        raise ConfigError(f"config error: rollout.speculative.depth={depth} is for the embedded engine (rollout=local); "
-                          f"{OmegaConf.select(cfg, 'rollout.backend')} servers speculate with their own flags")
+    backend = OmegaConf.select(cfg, "rollout.backend")
+    if depth > 0 and backend != "local" and (OmegaConf.select(cfg, "rollout.server.in_process")
+                                             or not OmegaConf.select(cfg, "rollout.server.launch")):
+        raise ConfigError(f"config error: rollout.speculative.depth={depth} with rollout={backend} adds the server's MTP "
+                          "speculative flags to a managed server's command (rollout.server.launch=true); start a server "
+                          "of your own with them yourself and leave the depth at 0 (docs/servers.md, Speculative decoding)")
+    if depth > 0 and backend in ("sglang", "vllm") and OmegaConf.select(cfg, "trainer.accelerator") == "cpu":
+        raise ConfigError(f"config error: rollout.speculative.depth={depth} with rollout={backend} on CPU: "
+                          + ("SGLang 0.5.23's CPU build cannot start speculative decoding (sgl_kernel has no "
+                             "copy_all_layer_kv_cache_cpu) and verifies drafts greedily on CPU"
+                             if backend == "sglang" else
+                             "vLLM 0.32's CPU build answers sampled speculative requests with token 0 at log-prob 0.0 "
+                             "or non-finite log-probs (HTTP 400)")
+                          + "; speculate with the embedded engine (rollout=local) or on a GPU (docs/servers.md, "
+                            "Speculative decoding)")
     if depth > 0 and OmegaConf.select(cfg, "rollout.compile"):
         raise ConfigError(f"config error: rollout.speculative.depth={depth} decodes eagerly: set rollout.compile=false")
     if OmegaConf.select(cfg, "algo.dual_clip_c") is not None and OmegaConf.select(cfg, "algo.policy_loss") == "dis":

