@@ -266,7 +266,10 @@ def _warm_start_rows(cfg: DictConfig, tokenizer: Any, make_datamodule: Any) -> t
     identity["agent"] = OmegaConf.to_container(task.agent, resolve=True)
     identity["max_context"] = cfg.rollout.max_context
     identity["max_new_tokens"] = cfg.rollout.max_new_tokens
-    return identity, expert_examples(make_datamodule, tokenizer, experts, task.agent.summary_prompt)
+    from glmlight.agents.observation_role import resolve_observation_role
+
+    role = resolve_observation_role(tokenizer, task.agent.observation_role)
+    return identity, expert_examples(make_datamodule, tokenizer, experts, task.agent.summary_prompt, role)
 
 
 def _datamodule_options(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:

@@ -4,7 +4,8 @@ An environment that knows how its task is solved has `expert(messages,
 summarize)`: the text of the next action (or, when the context-compaction loop
 asks for one, of the summary), read off the conversation so far. `ExpertEngine`
 is a RolloutEngine that answers every call with the expert's text, tokenized as
-a policy emits it (the text's ids, then <eos>). The episodes come out of the
+a policy emits it (the text's ids, then the token that ends an action under the
+chat template: `action_end`). The episodes come out of the
 task's own RolloutDataModule, so the warm start trains on exactly the token
 layout RL later produces: chat template, observation splicing, the summary
 request and resume prompt of compaction, the per-turn and context budgets.
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 Expert = Callable[[list[dict[str, str]], bool], str]
 _ROLE = re.compile(r"<\|(system|user|assistant|observation)\|>")
 _CHATML_TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>\n?|$)", re.S)
+_THINK = re.compile(r"<think>.*?</think>", re.S)
+_TOOL_RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>", re.S)
 
 
 def parse_transcript(text: str, eos_token: str = "<eos>") -> list[dict[str, str]]:
@@ -48,17 +51,49 @@ def parse_transcript(text: str, eos_token: str = "<eos>") -> list[dict[str, str]
         for role, content in zip(parts[1::2], parts[2::2]):
             if role == "assistant" and content.endswith(eos_token):
                 content = content[: -len(eos_token)]
+            if "[gMASK]" in text:  # GLM-4.5's template: what it wraps a turn's text in
+                content = _glm_content(role, content)
             messages.append({"role": role, "content": content})
     if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
         messages.pop()
     return messages
 
 
-class ExpertEngine:
-    """A RolloutEngine whose every answer is `expert(messages, summarize)` + <eos>, cut at max_new_tokens."""
+def _glm_content(role: str, content: str) -> str:
+    """A turn's text as GLM-4.5's template renders it, less the template's own wrapping: the newline after the
+    role marker, an assistant turn's `<think>...</think>` (reasoning is not the action's text) and a tool
+    result's `<tool_response>` tags."""
+    if role == "assistant":
+        content = _THINK.sub("", content)
+    elif role == "observation":
+        responses = _TOOL_RESPONSE.findall(content)
+        content = "\n".join(r.strip() for r in responses) if responses else content
+    return content.strip("\n")
 
-    def __init__(self, tokenizer: Any, expert: Expert, summary_prompt: str | None = None):
+
+def action_end(tokenizer: Any, observation_role: str | None = None) -> int:
+    """The token a policy ends an action with under its chat template: the end-of-turn token of a template that
+    closes an assistant turn with one (<eos>, ChatML's <|im_end|>), or for one that closes it with nothing
+    (GLM-4.5's: the model samples the next turn's role marker) the marker of the observation turn that follows
+    a tool call (`observation_role`, `glmlight.agents.observation_role`). A GLM model ends a final answer with
+    `<|user|>` or `<|endoftext|>` instead; an expert's answer ends as its tool calls do (both are stop tokens,
+    and an answer's reward reads its text)."""
+    from glmlight.models.tokenizer import assistant_closing, spliced_turns
+
+    closing = assistant_closing(tokenizer)
+    if closing or not observation_role:
+        return tokenizer.eos_token_id
+    return spliced_turns(tokenizer, [{"role": observation_role, "content": "x"}], closing)[0]
+
+
+class ExpertEngine:
+    """A RolloutEngine whose every answer is `expert(messages, summarize)` and the template's end of an action
+    (`action_end`), cut at max_new_tokens."""
+
+    def __init__(self, tokenizer: Any, expert: Expert, summary_prompt: str | None = None,
+                 observation_role: str | None = None):
         self.tokenizer, self.expert, self.summary_prompt = tokenizer, expert, summary_prompt
+        self.end = action_end(tokenizer, observation_role)
         self.version = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Generation]:
@@ -69,7 +104,7 @@ class ExpertEngine:
             summarize = (self.summary_prompt is not None and bool(messages) and messages[-1]["role"] == "user"
                          and messages[-1]["content"] == self.summary_prompt)
             text = self.expert(messages, summarize)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.end]
             reason = "stop"
             if len(ids) > p.max_new_tokens:
                 ids, reason = ids[: p.max_new_tokens], "length"
@@ -105,13 +140,14 @@ def _share(prompt: Prompt, k: int) -> float:
 
 
 def expert_examples(make_datamodule: Callable[[Any], Any], tokenizer: Any, experts: list[tuple[Expert, float]],
-                    summary_prompt: str | None = None) -> ExampleFn:
+                    summary_prompt: str | None = None, observation_role: str | None = None) -> ExampleFn:
     """Training rows from expert episodes: each segment's prompt (mask 0) + response (its loss_mask).
 
     `experts` pairs an expert with how many of its episodes each prompt gets on average (1.5: one,
     and a second for half of the prompts, chosen by a hash of the prompt). `make_datamodule(engine)`
     builds the task's RolloutDataModule around an engine."""
-    dms = [(make_datamodule(ExpertEngine(tokenizer, fn, summary_prompt)), rate) for fn, rate in experts]
+    dms = [(make_datamodule(ExpertEngine(tokenizer, fn, summary_prompt, observation_role)), rate)
+           for fn, rate in experts]
     noted = []
 
     def make(prompts: list[Prompt]) -> list[Example]:

@@ -273,3 +273,24 @@ def test_async_producer_runs_one_batch_ahead_so_nothing_goes_stale(tmp_path):
     assert t["dropped/stale"] == 0 and t["dropped/group_stale"] == 0
     assert t["trained"] == 4 * run.cfg.rollout.rollout_batch_size * run.cfg.rollout.n_samples_per_prompt
     assert t["produced"] == t["trained"] + sum(v for k, v in t.items() if k.startswith("dropped/"))
+
+
+def test_the_calculator_expert_reads_a_glm45_context_and_ends_its_actions_as_a_glm_model_does():
+    """GLM-4.5's template wraps a turn's text (`<think></think>` before an answer, `<tool_response>` around a tool
+    result) and closes an assistant turn with nothing: the model ends it by sampling the next role marker. The
+    expert reads the tool's result through the wrapping and answers; its actions end with `<|observation|>`."""
+    from glmlight.agents.envs import CalculatorEnv
+    from glmlight.agents.expert import action_end
+    from glmlight.models.chat_templates import glm45_tokenizer
+
+    tok = glm45_tokenizer()
+    msgs = [{"role": "user", "content": "23*13="}, {"role": "assistant", "content": "calc: 23*13"},
+            {"role": "tool", "content": "= 299"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert "<think></think>" in text and "<tool_response>" in text
+    parsed = parse_transcript(text)
+    assert parsed == [{"role": "user", "content": "23*13="}, {"role": "assistant", "content": "calc: 23*13"},
+                      {"role": "observation", "content": "= 299"}]
+    assert CalculatorEnv().expert(parsed) == "answer: 299"
+    assert tok.convert_ids_to_tokens([action_end(tok, "tool")]) == ["<|observation|>"]
+    assert action_end(tok, None) == tok.eos_token_id
