@@ -86,14 +86,30 @@ def action_end(tokenizer: Any, observation_role: str | None = None) -> int:
     return spliced_turns(tokenizer, [{"role": observation_role, "content": "x"}], closing)[0]
 
 
+def assistant_opening(tokenizer: Any) -> str:
+    """The text a chat template puts at the start of an assistant turn's content, after the generation prompt
+    (GLM-4.5's: `\n<think></think>\n`, an answer without reasoning; glmlight's own and ChatML: nothing): what
+    a model of this template writes before its action."""
+    probe = "Q7#"
+    asked = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                          tokenize=False)
+    full = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": probe}],
+                                         add_generation_prompt=False, tokenize=False)
+    if not full.startswith(asked) or probe not in full[len(asked):]:
+        return ""
+    return full[len(asked):full.index(probe, len(asked))]
+
+
 class ExpertEngine:
-    """A RolloutEngine whose every answer is `expert(messages, summarize)` and the template's end of an action
-    (`action_end`), cut at max_new_tokens."""
+    """A RolloutEngine whose every answer is `expert(messages, summarize)` between what the template opens an
+    assistant turn's content with (`assistant_opening`) and the template's end of an action (`action_end`), cut
+    at max_new_tokens."""
 
     def __init__(self, tokenizer: Any, expert: Expert, summary_prompt: str | None = None,
                  observation_role: str | None = None):
         self.tokenizer, self.expert, self.summary_prompt = tokenizer, expert, summary_prompt
         self.end = action_end(tokenizer, observation_role)
+        self.opening = assistant_opening(tokenizer)
         self.version = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Generation]:
@@ -104,7 +120,7 @@ class ExpertEngine:
             summarize = (self.summary_prompt is not None and bool(messages) and messages[-1]["role"] == "user"
                          and messages[-1]["content"] == self.summary_prompt)
             text = self.expert(messages, summarize)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.end]
+            ids = self.tokenizer(self.opening + text, add_special_tokens=False)["input_ids"] + [self.end]
             reason = "stop"
             if len(ids) > p.max_new_tokens:
                 ids, reason = ids[: p.max_new_tokens], "length"

@@ -36,6 +36,7 @@ records cover the whole context it ran; a position keeps the record of the turn 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -69,6 +70,16 @@ def generation_prompt(tokenizer: Any) -> list[int]:
     if with_prompt[: len(without)] != without:
         raise ValueError("the chat template's generation prompt is not a suffix; cannot splice turns")
     return with_prompt[len(without):]
+
+
+_REASONING = re.compile(r"^\s*<think>.*?</think>\s*", re.S)
+
+
+def without_reasoning(text: str) -> str:
+    """What the environment acts on: the action's text less a leading `<think>...</think>` block and the
+    whitespace around it (a GLM-4.5 model opens every answer with one, empty when it does not reason). The
+    trained tokens are the action as sampled, reasoning included."""
+    return _REASONING.sub("", text, count=1)
 
 
 @dataclass
@@ -224,7 +235,7 @@ class AgentLoop:
             return
         action = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
         try:
-            result = ep.env.step(action)
+            result = ep.env.step(without_reasoning(action))
         except Exception as e:  # noqa: BLE001
             ep.finish(Status.FAILED, f"step: {type(e).__name__}: {e}")
             log.warning("environment crashed: %s: %s", type(e).__name__, e)

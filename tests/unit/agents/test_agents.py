@@ -294,3 +294,29 @@ def test_the_calculator_expert_reads_a_glm45_context_and_ends_its_actions_as_a_g
     assert CalculatorEnv().expert(parsed) == "answer: 299"
     assert tok.convert_ids_to_tokens([action_end(tok, "tool")]) == ["<|observation|>"]
     assert action_end(tok, None) == tok.eos_token_id
+
+
+def test_expert_episodes_under_glm45_are_the_templates_rendering_and_solve_the_task(tmp_path):
+    """The calculator expert's episodes through the task's own data module, under GLM-4.5's template: each action
+    is what a GLM-4.5 model writes (`\\n<think></think>\\n`, the call or answer, `<|observation|>`), so the episode
+    is one growing rendering (no segment rewritten), and the expert answers after its one tool call."""
+    from glmlight.agents.expert import ExpertEngine, assistant_opening, env_experts
+    from glmlight.models.loading import load_tokenizer
+    from glmlight.builder import _datamodule_factory, build_policy, build_sources, expert_factory, model_tokenizer
+    from glmlight.config import validate
+    from glmlight.rewards import task_reward
+
+    cfg = validate(compose(overrides_for_tests(tmp_path, "task=calculator_agent", "model.arch=glm4moe",
+                                               "model.chat_template=glm45", "task.agent.max_new_tokens=24")))
+    tok = model_tokenizer(cfg.model)
+    assert assistant_opening(tok) == "\n<think></think>\n" and assistant_opening(load_tokenizer(None)) == ""
+    source = build_sources(cfg.task, cfg.seed)[0]
+    make = _datamodule_factory(cfg, build_policy(cfg, tok, warm=False), tok, source, task_reward(cfg.task, source))
+    (expert, _), *_ = env_experts(expert_factory(cfg.task.agent))
+    counts = Counter()
+    samples = make(ExpertEngine(tok, expert, None, "tool")).rollout([source[i] for i in range(6)], 1, counts)
+    assert len(samples) == 6 and all(s.status is Status.COMPLETED for s in samples)  # answered after one call
+    assert any(s.reward >= 1.0 for s in samples)
+    assert counts["env_rewrites"] == 0
+    text = tok.decode(samples[0].response_ids, skip_special_tokens=False)
+    assert text.startswith("\n<think></think>\ncalc: ") and "<|observation|>\n<tool_response>\n= " in text
