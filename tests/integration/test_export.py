@@ -113,6 +113,29 @@ def test_fp8_export_layout(tmp_path, tokenizer, tiny_model):
     assert t["lm_head.weight"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("arch, attn", [("glm4_moe", "self_attn.q_proj"), ("glm4_moe_lite", "self_attn.q_b_proj")])
+def test_fp8_export_of_the_glm4_moe_models(tmp_path, tokenizer, arch, attn):
+    """GLM-4.5's and GLM-4.7-Flash's exports in the block-FP8 layout: attention, dense and expert weights
+    quantised with their scales; the router, its correction bias, the norms and the head kept."""
+    from tests.support.hf_models import tiny_hf_model
+
+    model = tiny_hf_model(arch)
+    out = export_hf(model, tokenizer, str(tmp_path / arch), fp8=True)
+    assert json.load(open(os.path.join(out, "config.json")))["quantization_config"]["weight_block_size"] == [128, 128]
+    t = load_file(os.path.join(out, "model.safetensors"))
+    for name in (f"model.layers.0.{attn}.weight", "model.layers.0.mlp.gate_proj.weight",
+                 "model.layers.1.mlp.shared_experts.down_proj.weight"):
+        w = model.get_parameter(name)
+        assert t[name].dtype == FP8_DTYPE, name
+        scale = t[name + "_scale_inv"]
+        # e4m3: half a unit in the last of 3 mantissa bits (2^-4 relative), or in its subnormals (2^-10 x the scale)
+        assert torch.allclose(dequantize_fp8_block(t[name], scale), w, rtol=2**-4, atol=float(scale.max()) * 2**-10), name
+    assert any(k.startswith("model.layers.1.mlp.experts.") and k.endswith("_scale_inv") for k in t)
+    for kept in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias", "lm_head.weight",
+                 "model.layers.0.input_layernorm.weight"):
+        assert t[kept].dtype == torch.float32, kept
+
+
 # ----------------------------------------------------------------- the real vLLM server
 def _free_port() -> int:
     with socket.socket() as s:
