@@ -58,3 +58,17 @@ def test_sglang_on_cpu_cannot_serve_glm_mla_and_says_why(tmp_path):
     ckpt = build_tiny_checkpoint(str(tmp_path / "glm4_moe_lite"), "glm4_moe_lite")
     with pytest.raises(EngineError, match=r"exited with .*RuntimeError: Expected size for first two dimensions"):
         build_server_engine(server_config("sglang", python, ckpt, str(tmp_path)))
+
+
+def test_sglang_on_cpu_cannot_start_glm5_and_says_why(tmp_path):
+    """SGLang 0.5.23 resolves GLM-5's DSA settings from the CUDA device's compute capability at start
+    (srt/arg_groups/model_hook.py), which a CPU build of torch refuses (docs/servers.md)."""
+    from glmlight.models.loading import load_causal_lm, load_tokenizer
+
+    python = interpreter("sglang")
+    tok = load_tokenizer(None)
+    ckpt = str(tmp_path / "glm5")
+    load_causal_lm(None, tok, preset="test").save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    with pytest.raises(EngineError, match=r"exited with .*Torch not compiled with CUDA enabled"):
+        build_server_engine(server_config("sglang", python, ckpt, str(tmp_path)))
