@@ -145,7 +145,7 @@ def _logged(run, key):
 @pytest.mark.slow
 def test_compaction_default_run_learns_and_beats_no_compaction(tmp_path):
     """`algo=compaction` as shipped against the same run without compaction (the same budget, seed and
-    steps): the compacting agent's greedy held-out pass rate is above its start at every evaluation and
+    steps): the compacting agent's greedy held-out pass rate is above its start from step 20 on and
     above the agent without compaction (which is truncated before it can finish), and the summary
     tokens of successful trajectories get a positive advantage."""
     run, comp = _run(tmp_path / "compaction", "algo=compaction")
@@ -161,14 +161,14 @@ def test_compaction_default_run_learns_and_beats_no_compaction(tmp_path):
     print(f"summary advantage on successes: mean {sum(summary_adv) / len(summary_adv):.3f} over {len(summary_adv)} "
           f"steps, {sum(a > 0 for a in summary_adv)} positive; summary length {sum(summary_len) / len(summary_len):.2f}; "
           f"compactions per episode {sum(compactions) / len(compactions):.2f}")
-    # Measured (seed 0, docs/agents.md: reward_placement=turns, lr 1e-4 cosine): greedy 0.000 -> 0.391 0.523 0.516
-    # 0.516 0.500, pass@1 0.159 -> 0.258 0.371 0.414 0.435 0.430; without compaction 0 throughout. Margins: about
-    # half the gains.
+    # Measured on held-out sequences disjoint from training (seed 0, 7 December, docs/results.md; the same on the
+    # code before and after that day's changes): greedy 0.000 -> 0.086 0.250 0.273 0.258 0.273, pass@1 0.090 ->
+    # 0.073 0.186 0.233 0.231 0.232; without compaction 0 throughout. Margins: about half the gains.
     greedy = _student(comp)
     pass1 = _student(comp, "eval/heldout/pass@1")
-    assert all(v >= greedy[0][1] + 0.15 for _, v in greedy[1:]), greedy
-    assert greedy[-1][1] >= greedy[0][1] + 0.25, greedy
-    assert pass1[-1][1] >= pass1[0][1] + 0.12, pass1
+    assert all(v >= greedy[0][1] + 0.1 for _, v in greedy[2:]), greedy
+    assert greedy[-1][1] >= greedy[0][1] + 0.15, greedy
+    assert pass1[-1][1] >= pass1[0][1] + 0.07, pass1
     plain_greedy = _student(plain)
     assert max(v for _, v in plain_greedy) == 0.0  # truncated before the last total, every time
     assert min(v for _, v in greedy[1:]) > max(v for _, v in plain_greedy)
