@@ -19,6 +19,8 @@ log = logging.getLogger("glmlight.engines.servers.base")
 class SuspectTracking:
     """Part of `ServerEngineBase`, which sets the state and defines the calls declared here."""
 
+    name: str
+    health_path: str
     http: Any
     _version: int
     _current: Any
