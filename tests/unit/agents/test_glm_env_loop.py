@@ -6,10 +6,11 @@ a template rewrites history the turn opens a new segment (tests/unit/agents/test
 
 import pytest
 
-from glmlight.agents import AgentLoop, StepResult
+from glmlight.agents import AgentLoop
 from glmlight.data.sources import Prompt
 from glmlight.engines.base import SamplingParams
 from glmlight.models.tokenizer import encode_chat, stop_token_ids
+from tests.support.tool_env import ThreeTurnToolEnv
 from tests.support.glm_templates import GLM_TOKENIZERS
 from tests.support.scripted_engine import ScriptedEngine
 
@@ -19,16 +20,8 @@ CALLS = {"glm45": ("<tool_call>calc\n<arg_key>expr</arg_key>\n<arg_value>2*3</ar
                    "<tool_call>calc<arg_key>expr</arg_key><arg_value>4+5</arg_value></tool_call>")}
 
 
-class TwoToolTurns:
-    def __init__(self):
-        self.t = 0
-
-    def reset(self, prompt):
-        return list(prompt.messages)
-
-    def step(self, action):
-        self.t += 1
-        return StepResult(None, reward=1.0, done=True) if self.t >= 3 else StepResult(f"6 and 9 ({self.t})")
+class TwoToolTurns(ThreeTurnToolEnv):
+    observation = "6 and 9 ({t})"
 
 
 @pytest.mark.parametrize("name, think", [("glm45", False), ("glm45", True), ("glm47", True)])

@@ -23,6 +23,7 @@ from glmlight.sample import Status
 from tests.support.chat_templates import ANSWER_PREFIX, TOKENIZERS, TOOL_ROLE, end_token, glm45_tokenizer
 from tests.support.glm_templates import GLM_TOKENIZERS
 from tests.support.scripted_engine import ScriptedEngine
+from tests.support.tool_env import ThreeTurnToolEnv
 
 ALL_TOKENIZERS = {**TOKENIZERS, **GLM_TOKENIZERS}
 GLM_CALL = "<tool_call>calc\n<arg_key>expr</arg_key>\n<arg_value>2*3</arg_value>\n</tool_call>"
@@ -44,20 +45,6 @@ SEGMENTS = {
     ("glm45_training", True, "tool"): 2, ("glm45_training", True, "user"): 3,
     ("glm47", False, "tool"): 3, ("glm47", False, "user"): 3, ("glm47", True, "tool"): 1, ("glm47", True, "user"): 3,
 }
-
-
-class ToolEnv:
-    """Answers the first two actions with a tool result; done after the third."""
-
-    def __init__(self):
-        self.t = 0
-
-    def reset(self, prompt):
-        return list(prompt.messages)
-
-    def step(self, action):
-        self.t += 1
-        return StepResult(None, reward=1.0, done=True) if self.t >= 3 else StepResult(f"tool says {5 + self.t}")
 
 
 def _ids(tok, text):
@@ -87,7 +74,7 @@ def run_episode(name, think, follow):
                (_ids(tok, texts[2]) + [stop], "stop")]
     engine = ScriptedEngine(answers)
     params = lambda n: SamplingParams(max_new_tokens=64, stop_token_ids=stop_token_ids(tok))  # noqa: E731
-    loop = AgentLoop(engine, tok, ToolEnv, params, max_turns=5, max_context=4096, observation_role=role)
+    loop = AgentLoop(engine, tok, ThreeTurnToolEnv, params, max_turns=5, max_context=4096, observation_role=role)
     ep = loop.run([Prompt(messages=[{"role": "user", "content": "2*3?"}])])[0]
     return tok, role, texts, answers, engine, ep
 
@@ -128,7 +115,7 @@ def test_the_default_observation_role_renders_the_environments_text(name, role):
     answer = _ids(tok, ANSWER_PREFIX[name] + "calc: 2*3") + [stop]
     engine = ScriptedEngine([(answer, "stop")] * 3)
     params = lambda n: SamplingParams(max_new_tokens=32, stop_token_ids=stop_token_ids(tok))  # noqa: E731
-    loop = AgentLoop(engine, tok, ToolEnv, params, max_turns=5, max_context=2048)
+    loop = AgentLoop(engine, tok, ThreeTurnToolEnv, params, max_turns=5, max_context=2048)
     assert loop.observation_role == role
     ep = loop.run([Prompt(messages=[{"role": "user", "content": "2*3?"}])])[0]
     spliced = tok.decode([i for i, m in zip(ep.response_ids, ep.loss_mask) if not m])
@@ -144,7 +131,7 @@ def test_an_observation_role_that_renders_nothing_is_a_config_error():
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve_observation_role(tok, "observation")
     with pytest.raises(ConfigError, match=re.escape(message)):
-        AgentLoop(ScriptedEngine([]), tok, ToolEnv, lambda n: SamplingParams(), observation_role="observation")
+        AgentLoop(ScriptedEngine([]), tok, ThreeTurnToolEnv, lambda n: SamplingParams(), observation_role="observation")
     assert resolve_observation_role(tok, "auto") == "tool"
     assert resolve_observation_role(tok, "user") == "user"
 

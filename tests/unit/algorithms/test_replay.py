@@ -469,20 +469,14 @@ def test_async_run_replays_and_monitors_read_exactly_one(tmp_path):
 def test_agent_episodes_carry_first_run_records(tmp_path, tokenizer):
     """Multi-turn episodes: each position keeps the record of the turn that ran it first, the sample's
     records cover every action, and a GRPO run on the calculator agent replays without drops."""
-    from glmlight.agents import AgentLoop, StepResult
+    from glmlight.agents import AgentLoop
     from glmlight.agents.loop import episode_to_samples
     from glmlight.data.sources import Prompt
 
-    class Env:
-        def __init__(self):
-            self.t = 0
+    from tests.support.tool_env import ThreeTurnToolEnv
 
-        def reset(self, prompt):
-            return list(prompt.messages)
-
-        def step(self, action):
-            self.t += 1
-            return StepResult(None, reward=1.0, done=True) if self.t >= 3 else StepResult(f"obs {self.t}")
+    class Env(ThreeTurnToolEnv):
+        observation = "obs {t}"
 
     model = _model(tokenizer)
     with LocalEngine(model) as engine:
