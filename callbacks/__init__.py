@@ -1,8 +1,7 @@
 """Composable Lightning callbacks for glmlight (`glmlight.callbacks`). Each knows nothing of the others.
 
-This folder is installed as the package `glmlight.callbacks` (pyproject.toml maps it; a source checkout
-used without installing maps it the same way, `glmlight/__init__.py`). Imported by its folder's name,
-`callbacks`, it is that same package, so there is one set of classes.
+This folder is installed as the package `glmlight.callbacks` (pyproject.toml maps it, in a wheel and in an
+editable install alike): import it by that name.
 
 Extension points (callbacks/base.py):
 
@@ -18,29 +17,17 @@ Any other behaviour is a plain `lightning.Callback` (weight sync, evaluation, ga
 in the config under `callbacks.NAME._target_` or appended to `run.trainer.callbacks`.
 """
 
-import sys as _sys
-
-if __name__ != "glmlight.callbacks":  # imported by the folder's name, `callbacks`: be glmlight.callbacks
-    import importlib as _importlib
-
-    _package = _importlib.import_module("glmlight.callbacks")
-    _sys.modules[__name__] = _package
-    for _name, _module in list(_sys.modules.items()):
-        if _name.startswith("glmlight.callbacks."):
-            _sys.modules[__name__ + _name[len("glmlight.callbacks"):]] = _module
-    globals().update({_k: getattr(_package, _k) for _k in _package.__all__})
-else:
-    from .base import Correction, ExperienceHook
-    from .corrections import IcePop, MaskedIS, RejectionSampling, TruncatedIS
-    from .evaluation import HeldOutEval
-    from .index_agreement import IndexAgreement
-    from .mismatch import MismatchMonitor
-    from .retokenization import RetokenizationCheck
-    from .routing_agreement import RoutingAgreement
-    from .run_health import RunHealth
-    from .sample_logging import SampleTable
-    from .version_gate import PolicyVersionGate
-    from .weight_sync import WeightSync
+from .base import Correction, ExperienceHook
+from .corrections import IcePop, MaskedIS, RejectionSampling, TruncatedIS
+from .evaluation import HeldOutEval
+from .index_agreement import IndexAgreement
+from .mismatch import MismatchMonitor
+from .retokenization import RetokenizationCheck
+from .routing_agreement import RoutingAgreement
+from .run_health import RunHealth
+from .sample_logging import SampleTable
+from .version_gate import PolicyVersionGate
+from .weight_sync import WeightSync
 
 __all__ = ["Correction", "ExperienceHook", "HeldOutEval", "IcePop", "IndexAgreement", "MaskedIS", "MismatchMonitor",
-           "PolicyVersionGate", "RejectionSampling", "RoutingAgreement", "RunHealth", "SampleTable", "TruncatedIS", "WeightSync"]
+           "PolicyVersionGate", "RejectionSampling", "RetokenizationCheck", "RoutingAgreement", "RunHealth", "SampleTable", "TruncatedIS", "WeightSync"]

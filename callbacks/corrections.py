@@ -29,7 +29,7 @@ class IcePop(Correction):
 
     Example::
 
-        callbacks: {icepop: {_target_: callbacks.IcePop, low: 0.5, high: 2.0}}
+        callbacks: {icepop: {_target_: glmlight.callbacks.IcePop, low: 0.5, high: 2.0}}
     """
 
     name = "icepop"

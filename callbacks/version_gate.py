@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from glmlight.data.groups import pad_or_drop_group
+from glmlight.groups import pad_or_drop_group
 from glmlight.hooks import RLCallback
 from glmlight.sample import Sample
 

@@ -1,7 +1,7 @@
 """WeightSync: push the trainer's weights into the rollout engine (the sync contract).
 
 gather (state_dict of the policy; a LoRA policy's merged weights; under FSDP2 whole tensors gathered
-from the shards bucket by bucket as the engine takes them, `glmlight.sharding.full_weights`) → send
+from the shards bucket by bucket as the engine takes them, `glmlight.strategies.fsdp.full_weights`) → send
 (engine.update_weights, which casts to the engine's dtype) → acknowledge: the policy
 version advances only when the engine acknowledges the new version. Every data-parallel
 rank pushes to its own engine. Pushes the current weights once at the start of fit,
@@ -20,7 +20,7 @@ from typing_extensions import override
 from glmlight.hooks import RLCallback
 from glmlight.metrics import log_metrics
 from glmlight.models.lora import is_lora, merged_named_tensors
-from glmlight.sharding import full_weights
+from glmlight.strategies.fsdp import full_weights
 
 
 class WeightSync(RLCallback):

@@ -54,7 +54,7 @@ class RLCallback(pl.Callback):
             samples: the round's scored samples, whole groups (FAILED ones included: the data module
                 drops and counts them after this hook).
             counts: this step's counters; count every sample you drop as `dropped/<reason>` (and pad or
-                drop its group: `glmlight.data.groups.pad_or_drop_group`), so nothing is lost unseen.
+                drop its group: `glmlight.groups.pad_or_drop_group`), so nothing is lost unseen.
             policy_version: the version of the weights training is at.
         """
         return samples

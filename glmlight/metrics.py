@@ -4,7 +4,7 @@ steps) in every logger, and the progress bar shows the latest values.
 
 Every call is also appended, as one JSON object with its `rl_step`, to
 `<trainer.default_root_dir>/metrics.jsonl` (rank zero), whatever the logger: the run report
-(`glmlight.report`) and `scripts/report.py` read that file. A resumed run appends to it; a later
+(`glmlight.run.report`) and `scripts/report.py` read that file. A resumed run appends to it; a later
 line for the same RL step and key replaces an earlier one.
 """
 

@@ -22,7 +22,8 @@ import time
 
 
 def main(argv: list[str]) -> int:
-    from glmlight.cli import compose, run_with_one_line_errors, setup_logging
+    from glmlight.config.compose import compose
+    from glmlight.run.cli import run_with_one_line_errors, setup_logging
 
     if "-h" in argv or "--help" in argv:
         print(__doc__)

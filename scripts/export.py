@@ -25,14 +25,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fp8", action="store_true", help="write block-FP8 weights (float8_e4m3fn, 128 x 128 scales)")
     args = parser.parse_args(argv)
 
-    from glmlight.cli import run_with_one_line_errors, setup_logging
+    from glmlight.run.cli import run_with_one_line_errors, setup_logging
 
     setup_logging()
 
     def go() -> None:
         from omegaconf import OmegaConf
 
-        from glmlight.builder import policy_from_checkpoint
+        from glmlight.run.build import policy_from_checkpoint
         from glmlight.errors import ConfigError
         from glmlight.models.export import export_hf
 

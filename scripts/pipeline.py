@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Run the GLM-5 post-training stages in order, each from the previous stage's checkpoint
-(glmlight/pipeline.py has the details).
+(glmlight/run/pipeline.py has the details).
 
     python scripts/pipeline.py                                      # conf/pipeline/glm5.yaml
     python scripts/pipeline.py pipeline=smollm2 pipeline.seed=1     # conf/pipeline/smollm2.yaml, seed 1
@@ -17,8 +17,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from glmlight.cli import run_with_one_line_errors, setup_logging
-    from glmlight.pipeline import DEFAULT_CONFIG, load_config, named_config, run_pipeline
+    from glmlight.run.cli import run_with_one_line_errors, setup_logging
+    from glmlight.run.pipeline import DEFAULT_CONFIG, load_config, named_config, run_pipeline
 
     if "-h" in argv or "--help" in argv:
         print(__doc__)

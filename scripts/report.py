@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--labels", nargs="+", help="one legend label per run (run_dir first)")
     parser.add_argument("--keys", nargs="+", help="the metrics to compare (default: held-out pass@1, greedy, reward)")
     args = parser.parse_args(argv)
-    from glmlight.report import COMPARE_KEYS, draw_comparison, read_metrics, summarize, write_report
+    from glmlight.run.report import COMPARE_KEYS, draw_comparison, read_metrics, summarize, write_report
 
     if args.compare:
         if not args.out:

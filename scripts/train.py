@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train with glmlight from the Hydra configs in conf/ (the same as `python -m glmlight.train`).
+"""Train with glmlight from the Hydra configs in conf/ (the same as `python -m glmlight.run.train`).
 
     python scripts/train.py                         # GRPO, tiny GLM-5, embedded engine, CPU
     python scripts/train.py algo=grpo trainer.max_steps=20 rollout.dtype=bfloat16
@@ -12,7 +12,7 @@ A bad key or value stops the run with one line naming it.
 
 import sys
 
-from glmlight.train import main
+from glmlight.run.train import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

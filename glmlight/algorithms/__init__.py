@@ -1,5 +1,5 @@
 """The built-in algorithms. Each module defines its LightningModule and config dataclass and
-registers both (glmlight.registry); importing this package registers all four."""
+registers both (glmlight.config.registry); importing this package registers all four."""
 
 from glmlight.algorithms.base import RLModule
 from glmlight.algorithms.compaction import CompactionConfig, CompactionRL

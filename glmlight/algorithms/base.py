@@ -27,11 +27,11 @@ import torch
 
 from glmlight.algorithms import replay as replay_
 from glmlight.algorithms.parallel import ParallelSteps
-from glmlight.algorithms.scoring import LOGPROB_FLOOR, PolicyScoring  # noqa: F401 - LOGPROB_FLOOR re-exported
+from glmlight.algorithms.scoring import LOGPROB_FLOOR, PolicyScoring
 from glmlight.algorithms.step import rl_step
-from glmlight.checkpoint import restore_rank_state, save_rank_state
-from glmlight.config import AlgoConfig
-from glmlight.distributed import all_reduce_gradients, clip_grad_norm, global_sums, grad_scale, grads_finite
+from glmlight.strategies.checkpoint import restore_rank_state, save_rank_state
+from glmlight.config.schema import AlgoConfig
+from glmlight.strategies.distributed import all_reduce_gradients, clip_grad_norm, global_sums, grad_scale, grads_finite
 from glmlight.hooks import EvalTarget, with_hook
 from glmlight.models.lora import check_trainable_state, is_lora, keep_trainable_state
 from glmlight.models.mtp import mtp_of, num_mtp_layers
@@ -253,7 +253,7 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         model.train()
         mb_all = batch.select(rows)
         # The global minibatch's denominators (summed over ranks, even by a rank with no rows) and the
-        # factor that makes the ranks' averaged gradients the global loss's (glmlight.distributed).
+        # factor that makes the ranks' averaged gradients the global loss's (glmlight.strategies.distributed).
         scale = {**global_sums(self.normalisers(mb_all)), "grad_scale": grad_scale()}
         idle = idle_rows(mb_all) if idle_rows is not None and len(rows) and self.ranks_may_skip_rows() else None
         active = torch.arange(len(rows)) if idle is None else (~idle.cpu()).nonzero().squeeze(1)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from glmlight.algorithms.sao import SAO, SAOConfig
-from glmlight.data.groups import trajectories
+from glmlight.groups import trajectories
 from glmlight.ops.gae import cross_trajectory_gae, segment_lambda, skip_observation_gae
-from glmlight.ranges import ranges
-from glmlight.registry import register_algorithm
+from glmlight.config.ranges import ranges
+from glmlight.config.registry import register_algorithm
 from glmlight.sample import Experience
 
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from glmlight.algorithms.base import RLModule
-from glmlight.config import AlgoConfig
+from glmlight.config.schema import AlgoConfig
 from glmlight.ops.advantages import group_advantages
-from glmlight.registry import register_algorithm
+from glmlight.config.registry import register_algorithm
 from glmlight.sample import Experience
 
 

@@ -35,9 +35,9 @@ import torch
 from hydra.utils import instantiate
 
 from glmlight.algorithms.base import RLModule
-from glmlight.algorithms.teachers import (  # noqa: F401 - re-exported
+from glmlight.algorithms.teachers import (
     EngineTeacher, ModelTeacher, TeacherConfig, check_teachers, describe_source, parse_teachers)
-from glmlight.config import AlgoConfig
+from glmlight.config.schema import AlgoConfig
 from glmlight.errors import ConfigError, DataError
 from glmlight.hooks import EvalTarget
 from glmlight.models.loading import load_causal_lm
@@ -46,8 +46,8 @@ from glmlight.ops.advantages import group_advantages
 from glmlight.ops.distill import full_reverse_kl, mix_outcome_advantages, opd_advantages, reverse_kl
 from glmlight.ops.reduce import aggregate_loss
 from glmlight.ops.reduce import masked_mean
-from glmlight.ranges import ranges
-from glmlight.registry import register_algorithm
+from glmlight.config.ranges import ranges
+from glmlight.config.registry import register_algorithm
 from glmlight.sample import Experience, Sample
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 micro-batches; the `RLModule` base mixes it in.
 
 - Normalisers: `normalisers` are a rank's share of a minibatch's loss denominators, summed over
-  ranks before use (glmlight.distributed).
-- Sharded strategies (FSDP2: glmlight.sharding; DeepSpeed: glmlight.zero): every forward and
+  ranks before use (glmlight.strategies.distributed).
+- Sharded strategies (FSDP2: glmlight.strategies.fsdp; DeepSpeed: glmlight.strategies.zero): every forward and
   backward of a sharded model is a collective, so every rank runs as many as the busiest one
   (`_collective`); `configure_model` shards the models of `sharded_modules`.
 - DeepSpeed's engine reduces, clips and steps (`_engine_steps`, `_mark_boundary`, `_engine_step`).
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from glmlight.algorithms import microbatch
-from glmlight.distributed import global_max
+from glmlight.strategies.distributed import global_max
 from glmlight.ops.reduce import loss_normalisers
 from glmlight.sample import Experience
 
@@ -64,7 +64,7 @@ class ParallelSteps:
 
     @property
     def sharded(self) -> bool:
-        """Whether the models are FSDP2-sharded (trainer.strategy=fsdp, glmlight.sharding)."""
+        """Whether the models are FSDP2-sharded (trainer.strategy=fsdp, glmlight.strategies.fsdp)."""
         return self._trainer is not None and bool(getattr(self.trainer.strategy, "rl_sharded", False))
 
     def _collective(self, chunks: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -76,7 +76,7 @@ class ParallelSteps:
 
     @property
     def _engine_steps(self) -> bool:
-        """Whether the strategy's engine reduces, clips and steps (DeepSpeed: glmlight.zero)."""
+        """Whether the strategy's engine reduces, clips and steps (DeepSpeed: glmlight.strategies.zero)."""
         return self._trainer is not None and bool(getattr(self.trainer.strategy, "rl_engine_steps", False))
 
     def _mark_boundary(self, last: bool) -> None:
@@ -107,9 +107,9 @@ class ParallelSteps:
         return [self.policy, *self._reference]
 
     def configure_model(self) -> None:
-        """Under trainer.strategy=fsdp (`glmlight.sharding.RLFSDPStrategy`) shard every model of
+        """Under trainer.strategy=fsdp (`glmlight.strategies.fsdp.RLFSDPStrategy`) shard every model of
         `sharded_modules` with FSDP2 (each decoder layer, then the root); under deepspeed
-        (`glmlight.zero`) hand DeepSpeed the gradient clipping; nothing otherwise."""
+        (`glmlight.strategies.zero`) hand DeepSpeed the gradient clipping; nothing otherwise."""
         strategy = self.trainer.strategy
         if callable(getattr(strategy, "configure_for", None)):
             strategy.configure_for(self)

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from glmlight.config import CHOICES
-from glmlight.data.groups import pad_or_drop_group
+from glmlight.config.rules import CHOICES
+from glmlight.groups import pad_or_drop_group
 from glmlight.errors import ConfigError
 from glmlight.models.glm5.replay import Replay, index_shape, routing_shape
 from glmlight.engines.base import CapturesReplay
@@ -31,7 +31,7 @@ from glmlight.sample import Experience, Sample
 log = logging.getLogger(__name__)
 
 def parts(mode: str) -> tuple[bool, bool]:
-    """(routing, index) of an `algo.replay` value (its values: glmlight.rules.CHOICES)."""
+    """(routing, index) of an `algo.replay` value (its values: glmlight.config.rules.CHOICES)."""
     if mode not in CHOICES["algo.replay"]:
         raise ConfigError(f"config error: algo.replay={mode!r} is not one of {list(CHOICES['algo.replay'])}")
     return mode in ("routing", "both"), mode in ("index", "both")

@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 from glmlight.algorithms.base import RLModule
-from glmlight.config import AlgoConfig
-from glmlight.distributed import global_moments
+from glmlight.config.schema import AlgoConfig
+from glmlight.strategies.distributed import global_moments
 from glmlight.models.lora import frozen_backbone, is_lora
 from glmlight.ops.gae import adaptive_lambda, explained_variance, masked_scale, masked_whiten, skip_observation_gae
 from glmlight.ops.reduce import masked_mean
 from glmlight.ops.value import merge_moments, segment_terminals, terminal_rewards, turn_rewards, value_loss
-from glmlight.ranges import ranges
-from glmlight.registry import register_algorithm
+from glmlight.config.ranges import ranges
+from glmlight.config.registry import register_algorithm
 from glmlight.sample import Experience
 
 
@@ -97,7 +97,7 @@ class ValueModel(nn.Module):
 
 class RunningMeanStd(nn.Module):
     """Running mean / variance of returns (Welford over batches); saved with the module. Under data
-    parallelism a batch is the union of every rank's (`glmlight.distributed.global_moments`), so all
+    parallelism a batch is the union of every rank's (`glmlight.strategies.distributed.global_moments`), so all
     ranks keep the same statistics."""
 
     def __init__(self, eps: float = 1e-4):

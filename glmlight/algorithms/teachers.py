@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from omegaconf import OmegaConf
 
-from glmlight.config import typed_entry, WarmStartConfig
+from glmlight.config.schema import typed_entry, WarmStartConfig
 from glmlight.engines.base import can_score_at_temperature
 from glmlight.errors import ConfigError, EngineError
 from glmlight.ops.logprobs import logprobs_from_logits

@@ -36,7 +36,7 @@ async def _session(aiohttp: Any) -> Any:
 
 
 def _config(s: Sizes, ckpt: str, root: str, flags: list[str], env: dict[str, str]) -> Any:
-    from glmlight.config import validate
+    from glmlight.config.schema import validate
 
     return validate({"rollout": {"backend": "vllm", "server": {
         "launch": True, "launch_python": os.environ["GLMLIGHT_VLLM_PYTHON"], "launch_args": flags, "launch_env": env,
@@ -68,7 +68,7 @@ def bench_server(s: Sizes, device: str) -> list[dict[str, Any]]:
     from glmlight.engines.base import SamplingParams
     from glmlight.engines.factory import build_server_engine
     from glmlight.engines.local.engine import LocalEngine
-    from glmlight.engines.servers.base import sampling_fields
+    from glmlight.engines.servers.server_types import sampling_fields
     from glmlight.engines.servers.tiny_checkpoint import build_tiny_checkpoint
 
     root = tempfile.mkdtemp(prefix="glmlight-bench-server-")

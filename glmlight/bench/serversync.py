@@ -34,7 +34,7 @@ CPU = {"vllm": (["--dtype", "float32", "--enforce-eager", "--max-model-len", "10
 
 
 def _config(backend: str, ckpt: str, root: str) -> Any:
-    from glmlight.config import validate
+    from glmlight.config.schema import validate
 
     flags, env = CPU[backend]
     return validate({"rollout": {"backend": backend, "server": {

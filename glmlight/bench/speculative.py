@@ -20,7 +20,7 @@ from glmlight.bench.common import Sizes, row, timed
 
 def bench_speculative(s: Sizes, device: str, *, depth: int = 2, prompts: int = 64) -> list[dict[str, Any]]:
     from glmlight import builder
-    from glmlight.cli import compose
+    from glmlight.config.compose import compose
     from glmlight.engines.base import SamplingParams
     from glmlight.engines.local.engine import LocalEngine
     from glmlight.models.tokenizer import encode_chat

@@ -35,7 +35,7 @@ from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
-from glmlight.config import EvalConfig
+from glmlight.config.schema import EvalConfig
 from glmlight.prompt import Prompt, PromptSource
 from glmlight.ops.eval_metrics import maj_at_k, mean_pass_at_k, pass_k_values
 from glmlight.engines.base import Generation, RolloutEngine, SamplingParams

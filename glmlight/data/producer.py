@@ -27,7 +27,7 @@ import time
 from collections import Counter, deque
 from typing import Callable
 
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.data.stream import PromptStream
 from glmlight.sample import Sample
 

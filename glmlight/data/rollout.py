@@ -28,14 +28,15 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from glmlight.agents.compaction import CompactingAgentLoop
 from glmlight.agents.loop import AgentLoop
-from glmlight.config import EvalConfig, RolloutConfig
+from glmlight.config.schema import EvalConfig
+from glmlight.config.rollout import RolloutConfig
 from glmlight.data import evaluation
 from glmlight.data.rollout_groups import answer_samples, episode_trajectories, filter_groups
-from glmlight.data.rollout_stats import engine_spec_counts, outcome, rollout_stats  # noqa: F401 - outcome re-exported
+from glmlight.data.rollout_stats import engine_spec_counts, rollout_stats
 from glmlight.data.shaping import apply_overlong
-from glmlight.data.groups import tag_dropped
+from glmlight.groups import tag_dropped
 from glmlight.data.producer import AsyncProducer
-from glmlight.data.sources import Prompt, PromptSource
+from glmlight.prompt import Prompt, PromptSource
 from glmlight.data.stream import PromptStream
 from glmlight.hooks import has_rollout_sample_hooks, run_rollout_sample_hooks
 from glmlight.models.tokenizer import PromptEncodingError, encode_prompt, stop_token_ids

@@ -8,9 +8,9 @@ from collections import Counter
 from typing import Any, Callable
 
 from glmlight.agents.loop import episode_to_samples
-from glmlight.data.groups import pad_or_drop_group, tag_dropped
+from glmlight.groups import pad_or_drop_group, tag_dropped
 from glmlight.data.rollout_stats import outcome
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.engines.base import Generation
 from glmlight.sample import Sample, Status
 

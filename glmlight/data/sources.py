@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from glmlight.split import Side, question_key
 from glmlight.data.files import read_rows, state as files_state
 from glmlight.errors import ConfigError, DataError
-from glmlight.prompt import Prompt, PromptSource  # noqa: F401  (re-exported: the sources yield Prompts)
+from glmlight.prompt import Prompt
 
 log = logging.getLogger(__name__)
 CHANGE_CHECK_S = 10.0  # how often a file-backed source looks at its file's size and mtime

@@ -15,7 +15,7 @@ import random
 import threading
 from typing import Any
 
-from glmlight.data.sources import Prompt, PromptSource
+from glmlight.prompt import Prompt, PromptSource
 from glmlight.errors import DataError
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from glmlight.config import CHOICES
+from glmlight.config.rules import CHOICES
 from glmlight.errors import ConfigError
 
 BACKENDS = tuple(b for b in CHOICES["rollout.backend"] if b != "local")  # the server backends

@@ -90,7 +90,7 @@ class AgentTask:
 
 @dataclass
 class GatewayOptions:
-    """How the agent runs (task.agent.gateway, glmlight.rollout_config.GatewayConfig)."""
+    """How the agent runs (task.agent.gateway, glmlight.config.rollout.GatewayConfig)."""
 
     agent: Callable[[AgentTask], Any] | None = None
     command: list[str] | None = None

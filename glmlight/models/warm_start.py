@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from glmlight.config import WarmStartConfig
+from glmlight.config.schema import WarmStartConfig
 from glmlight.errors import ConfigError
 from glmlight.models.mtp import mtp_of
 from glmlight.prompt import Prompt, PromptSource

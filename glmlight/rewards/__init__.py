@@ -1,7 +1,7 @@
 """Rewards: the protocol, verifiers, and building a reward from config.
 
 `task.reward` names the reward (`_target_` and its keyword arguments); how it runs (per-sample
-timeout, concurrency, thread or process workers) is `task.reward_options` (glmlight.config.RewardOptions,
+timeout, concurrency, thread or process workers) is `task.reward_options` (glmlight.config.schema.RewardOptions,
 applied by glmlight.rewards.base.RewardRunner). A TRL- or verl-style reward function is wrapped for its
 calling convention (glmlight/rewards/styles.py; task.reward_options.style)."""
 

@@ -33,7 +33,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Awaitable, Callable, Union
 
-from glmlight.config import CHOICES, RewardOptions
+from glmlight.config.rules import CHOICES
+from glmlight.config.rollout import RewardOptions
 from glmlight.errors import ConfigError
 from glmlight.rewards.workers import (NoScore, ProcessWorkers, RemoteRewardError, RewardError, ThreadWorkers,
                                       call_reward, is_batched, unpack)

@@ -15,9 +15,10 @@ import pytest
 import glmlight
 from glmlight import compose
 from glmlight.agents import AgentLoop, StepResult
-from glmlight.config import RolloutConfig
+from glmlight.config.rollout import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
-from glmlight.data.sources import FileSource, ListSource, Prompt
+from glmlight.data.sources import FileSource, ListSource
+from glmlight.prompt import Prompt
 from glmlight.errors import ConfigError, DataError
 from glmlight.models.loading import load_causal_lm, load_tokenizer, save_checkpoint
 from glmlight.models.tokenizer import build_char_tokenizer, encode_chat

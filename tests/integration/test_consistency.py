@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 import glmlight
-from callbacks import IcePop, MaskedIS, PolicyVersionGate, RejectionSampling, TruncatedIS, WeightSync
+from glmlight.callbacks import IcePop, MaskedIS, PolicyVersionGate, RejectionSampling, TruncatedIS, WeightSync
 from glmlight.engines.base import SamplingParams
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Experience, Sample
@@ -201,7 +201,7 @@ def test_top_k_top_p_engine_and_trainer_log_probs_are_the_same_quantity(tmp_path
     import csv
 
     run = _build(tmp_path, "trainer.max_steps=2", "~callbacks.held_out_eval", "~callbacks.sample_table",
-                 "+callbacks.mismatch={_target_:callbacks.MismatchMonitor,probe_every_n_steps:0}",
+                 "+callbacks.mismatch={_target_:glmlight.callbacks.MismatchMonitor,probe_every_n_steps:0}",
                  "rollout.top_p=0.9", "rollout.top_k=5", "rollout.temperature=0.7", "rollout.max_new_tokens=8")
     run.fit()
     path = glob.glob(os.path.join(str(tmp_path), "csv", "*", "metrics.csv"))[0]

@@ -1,7 +1,7 @@
 """docs/configuration.md's bring-your-own data, reward and model examples stay true.
 
 Every bash block the doc marks `<!-- byo-example -->` runs, line by line, in a directory holding a copy of
-examples/ (the documented relative paths, verbatim): a `python scripts/train.py` line through glmlight.train.main,
+examples/ (the documented relative paths, verbatim): a `python scripts/train.py` line through glmlight.run.train.main,
 the CLI's own code, with the test-size overrides for one RL step (a `model.path` that does not exist becomes a tiny
 Qwen3 checkpoint), any other line in bash. Each run exits 0, and its samples.jsonl shows every trained sample's label
 and reward; a run with a held-out file logs eval/heldout/overlap 0. A block marked `compose-only` (it downloads) is
@@ -20,9 +20,9 @@ import sys
 
 import pytest
 
-from glmlight.cli import compose
-from glmlight.config import validate
-from glmlight.train import main
+from glmlight.config.compose import compose
+from glmlight.config.schema import validate
+from glmlight.run.train import main
 from tests.conftest import overrides_for_tests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch
 
 import glmlight
-from callbacks import Correction
+from glmlight.callbacks import Correction
 from glmlight import compose
 from glmlight.algorithms.grpo import GRPO, GRPOConfig
 from glmlight.ops.corrections import CorrectionResult
-from glmlight.registry import ALGORITHMS, register_algorithm
+from glmlight.config.registry import ALGORITHMS, register_algorithm
 from glmlight.engines.local.engine import LocalEngine
 from tests.conftest import REPO, overrides_for_tests
 

@@ -191,7 +191,7 @@ def test_only_data_parallel_ranks_may_skip_rows(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from glmlight.builder import hardware_kwargs
+    from glmlight.strategies.trainer_setup import hardware_kwargs
 
     module = _build(tmp_path).module
     assert module.ranks_may_skip_rows()  # no trainer attached: one process

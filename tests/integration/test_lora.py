@@ -162,7 +162,7 @@ def test_lora_grpo_learns_the_default_task(tmp_path):
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
 def test_lora_with_a_sharded_strategy_is_one_line(strategy):
     from glmlight import compose
-    from glmlight.config import validate
+    from glmlight.config.schema import validate
     from glmlight.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"model.lora with trainer.strategy={strategy} is not supported"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import glmlight
-from glmlight.cli import compose
+from glmlight.config.compose import compose
 from tests.conftest import overrides_for_tests
 from tests.support.hf_models import build_tiny_hf
 

@@ -23,14 +23,6 @@ def test_pyproject_lists_every_package_on_disk():
     assert listed == on_disk | {"glmlight.callbacks", "glmlight.conf"}
 
 
-def test_the_folder_name_callbacks_is_the_same_package_as_glmlight_callbacks():
-    import callbacks
-    import glmlight.callbacks as installed
-    from callbacks.corrections import IcePop
-
-    assert callbacks is installed and IcePop is installed.IcePop
-
-
 def running_site_packages():
     """The directories the running interpreter imports its installed packages from: its environment's
     site-packages, the base Python's when that environment includes them, and the user site when enabled.
@@ -80,14 +72,14 @@ def test_a_built_wheel_installs_alone_and_trains_from_another_directory(tmp_path
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    where = subprocess.run([py, "-c", "import glmlight, glmlight.callbacks as c, glmlight.cli as l; "
+    where = subprocess.run([py, "-c", "import glmlight, glmlight.callbacks as c, glmlight.config.compose as l; "
                                       "print(glmlight.__file__); print(c.__file__); print(l.CONF_DIR)"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout.split()
     assert all(p.startswith(str(env_dir)) for p in where), where
     path = subprocess.run([py, "-c", "import sys; print('\\n'.join(sys.path))"], cwd=elsewhere, env=env,
                           capture_output=True, text=True, check=True).stdout.split()
     assert not [p for p in path if os.path.realpath(p).startswith(os.path.realpath(REPO))], path
-    out = subprocess.run([py, "-m", "glmlight.train", "model.preset=test", "model.warm_start.steps=0",
+    out = subprocess.run([py, "-m", "glmlight.run.train", "model.preset=test", "model.warm_start.steps=0",
                           "trainer.max_steps=1", "logger=none", "rollout.rollout_batch_size=2",
                           "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=3", "task.num_eval_prompts=4",
                           "trainer.enable_progress_bar=false"], cwd=elsewhere, env=env, capture_output=True, text=True)

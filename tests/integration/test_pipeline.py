@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from glmlight.pipeline import load_config, run_pipeline, stage_config
+from glmlight.run.pipeline import load_config, run_pipeline, stage_config
 
 from glmlight.errors import ConfigError
 from glmlight.models.loading import load_causal_lm, load_tokenizer
@@ -123,7 +123,7 @@ def test_pipeline_failed_stage_is_recorded_and_resumed(tmp_path):
 def test_resume_reruns_a_stage_whose_configuration_changed(tmp_path, monkeypatch):
     """A completed stage is kept on resume only when it would run the same way again: changed overrides
     (of the stage or pipeline.common), or a changed teacher set, run it (and so the stages after it) again."""
-    import glmlight.pipeline as pipeline
+    import glmlight.run.pipeline as pipeline
 
     ran, real = [], pipeline.run_stage
     monkeypatch.setattr(pipeline, "run_stage", lambda p, name, *a: ran.append(name) or real(p, name, *a))
@@ -209,7 +209,7 @@ def test_stage_summary_keeps_each_domains_pass_rates():
     rates beside the whole set's, so a student can be read against each teacher on its own domain."""
     from types import SimpleNamespace
 
-    from glmlight.pipeline import evaluation_summary
+    from glmlight.run.pipeline import evaluation_summary
 
     class HeldOutEval:
         history = [(0, {"eval/heldout/pass@1": 0.5, "eval/heldout/math/pass@1": 0.4, "eval/heldout/pass@8": 0.9,
@@ -228,9 +228,9 @@ def test_distillation_evaluates_every_teachers_domain(tmp_path):
     """The distillation stage's held-out set holds `eval_prompts_per_teacher` prompts of every teacher's
     domain, also when they add up to more than the task's `num_eval_prompts` (64 by default): the evaluation
     took the first 64 rows, which left the last teacher's domain out at 32 per teacher."""
-    from glmlight.builder import build_sources
+    from glmlight.run.build import build_sources
     from glmlight.data.evaluation import EvalSet
-    from glmlight.pipeline import Manifest, prepare_distillation
+    from glmlight.run.pipeline import Manifest, prepare_distillation
 
     cfg = _config(tmp_path, "pipeline.stages.opd.eval_prompts_per_teacher=30")
     manifest = Manifest(str(tmp_path / "manifest.json"), cfg, fresh=True)
@@ -248,8 +248,8 @@ def test_distillation_evaluates_every_teachers_domain(tmp_path):
 def test_every_shipped_pipeline_composes_with_its_seed(name, tmp_path):
     """`scripts/pipeline.py pipeline=NAME pipeline.seed=N`: every stage of every shipped pipeline composes
     and validates, with the seed in each stage (nothing is loaded or built)."""
-    from glmlight.config import validate
-    from glmlight.pipeline import check_stages, named_config
+    from glmlight.config.schema import validate
+    from glmlight.run.pipeline import check_stages, named_config
 
     p = load_config(named_config(name), [f"pipeline.dir={tmp_path}", "pipeline.seed=3"])
     check_stages(p)
@@ -262,8 +262,8 @@ def test_every_shipped_pipeline_composes_with_its_seed(name, tmp_path):
 def test_smollm2_distillation_routes_and_scores_each_family_by_its_own_rule(tmp_path):
     """The SmolLM2 pipeline's distillation stage: one teacher per expert stage, routed by domain, a prompt mix
     of chat questions from both families, and each answer checked by its family's verifier (ByDomain)."""
-    from glmlight.builder import build_sources
-    from glmlight.pipeline import Manifest, named_config, prepare_distillation
+    from glmlight.run.build import build_sources
+    from glmlight.run.pipeline import Manifest, named_config, prepare_distillation
     from glmlight.rewards import build_reward
     from glmlight.sample import Sample
 
@@ -292,7 +292,7 @@ def test_a_stage_after_the_first_loads_its_input_checkpoint_not_the_configured_p
     """pipeline=smollm2 names its model by a registry package (model=smollm2: model.gguf.package); a later
     stage's input is a checkpoint directory, which replaces the package rather than clashing with it."""
     from glmlight.models.gguf import resolve_model_path
-    from glmlight.pipeline import named_config, stage_overrides
+    from glmlight.run.pipeline import named_config, stage_overrides
 
     p = load_config(named_config("smollm2"), [f"pipeline.dir={tmp_path}"])
     ckpt = str(tmp_path / "math" / "initial")

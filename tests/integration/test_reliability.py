@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import glmlight
-from glmlight.checkpoint import checkpoint_problem
-from glmlight.config import RolloutConfig
+from glmlight.strategies.checkpoint import checkpoint_problem
+from glmlight.config.rollout import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask
 from glmlight.errors import ConfigError

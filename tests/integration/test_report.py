@@ -11,7 +11,7 @@ import pytest
 
 import glmlight
 from glmlight import compose
-from glmlight.report import read_metrics, summarize, write_report
+from glmlight.run.report import read_metrics, summarize, write_report
 from tests.conftest import load_script, overrides_for_tests
 
 ALGOS = {

@@ -185,7 +185,7 @@ def launch_config(tmp_path: Any, backend: str, command: list[str], **server: Any
     ServerConfig does not have; the engines read it with getattr)."""
     from omegaconf import OmegaConf
 
-    from glmlight.config import validate
+    from glmlight.config.schema import validate
 
     srv = {"launch": True, "launch_timeout_s": 900, "request_timeout_s": 120, "request_retries": 2,
            "request_retry_backoff_s": 0.05, "weight_sync_dir": str(tmp_path / "weights"), "model_path": str(tmp_path), **server}

@@ -74,7 +74,7 @@ def interpreter(backend: str) -> str:
 
 def server_config(backend: str, python: str, model_path: str, root: str, **server: Any) -> Any:
     """The validated config of a run whose rollout is a server glmlight launches itself."""
-    from glmlight.config import validate
+    from glmlight.config.schema import validate
 
     flags = FLAGS.get((backend, DEVICE))
     if flags is None:

@@ -136,7 +136,7 @@ def test_sharded_config_checks(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.strategy=fsdp takes trainer.precision"):
         glmlight.build(compose(overrides_for_tests(tmp_path, "trainer.strategy=fsdp", "trainer.precision=16-true")))
     pytest.importorskip("deepspeed")
-    from glmlight.zero import RLDeepSpeedStrategy
+    from glmlight.strategies.zero import RLDeepSpeedStrategy
 
     run = glmlight.build(compose(overrides_for_tests(tmp_path, "algo=sao", "trainer.strategy=deepspeed")))
     assert isinstance(run.trainer.strategy, RLDeepSpeedStrategy)

@@ -233,7 +233,7 @@ def test_pipeline_stages_learn_and_opd_brings_the_student_to_each_teacher(tmp_pa
     prompts per domain: math 0.648 -> 0.754, teacher 0.816; agent 0.266 -> 0.625, teacher 0.742; general
     0.574 -> 0.762, teacher 0.887). The margins allow for the evaluations' spread: the math domain read
     0.65-0.77 over the stage's last six evaluations."""
-    from glmlight.pipeline import load_config, run_pipeline
+    from glmlight.run.pipeline import load_config, run_pipeline
 
     manifest = run_pipeline(load_config(overrides=[f"pipeline.dir={tmp_path}/pipe"]))
     stages = {s["name"]: s for s in manifest["stages"]}

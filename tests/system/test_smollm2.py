@@ -212,7 +212,7 @@ def test_the_pipeline_recipe_distills_both_experts_into_one_student(tmp_path):
     OPD from both into the base model, each prompt routed to its domain's expert. The student ends within
     PIPELINE_GAP of each expert on that expert's domain (held-out pass@1, the experts evaluated on the same
     prompts) and above its own start on both domains."""
-    from glmlight.pipeline import load_config, named_config, run_pipeline
+    from glmlight.run.pipeline import load_config, named_config, run_pipeline
 
     manifest = run_pipeline(load_config(named_config("smollm2"), [f"pipeline.dir={tmp_path}", "pipeline.seed=0"]))
     stages = {s["name"]: s for s in manifest["stages"]}

@@ -53,7 +53,7 @@ from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.engines.local import dense_runner, glm_runner
 from glmlight.engines.base import Generation, NamedTensors, SamplingParams, normalize_requests
 from glmlight.engines.local.batch import Request, RunningBatch, fill_holes, resolve_requests
-from glmlight.engines.local.decode_loop import IDLE_EXIT_S, DecodeLoop  # noqa: F401 - IDLE_EXIT_S re-exported
+from glmlight.engines.local.decode_loop import DecodeLoop
 from glmlight.engines.local.hf_runner import HFRunner
 from glmlight.engines.local.sampling import request_spec_uniforms, request_uniforms
 from glmlight.engines.local.speculation import SPEC_COUNTERS, Speculation
@@ -318,7 +318,7 @@ class LocalEngine(DecodeLoop):
         All or nothing, as for the servers: every tensor is checked first (a parameter of the model, its
         shape, a dtype it converts from, a tensor with data), so a refused update (EngineError) writes no
         weight and the engine serves what it served. A stream that gathers its tensors as it is read (the
-        sharded `glmlight.sharding.full_weights`) is checked from its `manifest()` before the first is
+        sharded `glmlight.strategies.fsdp.full_weights`) is checked from its `manifest()` before the first is
         gathered; anything else is listed (references, no copies). Writing the checked tensors can then fail
         only for want of resources; if it fails after a weight was written, or the runner cannot re-read
         the weights, the engine ends every request ("abort"), raises EngineError and refuses to generate or

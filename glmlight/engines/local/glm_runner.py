@@ -71,7 +71,7 @@ from glmlight.ops.dsa import topk_mask, topk_recent
 from glmlight.ops.mtp import mtp_input
 from glmlight.engines.local.glm_weights import Layer, read_layers
 from glmlight.engines.local.records import Capture
-from glmlight.engines.local.rows import (DECODE_WINDOW, RowCache, _dynamic, _map_tensors,  # noqa: F401 - re-exported
+from glmlight.engines.local.rows import (DECODE_WINDOW, RowCache, _dynamic, _map_tensors,
                                          compile_decode, head_weights)
 
 log = logging.getLogger(__name__)

@@ -49,9 +49,8 @@ from glmlight.engines.servers.launch import LaunchSpec, ManagedServer
 from glmlight.engines.servers.server_checks import weights_fingerprint
 from glmlight.engines.servers.server_replay import ReplayCapture
 from glmlight.engines.servers.server_suspects import SuspectTracking
-from glmlight.engines.servers.server_update import FleetUpdate, checkpoint_shapes  # noqa: F401 (re-exported)
-from glmlight.engines.servers.server_types import (Answer, FleetFailed, Source, UpdateFailed,  # noqa: F401 (re-exported)
-                                           sampling_fields, server_settings)
+from glmlight.engines.servers.server_update import FleetUpdate
+from glmlight.engines.servers.server_types import (Answer, FleetFailed, Source, UpdateFailed)
 
 log = logging.getLogger(__name__)
 

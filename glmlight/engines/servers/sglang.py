@@ -69,10 +69,10 @@ from glmlight.engines.servers.launch import sglang_launch
 from glmlight.engines.servers.replay_codec import decode_sglang_indexer_topk, decode_sglang_routed_experts
 from glmlight.engines.servers.server_checks import check_logprob_definition
 from glmlight.engines.servers.server_replay import ReplayField
-from glmlight.engines.servers.base import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
-                                      server_settings)
-from glmlight.engines.servers.sglang_wire import (FINISH_REASONS, FilteredLogprobsMissing, attempt_rid, check_sampling,  # noqa: F401
-                                         pairs, parse_generate_answer, serialize_named_tensors, single)
+from glmlight.engines.servers.server_types import Answer, FleetFailed, Source, UpdateFailed, sampling_fields, server_settings
+from glmlight.engines.servers.base import ServerEngineBase
+from glmlight.engines.servers.sglang_wire import (FilteredLogprobsMissing, attempt_rid, check_sampling,  # noqa: F401
+                                         pairs, parse_generate_answer, single)
 from glmlight.engines.servers.sglang_tensor_sync import TensorSync
 
 log = logging.getLogger(__name__)

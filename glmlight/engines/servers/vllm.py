@@ -67,8 +67,8 @@ from glmlight.engines.servers.server_checks import check_logprob_definition
 from glmlight.engines.servers.server_replay import ReplayField
 from glmlight.engines.servers.vllm_wire import (ASCEND_OPTIONS, EXTENSION, FINISH_REASONS, rpc_failed, token_id,  # noqa: F401
                                         version_tuple)
-from glmlight.engines.servers.base import (Answer, FleetFailed, ServerEngineBase, Source, UpdateFailed, sampling_fields,
-                                      server_settings)
+from glmlight.engines.servers.server_types import Answer, FleetFailed, Source, UpdateFailed, sampling_fields, server_settings
+from glmlight.engines.servers.base import ServerEngineBase
 
 log = logging.getLogger(__name__)
 class VLLMEngine(ServerEngineBase):

@@ -12,7 +12,7 @@ from typing import Any
 from glmlight.errors import EngineError
 from glmlight.engines import transport as wt
 from glmlight.engines.base import Generation, NamedTensors, SamplingParams
-from glmlight.engines.servers.base import sampling_fields
+from glmlight.engines.servers.server_types import sampling_fields
 from glmlight.engines.servers.vllm_wire import ASCEND_OPTIONS, EXTENSION, FINISH_REASONS
 
 

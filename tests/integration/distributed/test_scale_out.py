@@ -32,7 +32,7 @@ def test_two_process_ddp_grpo_keeps_ranks_identical(tmp_path):
 def test_deepspeed_and_fsdp_selection(tmp_path):
     import importlib.util
 
-    from glmlight.sharding import RLFSDPStrategy
+    from glmlight.strategies.fsdp import RLFSDPStrategy
 
     if importlib.util.find_spec("deepspeed") is None:
         with pytest.raises(ConfigError, match=r"trainer.strategy=deepspeed needs the deepspeed package"):

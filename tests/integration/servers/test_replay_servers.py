@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 import glmlight
 from glmlight import compose
-from glmlight.config import validate
+from glmlight.config.schema import validate
 from glmlight.errors import ConfigError, EngineError
 from glmlight.models.loading import load_causal_lm
 from glmlight.engines.base import SamplingParams

@@ -120,7 +120,7 @@ def test_topk_topp_logprobs_are_the_renormalised_ones(server, model, tokenizer, 
 
 
 def test_top_p_without_top_k_is_refused_at_start(tmp_path):
-    from glmlight.config import validate
+    from glmlight.config.schema import validate
 
     cfg = validate({"rollout": {"backend": "sglang", "top_p": 0.9, "server": {"urls": ["http://127.0.0.1:1"]}}})
     with pytest.raises(ConfigError) as err:
@@ -650,7 +650,7 @@ def test_a_dropped_tensor_bucket_puts_the_server_back_and_tries_again(model, ser
 
 
 def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model, server, tokenizer, tmp_path):
-    from glmlight.engines.servers.base import FleetFailed
+    from glmlight.engines.servers.server_types import FleetFailed
 
     with make(server.url, tmp_path) as eng:
         eng.generate(prompts(tokenizer, 1), greedy(tokenizer))

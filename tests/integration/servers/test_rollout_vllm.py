@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from glmlight.config import validate
+from glmlight.config.schema import validate
 from glmlight.errors import EngineError
 from glmlight.engines.factory import build_server_engine
 from glmlight.engines.servers.http import HttpSettings
@@ -230,7 +230,7 @@ def test_permanent_rpc_errors_are_not_retried(server, tmp_path):
 
 
 def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model, server, tokenizer, tmp_path):
-    from glmlight.engines.servers.base import FleetFailed
+    from glmlight.engines.servers.server_types import FleetFailed
 
     with make(server.url, tmp_path, weight_sync="tensor") as eng:
         eng.generate(prompts(tokenizer, 1), greedy(tokenizer))

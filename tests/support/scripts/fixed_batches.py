@@ -19,7 +19,7 @@ import torch
 
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.sample import Experience, Sample
-from glmlight.sharding import full_weights
+from glmlight.strategies.fsdp import full_weights
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

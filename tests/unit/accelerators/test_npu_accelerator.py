@@ -432,7 +432,7 @@ def test_fsdp2_on_npu_config_trains_through_the_plugin(standin: Any, tmp_path: P
 
     import glmlight
     from glmlight import compose
-    from glmlight.sharding import RLFSDPStrategy
+    from glmlight.strategies.fsdp import RLFSDPStrategy
     from tests.conftest import overrides_for_tests
 
     run = glmlight.build(compose(overrides_for_tests(

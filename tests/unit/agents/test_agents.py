@@ -11,9 +11,10 @@ import glmlight
 from glmlight.agents import AgentLoop, StepResult, encode_observation, generation_prompt
 from glmlight.agents.envs import CalculatorEnv, RunningSumEnv, RunningSumTask, safe_eval
 from glmlight.agents.expert import parse_transcript
-from glmlight.config import RolloutConfig
+from glmlight.config.rollout import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
-from glmlight.data.sources import ArithmeticTask, Prompt
+from glmlight.data.sources import ArithmeticTask
+from glmlight.prompt import Prompt
 from glmlight.engines.base import Generation, SamplingParams
 from glmlight.models.tokenizer import encode_chat
 from glmlight.engines.local.engine import LocalEngine
@@ -302,8 +303,8 @@ def test_expert_episodes_under_glm45_are_the_templates_rendering_and_solve_the_t
     is one growing rendering (no segment rewritten), and the expert answers after its one tool call."""
     from glmlight.agents.expert import ExpertEngine, assistant_opening, env_experts
     from glmlight.models.loading import load_tokenizer
-    from glmlight.builder import _datamodule_factory, build_policy, build_sources, expert_factory, model_tokenizer
-    from glmlight.config import validate
+    from glmlight.run.build import _datamodule_factory, build_policy, build_sources, expert_factory, model_tokenizer
+    from glmlight.config.schema import validate
     from glmlight.rewards import task_reward
 
     cfg = validate(compose(overrides_for_tests(tmp_path, "task=calculator_agent", "model.arch=glm4moe",

@@ -7,7 +7,7 @@ a template rewrites history the turn opens a new segment (tests/unit/agents/test
 import pytest
 
 from glmlight.agents import AgentLoop
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.engines.base import SamplingParams
 from glmlight.models.tokenizer import encode_chat, stop_token_ids
 from tests.support.tool_env import ThreeTurnToolEnv

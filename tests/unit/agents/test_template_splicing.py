@@ -15,7 +15,7 @@ import glmlight
 from glmlight import compose
 from glmlight.agents import AgentLoop, StepResult, encode_observation, episode_to_samples, generation_prompt
 from glmlight.agents.compaction import CompactingAgentLoop
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.engines.base import Generation, SamplingParams
 from glmlight.errors import ConfigError
 from glmlight.models.tokenizer import encode_chat, stop_token_ids

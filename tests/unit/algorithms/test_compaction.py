@@ -12,7 +12,7 @@ import glmlight
 from glmlight.agents import StepResult, encode_observation, generation_prompt
 from glmlight.agents.compaction import CompactingAgentLoop
 from glmlight.agents.loop import episode_to_samples
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.models.tokenizer import encode_chat, stop_token_ids
 from glmlight.ops.reduce import aggregate_loss
 from glmlight.engines.base import Generation, SamplingParams

@@ -141,11 +141,11 @@ def test_token_micro_batches_run_packed_trimmed_forwards(tmp_path, monkeypatch):
 def test_trainer_side_teacher_scoring_keeps_the_token_budget(monkeypatch):
     """OPD's trainer-side teacher scores in the policy's micro-batches: packed by the token budget, each
     forward at most the budget's padded tokens, and the same log-probs as one forward over all rows."""
-    from glmlight.algorithms.opd import ModelTeacher
+    from glmlight.algorithms.teachers import ModelTeacher
     from glmlight.algorithms.scoring import PolicyScoring
-    from glmlight.config import validate
+    from glmlight.config.schema import validate
     from glmlight.models.loading import load_causal_lm
-    from glmlight.registry import algorithm
+    from glmlight.config.registry import algorithm
     from tests.support.tolerances import model_logprob_tolerance
 
     tok = build_char_tokenizer()

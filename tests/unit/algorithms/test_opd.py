@@ -11,7 +11,7 @@ from glmlight import compose
 
 import glmlight
 from glmlight.algorithms.opd import OPD
-from glmlight.config import validate
+from glmlight.config.schema import validate
 from glmlight.errors import ConfigError, DataError
 from glmlight.models.loading import load_causal_lm, save_checkpoint
 from glmlight.ops.advantages import group_advantages

@@ -14,12 +14,12 @@ import torch
 import glmlight
 from glmlight import compose
 from glmlight.algorithms.replay import RecordsFilter, replay_for
-from glmlight.config import validate
+from glmlight.config.schema import validate
 from glmlight.errors import ConfigError
 from glmlight.models.loading import load_causal_lm
 from glmlight.ops.logprobs import logprobs_from_logits
 from glmlight.ops.mismatch import set_agreement, topk_agreement
-from glmlight.registry import algorithm
+from glmlight.config.registry import algorithm
 from glmlight.engines.base import SamplingParams
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Experience, Sample, SampleError
@@ -205,7 +205,7 @@ def test_only_the_policys_own_forwards_replay(tokenizer, forward):
     """The records are the policy's choices: the frozen reference and a trainer-side OPD teacher (models
     with their own routers and indexers) score with their own choices under algo.replay=both, giving the
     log-probs they give with replay off; the policy's own old log-probs still replay."""
-    from glmlight.algorithms.opd import ModelTeacher
+    from glmlight.algorithms.teachers import ModelTeacher
 
     policy = _near_ties(_model(tokenizer))
     other = _near_ties(_model(tokenizer), seed=2)
@@ -471,7 +471,7 @@ def test_agent_episodes_carry_first_run_records(tmp_path, tokenizer):
     records cover every action, and a GRPO run on the calculator agent replays without drops."""
     from glmlight.agents import AgentLoop
     from glmlight.agents.loop import episode_to_samples
-    from glmlight.data.sources import Prompt
+    from glmlight.prompt import Prompt
 
     from tests.support.tool_env import ThreeTurnToolEnv
 

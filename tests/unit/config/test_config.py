@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from glmlight.config import validate
+from glmlight.config.schema import validate
 from glmlight.errors import ConfigError
 from tests.conftest import REPO
 
@@ -84,7 +84,7 @@ def test_mtp_layers_with_lora_or_a_sharded_policy_are_refused(other, what):
 
 def test_task_subtraction_is_arithmetic_with_minus():
     from glmlight import compose
-    from glmlight.builder import build_sources
+    from glmlight.run.build import build_sources
 
     cfg = compose(["task=subtraction"])
     validate(cfg)
@@ -96,57 +96,10 @@ def test_task_subtraction_is_arithmetic_with_minus():
     assert any(int(train[i].label) < 0 for i in range(20))
 
 
-def test_old_key_names_still_work_for_one_release_with_one_line_each(caplog):
-    import logging
-
-    from hydra.utils import instantiate
-
-    from glmlight import compose
-
-    with caplog.at_level(logging.WARNING, logger="glmlight"):
-        cfg = validate(compose(["rollout.server.max_retries=5", "rollout.server.retry_backoff_s=0.1",
-                                "model.warm_start.schedule=wsd", "model.warm_start.schedule=constant",
-                                "+callbacks.tis={_target_:callbacks.TruncatedIS,clip_low:0.1,clip_high:1.5}"]))
-    assert cfg.rollout.server.request_retries == 5 and cfg.rollout.server.request_retry_backoff_s == 0.1
-    assert cfg.model.warm_start.lr_schedule == "constant"
-    tis = instantiate(cfg.callbacks.tis)
-    assert (tis.low, tis.high) == (0.1, 1.5)
-    assert [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()] == [
-        "config: rollout.server.max_retries is deprecated; use rollout.server.request_retries",
-        "config: rollout.server.retry_backoff_s is deprecated; use rollout.server.request_retry_backoff_s",
-        "config: model.warm_start.schedule is deprecated; use model.warm_start.lr_schedule",
-        "config: callbacks.tis.clip_low is deprecated; use callbacks.tis.low",
-        "config: callbacks.tis.clip_high is deprecated; use callbacks.tis.high"]
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="glmlight"):  # the Python API's dicts too
-        cfg = validate({"algo": {"name": "opd", "teachers": {"t": {"warm_start": {"schedule": "wsd"}}}}})
-    assert cfg.algo.teachers.t.warm_start == {"lr_schedule": "wsd"}
-    assert [r.getMessage() for r in caplog.records] == [
-        "config: algo.teachers.t.warm_start.schedule is deprecated; use algo.teachers.t.warm_start.lr_schedule"]
-
-
-def test_an_old_key_name_in_a_yaml_file_is_one_line_naming_the_new_one(tmp_path):
-    import shutil
-
-    from hydra.errors import HydraException
-
-    from glmlight import compose
-    from glmlight.cli import CONF_DIR
-    from glmlight.config import format_config_error
-
-    conf = tmp_path / "conf"
-    shutil.copytree(CONF_DIR, conf)
-    (conf / "model" / "old.yaml").write_text("warm_start:\n  schedule: wsd\n")
-    with pytest.raises(HydraException) as err:
-        compose(["model=old"], config_dir=str(conf))
-    assert format_config_error(err.value) == ("config error: unknown key 'model.warm_start.schedule'; "
-                                              "it is now 'model.warm_start.lr_schedule'")
-
-
 def test_the_allowed_names_match_what_implements_them():
     """config.CHOICES is the one list of allowed values; the kinds of chat question and the gateway's tool-call
     formats it names are exactly the implemented ones."""
-    from glmlight.config import CHOICES
+    from glmlight.config.rules import CHOICES
     from glmlight.data.chat_tasks import ChatQuestionTask
     from glmlight.gateway.tool_format import FORMATS
 

@@ -11,9 +11,10 @@ from dataclasses import fields, is_dataclass
 
 import pytest
 
-from glmlight.config import Range, TrainConfig, field_range, validate
+from glmlight.config.ranges import Range, field_range
+from glmlight.config.schema import TrainConfig, validate
 from glmlight.errors import ConfigError
-from glmlight.registry import discover
+from glmlight.config.registry import discover
 from tests.conftest import REPO
 
 NUMBER = (int, float)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from glmlight.cli import compose
-from glmlight.config import validate
+from glmlight.config.compose import compose
+from glmlight.config.schema import validate
 from tests.conftest import REPO
 
 MODELS = ("tiny", "hf", "smollm2")
@@ -92,7 +92,7 @@ def test_the_tiny_jsonl_warm_start_teaches_answers_its_reward_accepts_within_its
     """Every warm-start answer of a math JSONL (numbers and LaTeX labels), decoded, earns 1.0 from the task's
     default reward and fits rollout.max_new_tokens with its <eos>."""
     pytest.importorskip("math_verify")
-    import glmlight.builder as builder
+    import glmlight.run.build as builder
     from glmlight.models.tokenizer import build_char_tokenizer
     from glmlight.models.warm_start import label_examples
     from glmlight.rewards import task_reward

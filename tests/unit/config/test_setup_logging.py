@@ -1,12 +1,12 @@
-"""glmlight.cli.setup_logging, which every entry point (train, evaluate, export, pipeline) calls: called again in
-one process (glmlight.train.main run twice, as tests and notebooks do), it leaves one handler, writing to the
+"""glmlight.run.cli.setup_logging, which every entry point (train, evaluate, export, pipeline) calls: called again in
+one process (glmlight.run.train.main run twice, as tests and notebooks do), it leaves one handler, writing to the
 stderr of the moment, not one more per call, each bound to the stderr of its own time."""
 
 import io
 import logging
 import sys
 
-from glmlight.cli import setup_logging
+from glmlight.run.cli import setup_logging
 
 
 def test_calling_it_again_keeps_one_handler_on_the_current_stderr(monkeypatch):

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from glmlight.builder import build_sources
-from glmlight.cli import compose
-from glmlight.config import validate
+from glmlight.run.build import build_sources
+from glmlight.config.compose import compose
+from glmlight.config.schema import validate
 from glmlight.data.chat_tasks import ChatQuestionTask
 from glmlight.errors import ConfigError, DataError
 

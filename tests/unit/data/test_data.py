@@ -6,14 +6,14 @@ from collections import Counter
 
 import pytest
 
-from glmlight.config import RolloutConfig
-from glmlight.data.groups import pad_or_drop_group, trajectories
+from glmlight.config.rollout import RolloutConfig
+from glmlight.groups import pad_or_drop_group, trajectories
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.shaping import apply_overlong
 from glmlight.data.sources import ArithmeticTask, FileSource
 from glmlight.errors import ConfigError, DataError
 from glmlight.agents.loop import episode_to_samples
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.engines.base import SamplingParams
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.sample import Sample, Status

@@ -239,9 +239,9 @@ def test_every_format_keeps_its_snapshot_sees_changes_and_has_a_fingerprint(tmp_
 
 
 def test_the_task_keys_reach_every_format(tmp_path):
-    from glmlight.builder import build_sources
-    from glmlight.cli import compose
-    from glmlight.config import validate
+    from glmlight.run.build import build_sources
+    from glmlight.config.compose import compose
+    from glmlight.config.schema import validate
 
     path = write_parquet(tmp_path / "verl.parquet", verl_rows())
     for source in ("jsonl", "hf"):  # hf: the same local reader, never the Hub

@@ -12,7 +12,8 @@ import torch
 
 import glmlight
 from glmlight import compose
-from glmlight.config import EvalConfig, RolloutConfig
+from glmlight.config.schema import EvalConfig
+from glmlight.config.rollout import RolloutConfig
 from glmlight.data.evaluation import SeededEngine
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask
@@ -132,7 +133,7 @@ def test_named_sets_are_evaluated_and_reported_under_their_names(tokenizer, tiny
 
 
 def test_eval_config_keys_and_errors(tmp_path):
-    from glmlight.config import validate
+    from glmlight.config.schema import validate
     from glmlight.errors import ConfigError
 
     cfg = validate(compose(["eval.k=4", "eval.every_n_steps=5", "+eval.sets.gsm.path=/data/gsm.jsonl"]))

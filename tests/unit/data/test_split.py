@@ -6,9 +6,10 @@ import logging
 
 import pytest
 
-from glmlight.builder import build_sources
-from glmlight.cli import compose
-from glmlight.config import EvalConfig, RolloutConfig, validate
+from glmlight.run.build import build_sources
+from glmlight.config.compose import compose
+from glmlight.config.schema import EvalConfig, validate
+from glmlight.config.rollout import RolloutConfig
 from glmlight.data.chat_tasks import ChatQuestionTask
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, FileSource

@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from glmlight.builder import build_sources
-from glmlight.cli import compose
-from glmlight.config import validate
+from glmlight.run.build import build_sources
+from glmlight.config.compose import compose
+from glmlight.config.schema import validate
 from glmlight.rewards.mathverify import MathVerify
 from glmlight.sample import Sample
 from glmlight.split import question_key

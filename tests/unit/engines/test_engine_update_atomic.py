@@ -179,7 +179,7 @@ class _Stream:
 
 
 def test_a_stream_is_checked_from_its_manifest_before_the_first_tensor_is_taken(tokenizer, tiny_model):
-    from glmlight.sharding import full_weights
+    from glmlight.strategies.fsdp import full_weights
 
     engine, named, prompt = _setup("glm", tokenizer, tiny_model)
     other = copy.deepcopy(tiny_model)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from glmlight.config import validate
+from glmlight.config.schema import validate
 from glmlight.engines.servers.launch import sglang_launch, speculative_launch_options, vllm_launch
 from glmlight.engines.servers.server_types import server_settings
 from glmlight.engines.servers.vllm_worker import WeightLoaderExtension

@@ -187,7 +187,7 @@ def test_speculation_needs_mtp_layers_and_the_glm_runner(tokenizer, tiny_model):
 
 def test_config_refuses_speculation_with_unmanaged_servers_and_compile():
     from glmlight import compose
-    from glmlight.config import validate
+    from glmlight.config.schema import validate
 
     assert validate(compose(["rollout.speculative.depth=2"])).rollout.speculative.depth == 2
     # a managed server gets the flags (tests/unit/engines/test_server_speculation.py); one of one's own does not

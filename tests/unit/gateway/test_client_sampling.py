@@ -8,7 +8,7 @@ import openai
 import torch
 
 from glmlight.algorithms.grpo import GRPO, GRPOConfig
-from glmlight.config import RolloutConfig
+from glmlight.config.rollout import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask
 from glmlight.engines.local.engine import LocalEngine

@@ -16,7 +16,7 @@ import yaml
 
 import glmlight
 from glmlight import compose
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.engines.base import SamplingParams
 from glmlight.gateway.runner import GatewayOptions, GatewayRollout
 from glmlight.models.tokenizer import build_char_tokenizer, stop_token_ids

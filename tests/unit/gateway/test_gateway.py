@@ -18,9 +18,10 @@ from glmlight import compose
 from glmlight.agents import AgentLoop, encode_observation, generation_prompt
 from glmlight.agents.envs import CalculatorEnv
 from glmlight.agents.expert import ExpertEngine
-from glmlight.config import RolloutConfig
+from glmlight.config.rollout import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
-from glmlight.data.sources import ArithmeticTask, ListSource, Prompt
+from glmlight.data.sources import ArithmeticTask, ListSource
+from glmlight.prompt import Prompt
 from glmlight.gateway.runner import GatewayOptions, GatewayRollout, load_agent
 from glmlight.models.tokenizer import encode_chat
 from glmlight.engines.base import SamplingParams

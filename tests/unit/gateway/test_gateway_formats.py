@@ -15,7 +15,7 @@ from glmlight.gateway.runner import GatewayOptions, GatewayRollout
 from glmlight.gateway.template import TurnCodec
 from glmlight.gateway.tool_format import GlmFormat, HermesFormat, LineFormat, tool_format
 from glmlight.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer, encode_chat, stop_token_ids
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.engines.base import Generation, SamplingParams
 from glmlight.sample import Status
 

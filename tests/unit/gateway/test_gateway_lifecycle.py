@@ -88,7 +88,7 @@ def test_a_first_request_over_max_context_is_dropped_and_counted(tokenizer, tiny
     (dropped/context_exceeded), the agent gets OpenAI's context_length_exceeded error, the log says once
     which setting to raise; the other prompt's episodes train. (Before: a trained sample with prompt
     <eos>, an empty completion, reward 0, status truncated.)"""
-    from glmlight.config import RolloutConfig
+    from glmlight.config.rollout import RolloutConfig
     from glmlight.data.rollout import RolloutDataModule
     from glmlight.data.sources import ListSource
 

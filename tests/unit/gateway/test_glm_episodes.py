@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from glmlight.agents.loop import episode_to_samples
-from glmlight.data.sources import Prompt
+from glmlight.prompt import Prompt
 from glmlight.engines.base import SamplingParams
 from glmlight.gateway.runner import GatewayOptions, GatewayRollout
 from glmlight.models.tokenizer import encode_chat, stop_token_ids

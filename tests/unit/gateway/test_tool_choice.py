@@ -18,9 +18,10 @@ from openai.types.responses import Response
 from tokenizers import AddedToken
 
 from glmlight.algorithms.grpo import GRPO, GRPOConfig
-from glmlight.config import RolloutConfig
+from glmlight.config.rollout import RolloutConfig
 from glmlight.data.rollout import RolloutDataModule
-from glmlight.data.sources import ArithmeticTask, Prompt
+from glmlight.data.sources import ArithmeticTask
+from glmlight.prompt import Prompt
 from glmlight.engines.base import SamplingParams
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.gateway.runner import GatewayOptions, GatewayRollout

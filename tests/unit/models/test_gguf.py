@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from glmlight.config import validate
+from glmlight.config.schema import validate
 from glmlight.errors import ConfigError
 from glmlight.models import gguf as G
 from glmlight.models.loading import load_causal_lm, load_tokenizer
@@ -181,7 +181,7 @@ def test_gguf_config_mistakes_are_one_line(model, says, tmp_path):
 
 
 def test_the_smollm2_model_option_names_the_packaged_gguf():
-    from glmlight.cli import compose
+    from glmlight.config.compose import compose
 
     m = validate(compose(["model=smollm2"])).model
     assert m.path is None and m.dtype == "float32" and m.warm_start.steps == 0

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from glmlight.config import WarmStartConfig
-from glmlight.data.sources import ListSource, Prompt
+from glmlight.config.schema import WarmStartConfig
+from glmlight.data.sources import ListSource
+from glmlight.prompt import Prompt
 from glmlight.models.warm_start import supervised_warm_start
 
 
@@ -42,7 +43,7 @@ def test_a_warm_start_whose_expert_episodes_all_fail_stops_with_their_reasons(to
     import pytest
 
     from glmlight.agents.expert import expert_examples
-    from glmlight.config import RolloutConfig
+    from glmlight.config.rollout import RolloutConfig
     from glmlight.data.rollout import RolloutDataModule
     from glmlight.gateway.runner import GatewayOptions
 
@@ -109,7 +110,7 @@ def test_build_policy_fits_the_mtp_layers_after_the_warm_start(tokenizer, tmp_pa
     """model.mtp.layers=1 with a warm start: the layer built after the warm start is fitted on its rows (cached
     beside it); with model.warm_start.mtp=false it stays as initialised."""
     from glmlight import builder
-    from glmlight.cli import compose
+    from glmlight.config.compose import compose
 
     def build(*extra):
         cfg = compose(["model.preset=test", "model.mtp.layers=1", "model.warm_start.steps=2",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from glmlight.config import RewardOptions
+from glmlight.config.rollout import RewardOptions
 from glmlight.errors import ConfigError
 from glmlight.prompt import Prompt
 from glmlight.rewards import build_reward, task_reward

@@ -265,8 +265,9 @@ def test_parse_judge_score_malformed(text, message):
 def test_generative_judge_through_engine(tokenizer, tiny_model, tmp_path):
     """A real judge model (the tiny GLM-5 taught to answer "Score: 7/10") behind the embedded engine;
     an untrained judge's malformed output fails the sample."""
-    from glmlight.config import WarmStartConfig
-    from glmlight.data.sources import ListSource, Prompt
+    from glmlight.config.schema import WarmStartConfig
+    from glmlight.data.sources import ListSource
+    from glmlight.prompt import Prompt
     from glmlight.models.warm_start import supervised_warm_start
     from glmlight.engines.local.engine import LocalEngine
 

@@ -31,12 +31,12 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from glmlight.cli import CONF_DIR, compose
+from glmlight.config.compose import CONF_DIR, compose
 from glmlight.errors import ConfigError
 
 DEFAULT_CONFIG = os.path.join(CONF_DIR, "pipeline", "glm5.yaml")
 
-log = logging.getLogger("glmlight.pipeline")
+log = logging.getLogger("glmlight.run.pipeline")
 
 
 @dataclass
@@ -152,7 +152,7 @@ def stage_config(p: PipelineConfig, name: str, extra: list[str] = ()) -> DictCon
     """The composed train config of one stage: common + the stage's overrides + `extra`, then `merge`."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-    from glmlight.config import format_config_error
+    from glmlight.config.schema import format_config_error
     st = p.stages[name]
     try:
         cfg = compose([*common_overrides(p), *st.overrides, *extra])
@@ -237,7 +237,7 @@ def stage_overrides(p: PipelineConfig, name: str, input_ckpt: str | None, run_di
 
 def run_stage(p: PipelineConfig, name: str, input_ckpt: str | None, manifest: Manifest, root: str) -> str:
     """Build, fit and save one stage; record it in the manifest. Returns the output checkpoint."""
-    from glmlight.builder import build
+    from glmlight.run.build import build
     from glmlight.models.loading import save_checkpoint
 
     st = p.stages[name]
@@ -313,7 +313,7 @@ def prepare_distillation(p: PipelineConfig, name: str, cfg: DictConfig, manifest
                          run_dir: str) -> dict[str, Any]:
     """Cross-stage OPD: one teacher per completed `distill_from` stage (routed by its domain), and a
     prompt mix of those stages' tasks written to `<run_dir>/prompts.jsonl`. Edits `cfg`; returns the teachers."""
-    from glmlight.builder import build_sources
+    from glmlight.run.build import build_sources
     st = p.stages[name]
     teachers: dict[str, Any] = {}
     agent: dict[str, Any] = {"env": None}  # an agent stage's prompts run as its episodes (task.agent.domains)

@@ -1,12 +1,12 @@
 """The rollout side of the typed configuration: servers, sampling and the rollout loop, the task
-(prompts, reward, agent). `glmlight.config` re-exports every class here."""
+(prompts, reward, agent). `glmlight.config.schema` re-exports every class here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from glmlight.ranges import SEED, ranges
+from glmlight.config.ranges import SEED, ranges
 from glmlight.split import HELDOUT_FRACTION
 
 

@@ -4,7 +4,6 @@ RolloutDataModule. User code can add callbacks before calling `run.fit()`."""
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Any
 
@@ -13,14 +12,15 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from glmlight.checkpoint import checkpoint_callback
-from glmlight.config import validate
-from glmlight.progress import RLProgressBar
-from glmlight.registry import algorithm
+from glmlight.strategies.checkpoint import checkpoint_callback
+from glmlight.config.schema import validate
+from glmlight.run.progress import RLProgressBar
+from glmlight.config.registry import algorithm
 from glmlight.engines.base import filter_order_of
 from glmlight.data.evaluation import build_eval_sets
 from glmlight.data.rollout import RolloutDataModule
-from glmlight.data.sources import ArithmeticTask, FileSource, PromptSource
+from glmlight.data.sources import ArithmeticTask, FileSource
+from glmlight.prompt import PromptSource
 from glmlight.errors import ConfigError, DataError
 from glmlight.split import Side
 from glmlight.models.gguf import prepare_model
@@ -30,9 +30,9 @@ from glmlight.models.lora import apply_lora
 from glmlight.models.mtp import attach_mtp
 from glmlight.models.warm_start import label_examples, mtp_warm_start, supervised_warm_start
 from glmlight.rewards import task_reward
-from glmlight.run import Run, _resume_path, save_run_config, write_run_report  # noqa: F401 - re-exported
+from glmlight.run.run import Run
 from glmlight.engines.factory import build_engine
-from glmlight.trainer_setup import build_loggers, hardware_kwargs, make_trainer  # noqa: F401 - re-exported
+from glmlight.strategies.trainer_setup import build_loggers, hardware_kwargs, make_trainer
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,6 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
             continue
         if "_target_" not in spec:
             raise ConfigError(f"config error: callbacks.{name} needs a _target_")
-        spec = _current_target(spec, f"callbacks.{name}")
         try:
             out.append(instantiate(spec, _convert_="all"))
         except Exception as e:  # noqa: BLE001
@@ -163,25 +162,6 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     if not any(getattr(cb, "syncs_weights", False) for cb in out) and cfg.rollout.backend == "local":
         log.warning("no weight-sync callback configured: the engine will keep serving the initial weights")
     return out
-
-
-_warned_targets: set[str] = set()
-
-
-def _current_target(spec: DictConfig, where: str) -> DictConfig:
-    """`callbacks.X` (the folder's name, as configs wrote it before glmlight.callbacks) still builds
-    glmlight.callbacks.X, with a deprecation line once per name."""
-    target = str(spec["_target_"])
-    if not target.startswith("callbacks."):
-        return spec
-    new = "glmlight." + target
-    if target not in _warned_targets:
-        _warned_targets.add(target)
-        log.warning("%s._target_=%s is deprecated: write %s (the old name works until the next release)", where,
-                    target, new)
-    spec = OmegaConf.create(OmegaConf.to_container(spec, resolve=True))
-    spec["_target_"] = new
-    return spec
 
 
 def _root_cause(e: BaseException) -> str:
@@ -235,7 +215,7 @@ def warm_start(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source:
 def _task_config(cfg: DictConfig, name: str) -> DictConfig:
     """The config a run of task `name` (conf/task/<name>.yaml) would have, with this run's model, seed and
     warm-start settings: what a warm-start mix entry trains on."""
-    from glmlight.cli import compose
+    from glmlight.config.compose import compose
 
     try:
         other = compose([f"task={name}"])

@@ -1,9 +1,9 @@
 """Train with glmlight from the Hydra configs (conf/ in a checkout, glmlight/conf when installed).
 
-    python -m glmlight.train                        # GRPO, tiny GLM-5, embedded engine, CPU
-    python -m glmlight.train algo=grpo trainer.max_steps=20 rollout.dtype=bfloat16
-    python -m glmlight.train --cfg job              # print the composed config and exit
-    python -m glmlight.train --help
+    python -m glmlight.run.train                        # GRPO, tiny GLM-5, embedded engine, CPU
+    python -m glmlight.run.train algo=grpo trainer.max_steps=20 rollout.dtype=bfloat16
+    python -m glmlight.run.train --cfg job              # print the composed config and exit
+    python -m glmlight.run.train --help
 
 (`python scripts/train.py ...` and the `glmlight-train` command are the same.) Overrides are Hydra's
 `key=value`, `group=option`, `+new.key=value`, `~key`. A bad key or value stops the run with one line
@@ -21,7 +21,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from glmlight.cli import CONF_DIR, compose, run_with_one_line_errors, setup_logging
+    from glmlight.config.compose import CONF_DIR, compose
+    from glmlight.run.cli import run_with_one_line_errors, setup_logging
 
     if "-h" in argv or "--help" in argv:
         print(__doc__)
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> int:
 
     from omegaconf import OmegaConf
 
-    from glmlight.config import validate
+    from glmlight.config.schema import validate
 
     setup_logging()
 
@@ -69,8 +70,8 @@ def main(argv: list[str]) -> int:
 
 def run_command(argv0: str, overrides: list[str]) -> str:
     """This run's command line without trainer.resume: the program and the other overrides."""
-    if os.path.basename(argv0) == "train.py" and os.path.basename(os.path.dirname(os.path.abspath(argv0))) == "glmlight":
-        prog = "python -m glmlight.train"
+    if os.path.abspath(argv0).endswith(os.path.join("glmlight", "run", "train.py")):
+        prog = "python -m glmlight.run.train"
     elif argv0.endswith(".py"):
         prog = f"python {shlex.quote(argv0)}"
     else:

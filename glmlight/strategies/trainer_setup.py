@@ -8,8 +8,8 @@ from typing import Any
 import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
-from glmlight.checkpoint import AtomicCheckpointIO
-from glmlight.distributed import without_ddp_wrapper
+from glmlight.strategies.checkpoint import AtomicCheckpointIO
+from glmlight.strategies.distributed import without_ddp_wrapper
 from glmlight.errors import ConfigError
 
 
@@ -37,7 +37,7 @@ def _public_config(cfg: DictConfig) -> dict[str, Any]:
 
 def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
     """Accelerator, devices, strategy and precision. Data-parallel strategies leave the module
-    unwrapped (glmlight.distributed); fsdp is FSDP2 (glmlight.sharding) on any accelerator; the NPU
+    unwrapped (glmlight.strategies.distributed); fsdp is FSDP2 (glmlight.strategies.fsdp) on any accelerator; the NPU
     plugin builds its own objects for the others."""
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
@@ -54,7 +54,7 @@ def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
             strategy = DDPStrategy()
         elif strategy == "deepspeed":
             require("deepspeed", "trainer.strategy=deepspeed", "glmlight[deepspeed]")
-            from glmlight.zero import RLDeepSpeedStrategy, select_cpu_accelerator
+            from glmlight.strategies.zero import RLDeepSpeedStrategy, select_cpu_accelerator
 
             if t.accelerator == "cpu":
                 select_cpu_accelerator()
@@ -65,7 +65,7 @@ def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
     if isinstance(s, DDPStrategy) and not isinstance(s, DeepSpeedStrategy):
         without_ddp_wrapper(s)
     elif isinstance(s, DeepSpeedStrategy) and not getattr(s, "rl_engine_steps", False):
-        from glmlight.zero import for_rl
+        from glmlight.strategies.zero import for_rl
 
         for_rl(s)  # the NPU plugin's DeepSpeed strategy
     return kwargs
@@ -74,7 +74,7 @@ def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
 def fsdp_kwargs(t: DictConfig) -> dict[str, Any]:
     """trainer.strategy=fsdp: `RLFSDPStrategy` (FSDP2). A mixed trainer.precision becomes FSDP2's
     MixedPrecisionPolicy (bf16-mixed: bfloat16 parameters, float32 reductions), not autocast."""
-    from glmlight.sharding import RLFSDPStrategy
+    from glmlight.strategies.fsdp import RLFSDPStrategy
 
     f = t.fsdp
     mixed = {"bf16-mixed": ("bfloat16", "float32"), "16-mixed": ("float16", "float32")}.get(str(t.precision))

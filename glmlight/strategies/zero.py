@@ -14,7 +14,7 @@
 One optimizer only (DeepSpeed's limit): GRPO and OPD, not SAO / CompactionRL (policy and critic).
 glmlight's GLM-5 forward is not used (it reads parameters that ZeRO-3 keeps partitioned outside
 the modules' own forward). Weight sync gathers ZeRO-3 parameters bucket by bucket
-(`glmlight.sharding.full_weights`).
+(`glmlight.strategies.fsdp.full_weights`).
 """
 
 from __future__ import annotations

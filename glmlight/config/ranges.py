@@ -1,5 +1,5 @@
 """Value ranges of numeric config keys, declared next to each config dataclass and checked by
-`glmlight.config.validate`: a value outside its range stops the run at start-up with one line that
+`glmlight.config.schema.validate`: a value outside its range stops the run at start-up with one line that
 names the key, the value and the range.
 
     @dataclass

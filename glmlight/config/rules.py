@@ -1,6 +1,6 @@
 """Allowed values and cross-key rules of the config: the one home of the values each key may take
-(`CHOICES`) and of the rules that tie keys together, both checked by `glmlight.config.validate`
-through `check_rules`. Numeric ranges live in `glmlight.ranges`.
+(`CHOICES`) and of the rules that tie keys together, both checked by `glmlight.config.schema.validate`
+through `check_rules`. Numeric ranges live in `glmlight.config.ranges`.
 """
 
 from __future__ import annotations

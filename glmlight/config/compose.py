@@ -1,11 +1,10 @@
-"""Entry points shared by the scripts and the Python API: composing the Hydra config,
-logging set-up and one-line errors."""
+"""A run's config from glmlight's Hydra configs (conf/) and overrides, as `python scripts/train.py
+OVERRIDES...` composes it."""
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any, Callable
 
 from omegaconf import open_dict
@@ -14,7 +13,7 @@ log = logging.getLogger("glmlight")
 
 # The Hydra configs: inside the installed package (glmlight/conf, package data), or the checkout's conf/
 # beside the package (a source checkout or an editable install, as the README installs it).
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the glmlight package
 _PACKAGED_CONF = os.path.join(_HERE, "conf")
 CONF_DIR = (_PACKAGED_CONF if os.path.isfile(os.path.join(_PACKAGED_CONF, "train.yaml"))
             else os.path.join(os.path.dirname(_HERE), "conf"))
@@ -25,13 +24,12 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | None 
     `+new.key=value`, `~key`), as `python scripts/train.py OVERRIDES...` composes it.
 
     Works from any directory. `config_dir` replaces glmlight's `conf/` (copy it to add your own
-    groups); the algorithms' schemas are registered first (glmlight.registry.discover).
+    groups); the algorithms' schemas are registered first (glmlight.config.registry.discover).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from glmlight.config import rename_keys, rename_overrides
-    from glmlight.registry import discover
+    from glmlight.config.registry import discover
 
     discover()
     root = os.path.abspath(config_dir or CONF_DIR)
@@ -39,8 +37,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | None 
         from glmlight.errors import ConfigError
 
         raise ConfigError(f"config error: no train.yaml in {root}; pass config_dir= (a copy of glmlight's conf/)")
-    logged: set[str] = set()  # deprecated names, each logged once
-    overrides = rename_overrides(list(overrides), logged)
+    overrides = list(overrides)
     with initialize_config_dir(config_dir=root, version_base="1.3"):
         try:
             cfg = hydra_compose(config_name="train", overrides=overrides, return_hydra_config=True)
@@ -51,7 +48,6 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dir: str | None 
         log.info(line)
     with open_dict(cfg):
         del cfg["hydra"]
-    rename_keys(cfg, logged)
     return cfg
 
 
@@ -103,45 +99,3 @@ def _override_error(overrides: list[str], hydra_compose: Callable[..., Any], e: 
                 return ConfigError(f"config error: {key} cannot be set: {parent} is null in this config; give the "
                                    f"whole entry instead, e.g. '{parent}={{{'.'.join(parts[i:])}: ...}}'")
     return ConfigError(f"config error: the overrides {overrides} cannot be applied ({type(e).__name__}: {e})")
-
-
-def setup_logging() -> None:
-    """glmlight's log lines on stderr. Called again in the same process (a second run), it replaces the handler
-    it added before, bound to the stderr of that time, so lines are neither repeated nor sent to a closed stream."""
-    logger = logging.getLogger("glmlight")
-    for old in [h for h in logger.handlers if h.get_name() == "glmlight-cli"]:
-        logger.removeHandler(old)
-    handler = logging.StreamHandler()
-    handler.set_name("glmlight-cli")
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-
-
-def one_line(e: BaseException) -> str:
-    """The line a user error is reported with: `config error: ...` for a bad configuration (ConfigError,
-    whose messages carry that prefix), `error: ...` for everything else; never both."""
-    from glmlight.errors import ConfigError
-
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, ConfigError):
-        return msg if msg.startswith("config error:") else f"config error: {msg}"
-    return msg if msg.startswith("error:") else f"error: {msg}"
-
-
-def run_with_one_line_errors(fn: Callable[[], int | None]) -> int:
-    """Run `fn`; a user error (bad config, data, engine) becomes one line on stderr and exit code 2."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from glmlight.config import format_config_error
-    from glmlight.errors import GlmlightError
-
-    try:
-        return fn() or 0
-    except GlmlightError as e:
-        print(one_line(e), file=sys.stderr)
-        return 2
-    except (HydraException, OmegaConfBaseException) as e:
-        print(format_config_error(e), file=sys.stderr)
-        return 2

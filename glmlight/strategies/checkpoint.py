@@ -8,7 +8,7 @@ training), keeping the newest `trainer.keep_last_k_checkpoints` periodic ones; w
 
 A checkpoint is written to a temporary file and renamed into place, so a run
 killed mid-write leaves the previous checkpoint intact (a sharded FSDP2 checkpoint
-is a directory, written the same way by `glmlight.sharding.RLFSDPStrategy`). Before
+is a directory, written the same way by `glmlight.strategies.fsdp.RLFSDPStrategy`). Before
 resuming, the file is checked (a torch checkpoint is a zip archive: a truncated or
 corrupted file fails its directory or CRC check; a sharded one needs its
 torch.distributed.checkpoint `.metadata`, its shard files and a whole `meta.pt`) and

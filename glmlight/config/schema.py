@@ -17,19 +17,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from glmlight.errors import ConfigError
-from glmlight.ranges import SEED, Range, check_ranges, field_range, ranges  # noqa: F401 - Range, field_range re-exported
-from glmlight.registry import algorithm
-from glmlight.renames import (  # noqa: F401 - re-exported
-    RENAMED, RENAMED_ARGS, _deprecated, _renamed, rename_keys, rename_overrides)
-from glmlight.rollout_config import (  # noqa: F401 - re-exported
-    AgentConfig, GatewayConfig, RewardOptions, RolloutConfig, ServerConfig, TaskConfig)
-from glmlight.rules import CHOICES, check_rules  # noqa: F401 - CHOICES re-exported
+from glmlight.config.ranges import SEED, check_ranges, ranges
+from glmlight.config.registry import algorithm
+from glmlight.config.rollout import RolloutConfig, TaskConfig
+from glmlight.config.rules import check_rules
 
 # ${run_dir:${run_name}} -> runs/<run_name>, or runs/default when no name is given.
 OmegaConf.register_new_resolver("run_dir", lambda name: f"runs/{name or 'default'}", replace=True)
 # ${glmlight_data:word_problems/train.jsonl} -> that file in the installed package's glmlight/data/.
 OmegaConf.register_new_resolver(
-    "glmlight_data", lambda rel: str(Path(__file__).resolve().parent / "data" / rel), replace=True)
+    "glmlight_data", lambda rel: str(Path(__file__).resolve().parent.parent / "data" / rel), replace=True)
 
 
 @dataclass
@@ -206,7 +203,7 @@ ranges(AlgoConfig, lr=">= 0", weight_decay=">= 0", betas="[0, 1)", warmup_steps=
 
 @dataclass
 class FSDPConfig:
-    """trainer.strategy=fsdp: FSDP2 (torch.distributed.fsdp.fully_shard) through glmlight.sharding."""
+    """trainer.strategy=fsdp: FSDP2 (torch.distributed.fsdp.fully_shard) through glmlight.strategies.fsdp."""
 
     param_dtype: Optional[str] = None  # all-gather / compute dtype (None: as stored; bf16-mixed: bfloat16)
     reduce_dtype: Optional[str] = None  # gradient reduce-scatter dtype (None: param_dtype; bf16-mixed: float32)
@@ -256,7 +253,7 @@ class LoggerConfig:
     mode: str = "offline"  # wandb: offline | online | disabled
     save_dir: Optional[str] = None  # default: trainer.default_root_dir
     # At the end of fit: <trainer.default_root_dir>/report.png and summary.json from metrics.jsonl
-    # (glmlight/report.py; the PNG needs matplotlib: pip install matplotlib).
+    # (glmlight/run/report.py; the PNG needs matplotlib: pip install matplotlib).
     report: bool = True
 
 
@@ -303,7 +300,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    algo: Any = None  # the chosen algorithm's own dataclass (glmlight.registry)
+    algo: Any = None  # the chosen algorithm's own dataclass (glmlight.config.registry)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -340,7 +337,6 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
     """Merge `cfg` into the typed schema; raise ConfigError with one line naming the bad key."""
     if isinstance(cfg, dict):
         cfg = OmegaConf.create(cfg)
-    rename_keys(cfg, set())
     schema = _schema_for(cfg)
     try:
         merged = OmegaConf.merge(schema, cfg)
@@ -394,10 +390,6 @@ def _first_line(s: str) -> str:
 def format_config_error(e: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error, naming the key."""
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
-    context = e.__context__
-    if isinstance(context, ConfigKeyError) and context.full_key and _renamed(context.full_key):
-        # an old name in a YAML file (compose renames the overrides, validate a config's keys)
-        return f"config error: unknown key '{context.full_key}'; it is now '{_renamed(context.full_key)}'"
     full_key = getattr(cause, "full_key", None)
     msg = str(getattr(cause, "msg", None) or cause).strip()
     if full_key and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):

@@ -1,7 +1,7 @@
 """A built run: the one home of what happens around `Trainer.fit` — the run's config saved beside
 it, the resume checkpoint, the export of the trained policy, the run report, what an interrupted run
 says (its last checkpoint's RL step, the steps lost, the command that continues it), and closing the
-engine and servers however the run ends. `glmlight.builder.build` returns a `Run`.
+engine and servers however the run ends. `glmlight.run.build.build` returns a `Run`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from glmlight.checkpoint import checkpoint_global_step, verified_resume_path
+from glmlight.strategies.checkpoint import checkpoint_global_step, verified_resume_path
 from glmlight.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class Run:
         rank: sharded weights (FSDP2, ZeRO-3) are gathered first, a collective. Returns the path on
         rank 0, None elsewhere."""
         from glmlight.models.export import export_hf
-        from glmlight.sharding import full_weights, is_sharded
+        from glmlight.strategies.fsdp import full_weights, is_sharded
 
         policy = self.module.policy
         state = {n: t.cpu() for n, t in full_weights(policy)} if is_sharded(policy) else None
@@ -148,8 +148,8 @@ class Run:
 
 
 def write_run_report(root: str) -> None:
-    """report.png and summary.json of the run in `root` (glmlight.report); a failure is a warning."""
-    from glmlight.report import write_report
+    """report.png and summary.json of the run in `root` (glmlight.run.report); a failure is a warning."""
+    from glmlight.run.report import write_report
 
     try:
         paths = write_report(root)

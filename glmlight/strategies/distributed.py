@@ -5,7 +5,7 @@ log-probs, epochs × minibatches × micro-batches, critic updates), which
 DistributedDataParallel's reducer does not allow. So `trainer.strategy=ddp` keeps
 the module unwrapped: rank 0's parameters are broadcast once at setup, and
 `RLModule` all-reduces (averages) gradients itself before every optimizer step.
-Under `trainer.strategy=fsdp` (FSDP2, glmlight/sharding.py) FSDP averages the
+Under `trainer.strategy=fsdp` (FSDP2, glmlight/strategies/fsdp.py) FSDP averages the
 gradients itself. Each rank rolls out its own shard of prompts with its own engine.
 
 Normalisers are global: a loss's denominators (tokens, sequences), advantage
