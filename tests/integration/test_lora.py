@@ -148,7 +148,7 @@ def test_lora_sao_trains_the_adapters_and_the_value_head(tmp_path):
 @pytest.mark.slow
 def test_lora_grpo_learns_the_default_task(tmp_path):
     """The default run (tiny GLM-5, warm start, arithmetic exact match, its 50 steps) with LoRA rank 8:
-    held-out reward rises (measured 0.102 -> 0.154 with lr 5e-3 and with 2e-3; docs/models.md)."""
+    held-out reward rises (measured 0.102 -> 0.154 with lr 5e-3 and with 2e-3; docs/results/models.md, "LoRA")."""
     run = glmlight.build(compose([f"trainer.default_root_dir={tmp_path}", "logger=csv", "trainer.max_steps=50",
                                   "trainer.enable_progress_bar=false", "model.lora.rank=8", "algo.lr=5e-3",
                                   "eval.every_n_steps=50", "~callbacks.sample_table"]))

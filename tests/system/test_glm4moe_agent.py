@@ -1,6 +1,6 @@
 """`experiment=glm4moe_agent` learns (slow): a tiny GLM-4.5-architecture model under GLM-4.5's own chat template,
 the calculator agent, GRPO with routing replay against a bfloat16 engine. Measured on three seeds
-(docs/agents.md, "experiment=glm4moe_agent"): held-out pass@1 0.353 -> 0.880, 0.336 -> 0.911, 0.419 -> 0.951 and
+(docs/results/agents.md, "experiment=glm4moe_agent"): held-out pass@1 0.353 -> 0.880, 0.336 -> 0.911, 0.419 -> 0.951 and
 greedy pass rate 0.039 -> 0.922, 0.031 -> 0.992, 0.055 -> 1.000 on seeds 0, 1, 2, with routing agreement 1.0 at
 every measurement and every held-out product disjoint from training. The margins: pass@1 +0.3 and greedy +0.5
 (the smallest rises measured were +0.53 and +0.88).

@@ -1,6 +1,6 @@
 """The default runs learn: each algorithm's own default run (the real Trainer, engine and tiny
 model, the warm start included) ends with a held-out pass rate above its start, with margins
-taken from the measured runs (docs/agents.md, "What the default runs show"; one seed each), and
+taken from the measured runs (docs/results/agents.md and docs/results/learning.md; one seed each), and
 the fast check that agent tasks give RL something to learn from after the warm start (groups
 whose rewards differ).
 
@@ -126,7 +126,8 @@ def test_opd_default_run_moves_the_student_toward_its_teacher(tmp_path):
     t = teacher[0]["eval/teacher/heldout/pass@1"]
     student = _student(history, "eval/heldout/pass@1")
     start, end = student[0][1], student[-1][1]
-    # Measured (seed 0, docs/opd_and_pipeline.md): teacher 0.891, student 0.471 -> 0.559.
+    # Measured (seed 0, docs/results/opd_and_pipeline.md, "`algo=opd`: the default run"):
+    # teacher 0.891, student 0.471 -> 0.559.
     assert t >= start + 0.2, (t, student)
     assert end >= start + 0.05, student
     assert t - end <= t - start - 0.05, (t, student)

@@ -11,7 +11,8 @@ minute of conversion), so the first of them takes that much longer.
 - with GLMLIGHT_VLLM_PYTHON, the same recipe with rollout=vllm: a weight sync reaches the real server,
   which then scores tokens as the trainer does;
 - the learning claim of docs/models.md: held-out pass@1 and greedy pass rate rise by at least
-  `MIN_RISE` over the base model (seed 0; the measured rises are in docs/models.md);
+  `MIN_RISE` over the base model (seed 0; the measured rises are in docs/results/models.md and
+  docs/results/learning.md);
 - the same claim for SAO, whose critic's explained variance is positive by the end;
 - experiment=smollm2_agent, the multi-turn calculator agent with SmolLM2's ChatML template: held-out
   pass@1 rises by at least `AGENT_MIN_RISE`, every action turn trained on is exactly a token sequence the
@@ -248,7 +249,8 @@ def test_the_compaction_recipe_learns_to_summarise_and_beats_no_compaction(tmp_p
                                          for s, (p, g, r) in sorted(evals.items())))
     adv = [m["train/summary_advantage_success"] for m in metrics if "train/summary_advantage_success" in m]
     print(f"summary advantage on successes: mean {sum(adv) / max(len(adv), 1):.3f} over {len(adv)} steps")
-    # Measured (seed 0, docs/agents.md): pass@1 0.016 -> 0.500, 0.992, 1.000, 1.000; without compaction 0.000
+    # Measured (seed 0, docs/results/agents.md, "experiment=smollm2_compaction"):
+    # pass@1 0.016 -> 0.500, 0.992, 1.000, 1.000; without compaction 0.000
     # at every evaluation (reward 0.500: 4 of 8 counts before the budget); summary advantage mean 1.22.
     steps = sorted(comp)
     assert steps[0] == 0 and comp[steps[-1]][0] - comp[0][0] >= COMPACTION_MIN_RISE

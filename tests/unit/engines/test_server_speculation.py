@@ -50,7 +50,7 @@ def test_a_managed_launch_adds_the_backends_mtp_speculative_flags(tmp_path):
 
 def test_speculation_with_a_server_needs_a_managed_launch_off_the_cpu():
     """A server of one's own takes its flags from whoever starts it; on CPU neither server's build speculates
-    correctly (measured: docs/servers.md, "Speculative decoding")."""
+    correctly (measured: docs/results/servers.md, "Speculative decoding on the CPU servers")."""
     def check(backend, server, accelerator, match):
         with pytest.raises(ConfigError, match=match) as err:
             validate({"rollout": {"backend": backend, "speculative": {"depth": 2}, "server": server},
