@@ -151,8 +151,6 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         exact = cfg.ppo_epochs == 1 and cfg.num_minibatches == 1
         readers = self.old_logprob_readers()
         if cfg.old_logprobs == "update":
-            if not exact:
-                raise ValueError("algo.old_logprobs=update needs ppo_epochs=1 and num_minibatches=1")
             if readers:
                 raise ValueError(f"algo.old_logprobs=update, but {', '.join(readers)} read the old log-probs "
                                  "before the update; use algo.old_logprobs=forward (or auto)")

@@ -68,7 +68,7 @@ class OPDConfig(AlgoConfig):
     # opd_coef·(log π_T − log π_S) of the sampled token through the policy loss; "full" = the exact reverse KL
     # over the whole vocabulary at every action position (ops.distill.full_reverse_kl, GKD), opd_coef times
     # it added to the loss: no sampling noise per token. "full" needs trainer-side teachers (their logits).
-    distill_loss: str = "sampled"
+    distill_loss: str = field(default="sampled", metadata={"choices": ("sampled", "full")})
     orm_coef: float = 0.0  # α: add α·(group-normalised outcome advantage); a group of one keeps its raw R
     orm_normalize_std: bool = True  # outcome advantage: GRPO (true) or Dr.GRPO (false)
 

@@ -11,7 +11,7 @@ One rollout per prompt, no group baseline: a critic supplies the baseline.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -49,7 +49,7 @@ class SAOConfig(AlgoConfig):
     # Where the environment's rewards go on the tokens: "terminal" = the episode's reward on its last action
     # token; "turns" = each turn's reward (multi-turn environments that pay per turn) on that turn's last
     # token and the rest at the end (ops.value.turn_rewards): credit where it was earned.
-    reward_placement: str = "terminal"
+    reward_placement: str = field(default="terminal", metadata={"choices": ("terminal", "turns")})
 
 
 ranges(SAOConfig, critic_lr=">= 0", critic_updates=">= 1", critic_warmup_steps=">= 0", value_clip="> 0",

@@ -1,27 +1,25 @@
-"""Value ranges of numeric config keys, declared next to each config dataclass and checked by
+"""Value ranges of numeric config keys, declared on each key's dataclass field and checked by
 `glmlight.config.schema.validate`: a value outside its range stops the run at start-up with one line that
 names the key, the value and the range.
 
     @dataclass
     class MyAlgoConfig(AlgoConfig):
-        tau: float = 0.5
-        horizon: int = 8
+        tau: float = field_range("[0, 1]", default=0.5)
+        horizon: int = field_range(">= 1", default=8)
 
-    ranges(MyAlgoConfig, tau="[0, 1]", horizon=">= 1")
-
-(or `tau: float = field(default=0.5, metadata={"range": "[0, 1]"})`). Subclasses inherit their
-bases' ranges; a list-valued key is checked element by element; None (an Optional key left unset)
-is always allowed.
+(`field_range` is `dataclasses.field` with the range in its metadata: `field(default=0.5, metadata={"range":
+"[0, 1]"})` is the same). A class whose fields are written plainly may declare them right after it with
+`ranges(MyAlgoConfig, tau="[0, 1]")`, which puts the range on those fields' metadata. A field redeclared in a
+subclass without a range keeps its base's; a list-valued key is checked element by element; None (an
+Optional key left unset) is always allowed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, is_dataclass
-
-from omegaconf import DictConfig, ListConfig, OmegaConf
-
-from glmlight.errors import ConfigError
+from dataclasses import MISSING, Field, dataclass, field, is_dataclass
+from types import MappingProxyType
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -64,50 +62,37 @@ class Range:
         return f"in {'(' if self.low_open else '['}{fmt(self.low)}, {fmt(self.high)}{')' if self.high_open else ']'}"
 
 
-# Per config dataclass: field name -> Range. Filled by `ranges(...)` right after each dataclass (here and in
-# the algorithm modules); a field may instead carry `field(metadata={"range": "[0, 1]"})`. Subclasses
-# inherit their bases' ranges. `validate` checks every key that has one.
-RANGES: dict[type, dict[str, Range]] = {}
 SEED = "[0, 4294967295]"  # what Lightning's seed_everything accepts (outside it picks a random seed)
 
 
+def field_range(spec: "str | Range", default: Any = MISSING, *, default_factory: Any = MISSING) -> Any:
+    """A dataclass field whose value must lie in `spec` (e.g. ">= 1", "(0, 1]")."""
+    return field(default=default, default_factory=default_factory, metadata={"range": Range.parse(spec)})
+
+
 def ranges(cls: type, **specs: "str | Range") -> None:
-    """Declare the allowed values of numeric fields of the config dataclass `cls`."""
-    names = {f.name for f in fields(cls)}
-    unknown = set(specs) - names
+    """Put ranges on fields of the config dataclass `cls` that it declares itself (for a class whose fields are
+    written without `field_range`)."""
+    own = cls.__dict__.get("__annotations__", {})
+    unknown = [k for k in specs if k not in own or k not in cls.__dataclass_fields__]
     if unknown:
-        raise TypeError(f"ranges({cls.__name__}): no field(s) {sorted(unknown)}")
-    RANGES.setdefault(cls, {}).update({k: Range.parse(v) for k, v in specs.items()})
+        raise TypeError(f"ranges({cls.__name__}): no field(s) {sorted(unknown)} declared on it")
+    for name, spec in specs.items():
+        f: Field = cls.__dataclass_fields__[name]
+        f.metadata = MappingProxyType({**f.metadata, "range": Range.parse(spec)})
 
 
-def field_range(cls: type, name: str) -> Range | None:
-    """The declared range of `cls.name`: the field's metadata, else the nearest class in the MRO that lists it."""
-    for f in fields(cls) if is_dataclass(cls) else ():
-        if f.name == name and "range" in f.metadata:
-            return Range.parse(f.metadata["range"])
+def declared(cls: type, name: str, what: str) -> Any:
+    """The `what` ("range", "choices") declared on field `name` of the config dataclass `cls`: its own field's
+    metadata, else that of the nearest base class that declares the field with one; None when none does."""
     for klass in getattr(cls, "__mro__", ()):
-        if name in RANGES.get(klass, {}):
-            return RANGES[klass][name]
+        f = klass.__dict__.get("__dataclass_fields__", {}).get(name) if is_dataclass(klass) else None
+        if f is not None and what in f.metadata and name in klass.__dict__.get("__annotations__", {}):
+            return f.metadata[what]
     return None
 
 
-def check_ranges(node: DictConfig, prefix: str = "") -> None:
-    """Every key with a declared range (`ranges`, field metadata) holds a value inside it; nested config
-    dataclasses are walked. Raises one line: the key, the value and the allowed range."""
-    schema = OmegaConf.get_type(node)
-    for key in node.keys():
-        if OmegaConf.is_missing(node, key):
-            continue
-        value = node[key]
-        path = f"{prefix}{key}"
-        if isinstance(value, DictConfig):
-            if is_dataclass(OmegaConf.get_type(value)):
-                check_ranges(value, f"{path}.")
-            continue
-        allowed = field_range(schema, str(key)) if is_dataclass(schema) else None
-        if allowed is None or value is None:
-            continue
-        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, ListConfig) else [(path, value)]
-        for where, v in items:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v not in allowed:
-                raise ConfigError(f"config error: {where} must be {allowed}, got {v!r}")
+def declared_range(cls: type, name: str) -> Range | None:
+    """The declared range of `cls.name` (see `declared`)."""
+    spec = declared(cls, name, "range")
+    return None if spec is None else Range.parse(spec)

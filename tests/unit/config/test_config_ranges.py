@@ -11,7 +11,7 @@ from dataclasses import fields, is_dataclass
 
 import pytest
 
-from glmlight.config.ranges import Range, field_range
+from glmlight.config.ranges import Range, declared_range
 from glmlight.config.schema import TrainConfig, validate
 from glmlight.errors import ConfigError
 from glmlight.config.registry import discover
@@ -41,7 +41,7 @@ def _walk(cls, prefix=""):
             continue
         leaf = _leaf_type(tp)
         if leaf is not None:
-            yield f"{prefix}{f.name}", tp, leaf, field_range(cls, f.name)
+            yield f"{prefix}{f.name}", tp, leaf, declared_range(cls, f.name)
 
 
 def _schemas():
