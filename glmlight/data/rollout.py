@@ -20,7 +20,7 @@ import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from glmlight.agents.compaction import CompactingAgentLoop
 from glmlight.agents.loop import AgentLoop
+from glmlight.agents.options import AgentOptions
 from glmlight.config.schema import EvalConfig
 from glmlight.config.rollout import RolloutConfig
 from glmlight.data import evaluation
@@ -49,34 +50,26 @@ from glmlight.split import overlap
 log = logging.getLogger(__name__)
 
 class RolloutDataModule(pl.LightningDataModule):
+    """Each part gets its own section: `rollout` (rollout.*: sampling, batch, filters, mode), `agent` (the agent
+    options resolved from task.agent; default: single-turn), `eval_cfg` (eval.*) with the held-out `eval_sets` by
+    name (the task's own, "heldout", first; a bare source is all its prompts)."""
+
     deterministic = False  # trainer.deterministic=true (set by Run.fit): weight pushes wait for whole batches
+
     def __init__(self, engine: RolloutEngine, tokenizer: Any, source: PromptSource, reward_fn: RewardFn,
-                 cfg: RolloutConfig, eval_source: PromptSource | None = None, num_eval_prompts: int = 64,
-                 rank: int = 0, world_size: int = 1, env_factory: Callable[[], Any] | None = None,
-                 max_turns: int = 4, compaction: dict[str, Any] | None = None, vocab_size: int | None = None,
-                 eval_sets: dict[str, PromptSource | evaluation.EvalSet] | None = None,
-                 eval_cfg: EvalConfig | None = None, turn_max_new_tokens: int | None = None,
-                 agent_domains: Iterable[str] = (), policy_version: Callable[[], int] = lambda: 0,
-                 gateway: Any = None, observation_role: str = "auto"):
+                 rollout: RolloutConfig, agent: AgentOptions | None = None, eval_cfg: EvalConfig | None = None,
+                 eval_sets: dict[str, PromptSource | evaluation.EvalSet] | None = None, vocab_size: int | None = None,
+                 policy_version: Callable[[], int] = lambda: 0):
         super().__init__()
-        self.engine, self.tokenizer, self.source, self.reward_fn, self.cfg = engine, tokenizer, source, reward_fn, cfg
-        self.env_factory, self.max_turns, self.observation_role = env_factory, max_turns, observation_role
-        self.gateway = gateway  # glmlight.gateway.runner.GatewayOptions: episodes run the user's agent program
-        self.agent_domains = frozenset(agent_domains)  # with env_factory: only these domains are episodes (empty: all)
-        self.turn_max_new_tokens = turn_max_new_tokens  # agent turns: tokens per turn (None: cfg.max_new_tokens)
-        self.compaction = compaction  # CompactingAgentLoop options, or None
+        self.engine, self.tokenizer, self.source, self.reward_fn = engine, tokenizer, source, reward_fn
+        self.cfg, self.agent, self.eval_cfg = rollout, agent or AgentOptions(), eval_cfg or EvalConfig()
         self.vocab_size = vocab_size  # engine answers with ids outside [0, vocab_size) are FAILED
-        # Held-out sets by name: the task's own ("heldout") first, then eval.sets.
-        self.eval_sets: dict[str, evaluation.EvalSet] = {}
-        if eval_source is not None:
-            self.eval_sets[evaluation.DEFAULT_SET] = evaluation.EvalSet(eval_source, num_eval_prompts)
-        for name, s in (eval_sets or {}).items():
-            self.eval_sets[name] = s if isinstance(s, evaluation.EvalSet) else evaluation.EvalSet(s)
-        self.eval_cfg = eval_cfg or EvalConfig()
+        self.eval_sets: dict[str, evaluation.EvalSet] = {
+            name: s if isinstance(s, evaluation.EvalSet) else evaluation.EvalSet(s) for name, s in (eval_sets or {}).items()}
         # Per set, the fraction of its prompts that can occur in training (glmlight.split.overlap): logged with
         # every evaluation as eval/<set>/overlap, warned about once at start-up when not 0.
         self.eval_overlap = {name: overlap(source, s.prompts()) for name, s in self.eval_sets.items()}
-        self.stream = PromptStream(source, cfg.seed, rank, world_size)
+        self.stream = PromptStream(source, rollout.seed)  # sharded across data-parallel ranks in `setup`
         self.stop_ids = stop_token_ids(tokenizer)
         self.policy_version = policy_version  # the version of the weights training is at (the module's)
         self.totals: Counter = Counter()  # lifetime accounting: produced, trained, dropped/<reason>
@@ -190,8 +183,7 @@ class RolloutDataModule(pl.LightningDataModule):
     def is_episode(self, prompt: Prompt) -> bool:
         """Whether `prompt` runs as an agent episode (an environment or an agent program, and its domain listed or
         none listed)."""
-        agent = self.env_factory is not None or self.gateway is not None
-        return agent and (not self.agent_domains or prompt.domain in self.agent_domains)
+        return self.agent.episodic and (not self.agent.domains or prompt.domain in self.agent.domains)
 
     def _single_turn(self, prompts: list[Prompt], n: int, counts: Counter, greedy: bool, engine: RolloutEngine,
                      id_source: Any) -> list[Sample]:
@@ -219,12 +211,13 @@ class RolloutDataModule(pl.LightningDataModule):
                   ids: Any) -> list[Sample]:
         engine = RetryingEngine(engine, counts, self.cfg.engine_retries, self.cfg.engine_retry_backoff_s,
                                 self.vocab_size)
-        params = lambda ctx: self.sampling_params(ctx, greedy, self.turn_max_new_tokens)  # noqa: E731
-        if self.gateway is not None:
+        agent = self.agent
+        params = lambda ctx: self.sampling_params(ctx, greedy, agent.turn_max_new_tokens)  # noqa: E731
+        if agent.gateway is not None:
             return self._gateway_episodes(prompts, n, counts, engine, params, ids)
-        args = (engine, self.tokenizer, self.env_factory, params, self.max_turns, self.cfg.max_context,
-                self.observation_role)
-        loop = CompactingAgentLoop(*args, **self.compaction) if self.compaction else AgentLoop(*args)
+        args = (engine, self.tokenizer, agent.env_factory, params, agent.max_turns, self.cfg.max_context,
+                agent.observation_role)
+        loop = CompactingAgentLoop(*args, **agent.compaction) if agent.compaction else AgentLoop(*args)
         episodes = loop.run(prompts, n)
         for ep in episodes:  # segments: compactions and turns the chat template renders otherwise (rewrites)
             counts["compactions"] += ep.info.get("compactions", 0)
@@ -236,11 +229,12 @@ class RolloutDataModule(pl.LightningDataModule):
         """Episodes of the user's agent program through the agent gateway (glmlight/gateway)."""
         from glmlight.gateway.runner import GatewayRollout, score_episodes
 
-        rollout = GatewayRollout(engine, self.tokenizer, self.gateway, params, self.max_turns, self.cfg.max_context,
+        gateway = self.agent.gateway
+        rollout = GatewayRollout(engine, self.tokenizer, gateway, params, self.agent.max_turns, self.cfg.max_context,
                                  counts)
         episodes = rollout.run(prompts, n)
         trajectories = episode_trajectories([e.ep for e in episodes], n, counts, ids)
-        score_episodes(episodes, trajectories, self.reward_fn, self.gateway.reward, counts)
+        score_episodes(episodes, trajectories, self.reward_fn, gateway.reward, counts)
         return [s for t in trajectories for s in t]
 
     def _filter_groups(self, samples: list[Sample], counts: Counter) -> list[list[Sample]]:

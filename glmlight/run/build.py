@@ -1,5 +1,10 @@
 """`build(cfg)`: turn a validated config into a Trainer, an algorithm module and a
-RolloutDataModule. User code can add callbacks before calling `run.fit()`."""
+RolloutDataModule. User code can add callbacks before calling `run.fit()`.
+
+`validate` has checked every value and rule of the config; what is refused here can only be known while
+building: a file or task that does not exist, a class that cannot be built, a library that is missing, a model
+that the asked-for forward does not support. Each part gets its own resolved section: the RolloutDataModule the
+rollout section, the agent options (`agent_options`) and the evaluation section with its sets."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from glmlight.config.schema import validate
 from glmlight.run.progress import RLProgressBar
 from glmlight.config.registry import algorithm
 from glmlight.engines.base import filter_order_of
-from glmlight.data.evaluation import build_eval_sets
+from glmlight.agents.options import AgentOptions
+from glmlight.data.evaluation import DEFAULT_SET, EvalSet, build_eval_sets
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, FileSource
 from glmlight.prompt import PromptSource
@@ -59,8 +65,6 @@ def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSour
         if task.source == "chat":
             from glmlight.data.chat_tasks import ChatQuestionTask
 
-            if len(task.list_length) != 2:
-                raise ConfigError(f"config error: task.list_length={list(task.list_length)} must be [min, max]")
             make = lambda s, side: ChatQuestionTask(  # noqa: E731
                 task.question, seed=s, min_operand=task.min_operand, max_operand=task.max_operand,
                 operators=task.operators, list_length=tuple(task.list_length), question_suffix=task.question_suffix,
@@ -74,8 +78,6 @@ def build_sources(task: DictConfig, seed: int) -> tuple[PromptSource, PromptSour
         raise ConfigError(f"config error: {e}") from None
     keys = dict(prompt_key=task.prompt_key, label_key=task.label_key, domain_key=task.domain_key,
                 system_prompt=task.system_prompt)
-    if not task.path:
-        raise ConfigError(f"config error: task.source={task.source} needs task.path")
     keys.update(format=task.format, split=task.split)  # jsonl and hf: the same reader (glmlight/data/files.py)
     return FileSource(task.path, **keys), (FileSource(task.eval_path, **keys) if task.eval_path else None)
 
@@ -85,8 +87,6 @@ def build_env_factory(agent: DictConfig):
     if agent.env is None:
         return None
     spec = OmegaConf.to_container(agent.env, resolve=True)
-    if "_target_" not in spec:
-        raise ConfigError("config error: task.agent.env needs a _target_ (an Environment class)")
     try:
         instantiate(spec)
     except Exception as e:  # noqa: BLE001
@@ -98,24 +98,12 @@ def build_gateway(agent: DictConfig):
     """The agent gateway's options (glmlight.gateway.runner.GatewayOptions), or None when no agent program is set."""
     g = agent.gateway
     if g.agent is None and g.command is None:
-        if g.expert is not None:
-            raise ConfigError("config error: task.agent.gateway.expert needs an agent program "
-                              "(task.agent.gateway.agent or .command)")
         return None
     try:
         from glmlight.gateway.runner import GatewayOptions, load_agent
     except ImportError as e:
         raise ConfigError(f"config error: task.agent.gateway needs the gateway's server library ({e}); "
                           "pip install 'glmlight[gateway]'") from None
-    if g.agent is not None and g.command is not None:
-        raise ConfigError("config error: task.agent.gateway: set agent (a callable) or command, not both")
-    if agent.env is not None:
-        raise ConfigError("config error: task.agent.gateway runs an agent program; task.agent.env must be null")
-    if agent.compact_threshold is not None:
-        raise ConfigError("config error: task.agent.compact_threshold is for task.agent.env episodes; a gateway "
-                          "agent manages its own context (a rewritten history opens a new segment)")
-    if g.command is not None and not g.command:
-        raise ConfigError("config error: task.agent.gateway.command is empty")
     return GatewayOptions(agent=load_agent(g.agent) if g.agent is not None else None,
                           command=list(g.command) if g.command is not None else None, timeout_s=g.timeout_s,
                           max_concurrent=g.max_concurrent, reward=g.reward, tool_format=g.tool_format,
@@ -128,8 +116,6 @@ def expert_factory(agent: DictConfig):
     if spec is None:
         return build_env_factory(agent)
     spec = OmegaConf.to_container(spec, resolve=True)
-    if "_target_" not in spec:
-        raise ConfigError("config error: task.agent.gateway.expert needs a _target_")
     try:
         instantiate(spec)
     except Exception as e:  # noqa: BLE001
@@ -139,10 +125,9 @@ def expert_factory(agent: DictConfig):
 
 
 def compaction_options(agent: DictConfig) -> dict[str, Any] | None:
+    """CompactingAgentLoop's options, or None without task.agent.compact_threshold."""
     if agent.compact_threshold is None:
         return None
-    if agent.env is None:
-        raise ConfigError("config error: task.agent.compact_threshold needs an agent task (task.agent.env)")
     return {"threshold": agent.compact_threshold, "keep_last_steps": agent.keep_last_steps,
             "summary_max_tokens": agent.summary_max_tokens, "summary_prompt": agent.summary_prompt,
             "resume_header": agent.resume_header}
@@ -153,8 +138,6 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     for name, spec in cfg.callbacks.items():
         if spec is None:
             continue
-        if "_target_" not in spec:
-            raise ConfigError(f"config error: callbacks.{name} needs a _target_")
         try:
             out.append(instantiate(spec, _convert_="all"))
         except Exception as e:  # noqa: BLE001
@@ -252,23 +235,36 @@ def _warm_start_rows(cfg: DictConfig, tokenizer: Any, make_datamodule: Any) -> t
     return identity, expert_examples(make_datamodule, tokenizer, experts, task.agent.summary_prompt, role)
 
 
-def _datamodule_options(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
-    """The RolloutDataModule's agent options; an environment's observation role is resolved (`auto`) and checked
-    against the chat template here, at start-up (glmlight.agents.observation_role)."""
+def agent_options(agent: DictConfig, tokenizer: Any) -> AgentOptions:
+    """task.agent resolved once for the RolloutDataModule: the environment factory, the agent program's options,
+    compaction, and an environment's observation role resolved (`auto`) and checked against the chat template
+    here, at start-up (glmlight.agents.observation_role)."""
     from glmlight.agents.observation_role import resolve_observation_role
 
-    agent = cfg.task.agent
     role = resolve_observation_role(tokenizer, agent.observation_role) if agent.env else agent.observation_role
-    return dict(env_factory=build_env_factory(agent), max_turns=agent.max_turns, compaction=compaction_options(agent),
-                observation_role=role, vocab_size=max(policy.config.vocab_size, len(tokenizer)), turn_max_new_tokens=agent.max_new_tokens,
-                agent_domains=list(agent.domains or ()), gateway=build_gateway(agent))
+    return AgentOptions(env_factory=build_env_factory(agent), gateway=build_gateway(agent), max_turns=agent.max_turns,
+                        turn_max_new_tokens=agent.max_new_tokens, observation_role=role,
+                        compaction=compaction_options(agent), domains=frozenset(agent.domains or ()))
+
+
+def vocab_size(policy: torch.nn.Module, tokenizer: Any) -> int:
+    """The ids an engine may answer with: [0, this) (the model's rows, or the tokenizer's if it has more)."""
+    return max(policy.config.vocab_size, len(tokenizer))
+
+
+def eval_sets(cfg: DictConfig, eval_source: PromptSource | None) -> dict[str, EvalSet]:
+    """The held-out sets by name: the task's own ("heldout": its first task.num_eval_prompts prompts), then
+    eval.sets."""
+    own = {DEFAULT_SET: EvalSet(eval_source, cfg.task.num_eval_prompts)} if eval_source is not None else {}
+    return {**own, **build_eval_sets(cfg.eval, cfg.task)}
 
 
 def _datamodule_factory(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, source: PromptSource,
                         reward: Any) -> Any:
     """engine -> a RolloutDataModule of this run's task (the expert warm start plays the task's agent loop)."""
-    options = _datamodule_options(cfg, policy, tokenizer)
-    return lambda engine: RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout, **options)
+    agent, vocab = agent_options(cfg.task.agent, tokenizer), vocab_size(policy, tokenizer)
+    return lambda engine: RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout, agent=agent,
+                                            vocab_size=vocab)
 
 
 def build_policy(cfg: DictConfig, tokenizer: Any, source: PromptSource | None = None, reward: Any = None,
@@ -351,10 +347,10 @@ def build(cfg: DictConfig | dict) -> Run:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     tokenizer = model_tokenizer(cfg.model)
     source, eval_source = build_sources(cfg.task, cfg.seed)
-    eval_sets = build_eval_sets(cfg.eval, cfg.task)
+    held_out = eval_sets(cfg, eval_source)
     reward = task_reward(cfg.task, source)
     policy = build_policy(cfg, tokenizer, source=source, reward=reward)
-    dm_kwargs = _datamodule_options(cfg, policy, tokenizer)
+    agent, vocab = agent_options(cfg.task.agent, tokenizer), vocab_size(policy, tokenizer)
     # the engine's own copy (the plain or merged model); it must be able to return the replay records asked for
     engine = build_engine(cfg, policy, tokenizer, replay=cfg.algo.replay)
     policy = with_lora(cfg, policy)
@@ -363,10 +359,9 @@ def build(cfg: DictConfig | dict) -> Run:
         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
         use_glm_forward=use_glm_forward(cfg, policy))
     module.filter_order = filter_order_of(engine)  # score the rollouts with the engine's own top-k/top-p order
-    datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout,
-                                   eval_source=eval_source, num_eval_prompts=cfg.task.num_eval_prompts,
-                                   eval_sets=eval_sets, eval_cfg=cfg.eval,
-                                   policy_version=lambda: module.policy_version, **dm_kwargs)
+    datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout, agent=agent, eval_cfg=cfg.eval,
+                                   eval_sets=held_out, vocab_size=vocab,
+                                   policy_version=lambda: module.policy_version)
     callbacks = build_callbacks(cfg)
     steps = module.optimizer_steps_per_rl_step
     checkpoints = checkpoint_callback(cfg.trainer, steps)

@@ -16,6 +16,7 @@ import glmlight
 from glmlight import compose
 from glmlight.agents import AgentLoop, StepResult
 from glmlight.config.rollout import RolloutConfig
+from glmlight.agents.options import AgentOptions
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import FileSource, ListSource
 from glmlight.prompt import Prompt
@@ -227,7 +228,7 @@ def test_an_environment_answering_with_wrong_types_fails_its_episode_counted(tok
         assert ep.status is Status.FAILED and reason in ep.error
         cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=3)
         dm = RolloutDataModule(engine, tokenizer, ListSource([_prompt("2*3=")]), None, cfg,
-                               env_factory=lambda: WrongTypesEnv(answer), max_turns=3)
+                               agent=AgentOptions(env_factory=lambda: WrongTypesEnv(answer), max_turns=3))
         counts = Counter()
         samples = dm.rollout(dm.draw_prompts(1), 2, counts)
         assert counts["env_failed"] == 2 and all(reason in s.metadata["env_error"] for s in samples)

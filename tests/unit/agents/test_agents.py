@@ -12,6 +12,7 @@ from glmlight.agents import AgentLoop, StepResult, encode_observation, generatio
 from glmlight.agents.envs import CalculatorEnv, RunningSumEnv, RunningSumTask, safe_eval
 from glmlight.agents.expert import parse_transcript
 from glmlight.config.rollout import RolloutConfig
+from glmlight.agents.options import AgentOptions
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask
 from glmlight.prompt import Prompt
@@ -117,7 +118,7 @@ def test_spliced_turns_are_the_templates_rendering_of_the_whole_conversation(tok
 def test_env_crash_fails_the_sample_and_is_counted(tokenizer, tiny_model):
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4)
     dm = RolloutDataModule(LocalEngine(tiny_model), tokenizer, ArithmeticTask(seed=0), None, cfg,
-                           env_factory=lambda: ScriptedEnv(turns=3, crash_at=2), max_turns=4)
+                           agent=AgentOptions(env_factory=lambda: ScriptedEnv(turns=3, crash_at=2), max_turns=4))
     counts = Counter()
     samples = dm.rollout(dm.draw_prompts(2), 2, counts)
     assert all(s.status is Status.FAILED and "tool server died" in s.metadata["env_error"] for s in samples)
@@ -132,7 +133,8 @@ def test_only_the_listed_domains_run_as_episodes(tokenizer, tiny_model):
     others are single-turn answers scored by the task's reward."""
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4)
     dm = RolloutDataModule(LocalEngine(tiny_model), tokenizer, ArithmeticTask(seed=0), lambda s: 0.25, cfg,
-                           env_factory=lambda: ScriptedEnv(turns=2), max_turns=4, agent_domains=["agent"])
+                           agent=AgentOptions(env_factory=lambda: ScriptedEnv(turns=2), max_turns=4,
+                                                    domains=frozenset(["agent"])))
     prompts = [Prompt(messages=[{"role": "user", "content": "2*3="}], label="6", domain=d)
                for d in ("agent", "math", "agent")]
     counts = Counter()

@@ -158,7 +158,7 @@ def test_the_run_refuses_an_observation_role_the_template_drops_at_start_up(tmp_
         glmlight.build(compose([*overrides, "task.agent.observation_role=observation"]))
     assert "\n" not in str(e.value)
     run = glmlight.build(compose(overrides))
-    assert run.datamodule.observation_role == "tool"
+    assert run.datamodule.agent.observation_role == "tool"
     run.close()
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from glmlight.config.rollout import RolloutConfig
 from glmlight.groups import pad_or_drop_group, trajectories
+from glmlight.data.evaluation import EvalSet
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.shaping import apply_overlong
 from glmlight.data.sources import ArithmeticTask, FileSource
@@ -85,7 +86,7 @@ def test_segments_of_a_trajectory_stay_together():
 def _datamodule(tokenizer, model, reward, **cfg):
     rc = RolloutConfig(**{"rollout_batch_size": 4, "n_samples_per_prompt": 4, "max_new_tokens": 4, **cfg})
     return RolloutDataModule(LocalEngine(model), tokenizer, ArithmeticTask(seed=0), reward, rc,
-                             eval_source=ArithmeticTask(seed=1), num_eval_prompts=4)
+                             eval_sets={"heldout": EvalSet(ArithmeticTask(seed=1), 4)})
 
 
 def test_datamodule_batch_and_accounting(tokenizer, tiny_model):

@@ -14,7 +14,7 @@ import glmlight
 from glmlight import compose
 from glmlight.config.schema import EvalConfig
 from glmlight.config.rollout import RolloutConfig
-from glmlight.data.evaluation import SeededEngine
+from glmlight.data.evaluation import EvalSet, SeededEngine
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask
 from glmlight.ops.eval_metrics import maj_at_k, majority_vote, mean_pass_at_k, pass_at_k, pass_k_values
@@ -66,7 +66,7 @@ def test_majority_vote_by_hand():
 def _dm(tokenizer, model, eval_cfg, sets=None):
     rc = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4)
     return RolloutDataModule(LocalEngine(model), tokenizer, ArithmeticTask(seed=0), ExactMatch(), rc,
-                             eval_source=ArithmeticTask(seed=1), num_eval_prompts=4, eval_sets=sets,
+                             eval_sets={"heldout": EvalSet(ArithmeticTask(seed=1), 4), **(sets or {})},
                              eval_cfg=eval_cfg)
 
 

@@ -11,6 +11,7 @@ from glmlight.config.compose import compose
 from glmlight.config.schema import EvalConfig, validate
 from glmlight.config.rollout import RolloutConfig
 from glmlight.data.chat_tasks import ChatQuestionTask
+from glmlight.data.evaluation import EvalSet
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, FileSource
 from glmlight.engines.local.engine import LocalEngine
@@ -88,8 +89,8 @@ def test_the_run_logs_the_overlap_and_warns_once_when_a_set_is_not_held_out(toke
                             for i in range(4)))
     rc = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4)
     dm = RolloutDataModule(LocalEngine(tiny_model), tokenizer, train, ExactMatch(), rc,
-                           eval_source=ArithmeticTask(seed=1, side=Side(True)), num_eval_prompts=4,
-                           eval_sets={"trained": FileSource(str(path))}, eval_cfg=EvalConfig(k=2, greedy=False))
+                           eval_sets={"heldout": EvalSet(ArithmeticTask(seed=1, side=Side(True)), 4),
+                                      "trained": FileSource(str(path))}, eval_cfg=EvalConfig(k=2, greedy=False))
     with caplog.at_level(logging.WARNING, logger="glmlight.data.rollout"):
         dm.setup("fit")
     warned = [r.getMessage() for r in caplog.records if "not held out" in r.getMessage()]

@@ -9,6 +9,7 @@ import torch
 
 from glmlight.algorithms.grpo import GRPO, GRPOConfig
 from glmlight.config.rollout import RolloutConfig
+from glmlight.agents.options import AgentOptions
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask
 from glmlight.engines.local.engine import LocalEngine
@@ -37,7 +38,8 @@ def _experience(tiny_model, tokenizer, client_sampling, turns=TURNS, top_k=0):
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=12, max_context=512,
                         temperature=1.0, top_k=top_k)
     dm = RolloutDataModule(engine, tokenizer, ArithmeticTask(seed=0), lambda s: 1.0, cfg,
-                           gateway=GatewayOptions(agent=_agent(turns), client_sampling=client_sampling), max_turns=8)
+                           agent=AgentOptions(gateway=GatewayOptions(agent=_agent(turns), client_sampling=client_sampling),
+                                              max_turns=8))
     return dm.next_experience()
 
 

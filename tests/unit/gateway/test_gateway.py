@@ -19,6 +19,7 @@ from glmlight.agents import AgentLoop, encode_observation, generation_prompt
 from glmlight.agents.envs import CalculatorEnv
 from glmlight.agents.expert import ExpertEngine
 from glmlight.config.rollout import RolloutConfig
+from glmlight.agents.options import AgentOptions
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, ListSource
 from glmlight.prompt import Prompt
@@ -312,7 +313,7 @@ def test_concurrent_episodes_through_the_data_module(tokenizer, tiny_model):
     cfg = RolloutConfig(rollout_batch_size=6, n_samples_per_prompt=4, max_new_tokens=5, max_context=256)
     reward = lambda s: float(len(s.metadata["completion_text"]) % 3)  # noqa: E731 - differs within groups
     dm = RolloutDataModule(engine, tokenizer, ArithmeticTask(seed=0), reward, cfg,
-                           gateway=GatewayOptions(agent=_echo_agent(2)), max_turns=4)
+                           agent=AgentOptions(gateway=GatewayOptions(agent=_echo_agent(2)), max_turns=4))
     exp = dm.next_experience()
     # a turn whose ids hold special tokens the agent never saw (the tiny model samples e.g. `<pad>` mid-turn) is
     # rendered otherwise by the chat template: its episode goes on in a new segment, a sample of its own
@@ -377,7 +378,7 @@ def test_failed_agents_are_counted_and_nothing_else_is_lost(tokenizer, tiny_mode
     source = ListSource([Prompt(messages=[{"role": "user", "content": k}], label="0") for k in kinds])
     cfg = RolloutConfig(rollout_batch_size=len(kinds), n_samples_per_prompt=2, max_new_tokens=4, max_context=256)
     dm = RolloutDataModule(LocalEngine(tiny_model), tokenizer, source, lambda s: float(len(s.response_ids) % 2), cfg,
-                           gateway=GatewayOptions(agent=agent, timeout_s=10.0), max_turns=4)
+                           agent=AgentOptions(gateway=GatewayOptions(agent=agent, timeout_s=10.0), max_turns=4))
     try:
         exp = dm.next_experience()
     finally:
@@ -468,8 +469,8 @@ def test_agent_reported_reward(tokenizer):
 
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=16, max_context=256)
     source = ListSource([_prompt("12*3=", "36"), _prompt("37*58=", "2146")])
-    dm = RolloutDataModule(engine, tokenizer, source, None, cfg, max_turns=3,
-                           gateway=GatewayOptions(agent=agent, reward="agent"))
+    dm = RolloutDataModule(engine, tokenizer, source, None, cfg,
+                           agent=AgentOptions(gateway=GatewayOptions(agent=agent, reward="agent"), max_turns=3))
     counts = Counter()
     samples = dm.rollout(list(source.prompts), 2, counts)
     rewards = {s.metadata["label"]: (s.reward, s.status, s.metadata.get("failure")) for s in samples}

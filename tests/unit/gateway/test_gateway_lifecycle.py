@@ -89,6 +89,7 @@ def test_a_first_request_over_max_context_is_dropped_and_counted(tokenizer, tiny
     which setting to raise; the other prompt's episodes train. (Before: a trained sample with prompt
     <eos>, an empty completion, reward 0, status truncated.)"""
     from glmlight.config.rollout import RolloutConfig
+    from glmlight.agents.options import AgentOptions
     from glmlight.data.rollout import RolloutDataModule
     from glmlight.data.sources import ListSource
 
@@ -107,7 +108,7 @@ def test_a_first_request_over_max_context_is_dropped_and_counted(tokenizer, tiny
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4, max_context=64)
     reward = lambda s: float(len(s.metadata["completion_text"]) % 2)  # noqa: E731
     dm = RolloutDataModule(LocalEngine(tiny_model), tokenizer, source, reward, cfg,
-                           gateway=GatewayOptions(agent=agent), max_turns=2)
+                           agent=AgentOptions(gateway=GatewayOptions(agent=agent), max_turns=2))
     caplog.set_level(logging.WARNING)
     exp = dm.next_experience()
     t = dm.totals

@@ -19,6 +19,7 @@ from tokenizers import AddedToken
 
 from glmlight.algorithms.grpo import GRPO, GRPOConfig
 from glmlight.config.rollout import RolloutConfig
+from glmlight.agents.options import AgentOptions
 from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask
 from glmlight.prompt import Prompt
@@ -417,7 +418,7 @@ def test_the_trainer_scores_the_sampled_tokens_of_forced_turns_at_the_engines_lo
                         temperature=1.0)
     agent = (_forced_agent if wire == "chat" else _forced_responses_agent)(3)
     dm = RolloutDataModule(engine, tokenizer, ArithmeticTask(seed=0), lambda s: float(len(s.response_ids) % 3), cfg,
-                           gateway=GatewayOptions(agent=agent), max_turns=8)
+                           agent=AgentOptions(gateway=GatewayOptions(agent=agent), max_turns=8))
     exp = dm.next_experience()
     assert not any(k.startswith("dropped/") and v for k, v in dm.totals.items()), dict(dm.totals)
     forced = tokenizer("calc:", add_special_tokens=False)["input_ids"]

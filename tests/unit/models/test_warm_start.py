@@ -44,6 +44,7 @@ def test_a_warm_start_whose_expert_episodes_all_fail_stops_with_their_reasons(to
 
     from glmlight.agents.expert import expert_examples
     from glmlight.config.rollout import RolloutConfig
+    from glmlight.agents.options import AgentOptions
     from glmlight.data.rollout import RolloutDataModule
     from glmlight.gateway.runner import GatewayOptions
 
@@ -60,7 +61,8 @@ def test_a_warm_start_whose_expert_episodes_all_fail_stops_with_their_reasons(to
                          for k in ("404", "forced", "7" * 80)])
     cfg = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=1, max_new_tokens=4, max_context=64)
     make = expert_examples(lambda engine: RolloutDataModule(engine, tokenizer, source, lambda s: 0.0, cfg,
-                                                            gateway=GatewayOptions(agent=agent), max_turns=2),
+                                                            agent=AgentOptions(gateway=GatewayOptions(agent=agent),
+                                                                                               max_turns=2)),
                            tokenizer, [(lambda messages, summarize: "answer: 0", 1.0)])
     ws = WarmStartConfig(steps=1, lr=1e-2, batch_size=3, cache_dir=str(tmp_path))
     with pytest.raises(RuntimeError) as e:
@@ -109,7 +111,7 @@ def test_the_mtp_warm_start_lowers_the_mtp_loss_on_held_out_rows_and_leaves_the_
 def test_build_policy_fits_the_mtp_layers_after_the_warm_start(tokenizer, tmp_path):
     """model.mtp.layers=1 with a warm start: the layer built after the warm start is fitted on its rows (cached
     beside it); with model.warm_start.mtp=false it stays as initialised."""
-    from glmlight import builder
+    from glmlight.run import build as builder
     from glmlight.config.compose import compose
 
     def build(*extra):
