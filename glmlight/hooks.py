@@ -12,6 +12,8 @@ Where each hook fires in one RL step (`glmlight/algorithms/step.py` reads the st
 6. sync — Lightning's `on_train_batch_end`: `WeightSync` pushes the weights and, once the engine
    acknowledges them, sets `module.policy_version`.
 
+`call_rl_hooks` is the one caller of both hooks, as Lightning's trainer/call.py is of its own.
+
 What a hook may use, and nothing else:
 
 - `module.policy_version` (read; written only by the weight-sync callback, on acknowledgement) and
@@ -92,28 +94,31 @@ def with_hook(objects: Iterable[Any], hook: str) -> list[Any]:
     return [o for o in objects if overrides(o, hook)]
 
 
-def run_rollout_sample_hooks(trainer: pl.Trainer | None, samples: list[Sample], counts: Counter,
-                             policy_version: int) -> list[Sample]:
-    """`on_rollout_samples` of the module (`module.on_rollout_samples(samples, counts, version)`), then of
-    every callback, in order; each sees what the one before kept."""
+# The hooks whose first argument each implementer hands on, changed or not, to the next (the samples kept).
+_HANDS_ON = ("on_rollout_samples",)
+
+
+def implementers(trainer: pl.Trainer | None, hook: str) -> list[Any]:
+    """What takes part in `hook` of the RL step, in calling order: the module (when it implements the hook
+    and says it has something to do in this run: `filters_rollout_samples`), then every callback that
+    implements it."""
     if trainer is None:
-        return samples
+        return []
     module = trainer.lightning_module
-    if _module_filters(module):
-        samples = module.on_rollout_samples(samples, counts, policy_version)
-    for cb in with_hook(trainer.callbacks, "on_rollout_samples"):
-        samples = cb.on_rollout_samples(trainer, module, samples, counts, policy_version)
-    return samples
+    first = [module] if overrides(module, hook) and bool(getattr(module, "filters_rollout_samples", True)) else []
+    return first + with_hook(trainer.callbacks, hook)
 
 
-def has_rollout_sample_hooks(trainer: pl.Trainer | None) -> bool:
-    """Whether anything filters rollout samples (then a round that loses samples is refilled)."""
-    if trainer is None:
-        return False
-    return _module_filters(trainer.lightning_module) or bool(with_hook(trainer.callbacks, "on_rollout_samples"))
-
-
-def _module_filters(module: Any) -> bool:
-    """Whether the module's own `on_rollout_samples` takes part (it may say it has nothing to filter in
-    this run: `filters_rollout_samples`, e.g. an RLModule without replay)."""
-    return overrides(module, "on_rollout_samples") and bool(getattr(module, "filters_rollout_samples", True))
+def call_rl_hooks(trainer: pl.Trainer | None, hook: str, value: Any, *args: Any) -> Any:
+    """The one caller of the RL step's hooks (as Lightning's trainer/call.py calls its callbacks' hooks):
+    `hook` of every implementer, in order (`implementers`); the module's own takes `(value, *args)`, a
+    callback's `(trainer, module, value, *args)`. `on_rollout_samples` returns the samples it keeps and
+    each implementer sees what the one before kept; the result is what the last kept. Other hooks change
+    `value` in place and return None."""
+    module = trainer.lightning_module if trainer is not None else None
+    for obj in implementers(trainer, hook):
+        fn = getattr(obj, hook)
+        out = fn(value, *args) if obj is module else fn(trainer, module, value, *args)
+        if hook in _HANDS_ON:
+            value = out
+    return value if hook in _HANDS_ON else None

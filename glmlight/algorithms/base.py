@@ -32,7 +32,7 @@ from glmlight.algorithms.step import rl_step
 from glmlight.strategies.checkpoint import restore_rank_state, save_rank_state
 from glmlight.config.schema import AlgoConfig
 from glmlight.strategies.distributed import all_reduce_gradients, clip_grad_norm, global_sums, grad_scale, grads_finite
-from glmlight.hooks import EvalTarget, with_hook
+from glmlight.hooks import EvalTarget, call_rl_hooks, with_hook
 from glmlight.models.lora import check_trainable_state, is_lora, keep_trainable_state
 from glmlight.models.mtp import mtp_of, num_mtp_layers
 from glmlight.ops.dis import dis_loss_per_token
@@ -173,10 +173,7 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
 
     def run_experience_hooks(self, batch: Experience) -> None:
         """`on_experience(trainer, module, batch)` of every callback that implements it, in order (glmlight.hooks)."""
-        if self._trainer is None:
-            return
-        for cb in with_hook(self.trainer.callbacks, "on_experience"):
-            cb.on_experience(self.trainer, self, batch)
+        call_rl_hooks(self._trainer, "on_experience", batch)
 
     def _minibatches(self, n: int) -> list[torch.Tensor]:
         """Exactly num_minibatches row sets (some empty when the batch is smaller), shuffled per step."""

@@ -39,7 +39,7 @@ from glmlight.groups import tag_dropped
 from glmlight.data.producer import AsyncProducer
 from glmlight.prompt import Prompt, PromptSource
 from glmlight.data.stream import PromptStream
-from glmlight.hooks import has_rollout_sample_hooks, run_rollout_sample_hooks
+from glmlight.hooks import call_rl_hooks, implementers
 from glmlight.models.tokenizer import PromptEncodingError, encode_prompt, stop_token_ids
 from glmlight.rewards.base import RewardFn, RewardRunner, score_samples
 from glmlight.engines.base import HasState, RolloutEngine, SamplingParams
@@ -269,7 +269,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def _accept(self, samples: list[Sample], counts: Counter) -> list[list[Sample]]:
         produced = samples
-        samples = run_rollout_sample_hooks(self.trainer, samples, counts, int(self.policy_version()))
+        samples = call_rl_hooks(self.trainer, "on_rollout_samples", samples, counts, int(self.policy_version()))
         groups = self._filter_groups(samples, counts)
         kept = {id(s) for g in groups for s in g}
         self._note_dropped([s for s in produced if id(s) not in kept])
@@ -290,7 +290,7 @@ class RolloutDataModule(pl.LightningDataModule):
                                    self.cfg.n_samples_per_prompt, counts)
             groups.extend(self._accept(samples, counts))
             rounds += 1
-            if not self.cfg.dynamic_sampling and not has_rollout_sample_hooks(self.trainer):
+            if not self.cfg.dynamic_sampling and not implementers(self.trainer, "on_rollout_samples"):
                 break
         counts["refill_rounds"] = rounds - 1
         return groups
