@@ -12,6 +12,8 @@ own; callers ask `isinstance(engine, Ability)` (or `can_score_at_temperature`) i
   uninterrupted one would;
 - `HoldsModel`: its torch model lives in this process (the agreement monitors' prefill);
 - `SendsFp8Weights`: `update_weights` takes the block-FP8 checkpoint layout (`rollout.weight_format=fp8`);
+- `SeedsSampling`: says whether a request's seed fixes its samples (an engine that does not say: it does),
+  so a resumed run is told when its samples cannot repeat the interrupted run's;
 - `score(..., temperature=)`: prefill log-probs at a temperature (OPD teachers; `can_score_at_temperature`);
 - `filter_order`: how it combines top-k and top-p ("sequential", glmlight's definition, or "joint", as
   SGLang samples; `filter_order_of`), so the trainer scores its rollouts over the same kept set.
@@ -142,6 +144,11 @@ class HoldsModel(Protocol):
 @runtime_checkable
 class SendsFp8Weights(Protocol):
     sends_fp8_weights: bool  # True: update_weights takes the block-FP8 checkpoint layout
+
+
+@runtime_checkable
+class SeedsSampling(Protocol):
+    seeded_sampling: bool  # False: per-request seeds do not fix the samples (SGLang without deterministic inference)
 
 
 def can_score_at_temperature(engine: Any) -> bool:

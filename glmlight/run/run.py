@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from glmlight.strategies.checkpoint import checkpoint_global_step, verified_resume_path
+from glmlight.engines.base import SeedsSampling
 from glmlight.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ class Run:
             if self.trainer.is_global_zero:
                 save_run_config(self.cfg, self.trainer.default_root_dir)
             ckpt_path = _resume_path(self.cfg)
-            if ckpt_path and not getattr(self.datamodule.engine, "seeded_sampling", True):
+            engine = self.datamodule.engine
+            if ckpt_path and isinstance(engine, SeedsSampling) and not engine.seeded_sampling:
                 log.warning("resuming from %s: the rollout engine ignores per-request seeds (an SGLang server without "
                             "--enable-deterministic-inference), so the samples from here on differ from the "
                             "interrupted run's; steps, weights, optimizer and prompt stream resume exactly", ckpt_path)
