@@ -36,7 +36,7 @@ class WeightSync(RLCallback):
         RuntimeError: when the engine acknowledges another version than the one pushed.
     """
 
-    syncs_weights = True  # build() checks that some callback keeps the engine up to date
+    syncs_weights = True  # build() checks that some callback keeps the engine up to date (glmlight.hooks.SyncsWeights)
 
     def __init__(self, every_n_steps: int = 1, reset_optimizer: bool = False):
         if every_n_steps < 1:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 
@@ -45,6 +45,8 @@ class RLCallback(pl.Callback):
     # False for an `on_experience` hook that does not read `batch.old_logprobs`: then the old log-probs
     # may come from the update's own forward instead of a separate one (algo.old_logprobs=auto).
     reads_old_logprobs: bool = True
+    # True for the callback that keeps the rollout engine's weights up to date (`SyncsWeights`).
+    syncs_weights: bool = False
 
     def on_rollout_samples(self, trainer: pl.Trainer, module: pl.LightningModule, samples: list[Sample],
                            counts: Counter, policy_version: int) -> list[Sample]:
@@ -70,6 +72,15 @@ class RLCallback(pl.Callback):
             batch: the collated batch; a hook may log into `batch.stats`, multiply `batch.token_weights`
                 and zero `batch.loss_mask` (corrections compose: weights multiply, masks intersect).
         """
+
+
+@runtime_checkable
+class SyncsWeights(Protocol):
+    """A callback that says whether it keeps the rollout engine's weights up to date with the policy
+    (`callbacks.WeightSync`; every `RLCallback` says): build() warns when none of a run's callbacks keeps
+    its embedded engine up to date."""
+
+    syncs_weights: bool
 
 
 @dataclass

@@ -28,6 +28,7 @@ from glmlight.data.rollout import RolloutDataModule
 from glmlight.data.sources import ArithmeticTask, FileSource
 from glmlight.prompt import PromptSource
 from glmlight.errors import ConfigError, DataError
+from glmlight.hooks import SyncsWeights
 from glmlight.split import Side
 from glmlight.models.gguf import prepare_model
 from glmlight.models.glm5 import forward as glm_forward
@@ -142,7 +143,8 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
             out.append(instantiate(spec, _convert_="all"))
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"config error: callbacks.{name}: cannot build {spec['_target_']} ({_root_cause(e)})") from None
-    if not any(getattr(cb, "syncs_weights", False) for cb in out) and cfg.rollout.backend == "local":
+    synced = any(isinstance(cb, SyncsWeights) and cb.syncs_weights for cb in out)
+    if not synced and cfg.rollout.backend == "local":
         log.warning("no weight-sync callback configured: the engine will keep serving the initial weights")
     return out
 
