@@ -65,7 +65,8 @@ class ServerConfig:
 
     def check(self, cfg: DictConfig) -> None:
         """delta_sync's backend and sync mode; with a server backend (rollout.backend other than local, no
-        rollout.engine of one's own): where the servers are, and the checkpoint a started one loads."""
+        rollout.engine of one's own): where the servers are. (That a started server has a checkpoint to load is
+        checked when the engine is built: a GGUF source becomes model.path only then.)"""
         r = cfg.rollout
         if self.delta_sync and (r.backend not in ("vllm", "vllm_ascend") or self.weight_sync != "tensor"):
             raise ConfigError("config error: rollout.server.delta_sync sends changed elements over weight_sync=tensor "
@@ -76,10 +77,6 @@ class ServerConfig:
         if not self.urls and not self.launch and not self.in_process:
             raise ConfigError(f"config error: rollout.backend={r.backend} needs rollout.server.urls (running servers) "
                               "or rollout.server.launch=true (start one)")
-        model = OmegaConf.select(cfg, "model.path") or OmegaConf.select(cfg, "model.gguf.package")
-        if (self.launch or self.in_process) and not (self.model_path or model):
-            raise ConfigError("config error: rollout.server.launch needs rollout.server.model_path or model.path "
-                              "(the checkpoint directory the server loads)")
         if self.router and self.launch:
             raise ConfigError("config error: rollout.server.router and rollout.server.launch cannot both be set")
 

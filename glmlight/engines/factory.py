@@ -2,7 +2,8 @@
 engine (`rollout=local`) or a server client (SGLang, vLLM, vLLM-Ascend). The config is a validated one
 (`glmlight.config.schema.validate` checks its values and rules, and resolves rollout.server.model_path); what
 is refused here can only be known while building: an engine that cannot be built, a missing library, a client
-that cannot send the weights asked for, replay records the engine cannot return."""
+that cannot send the weights asked for, replay records the engine cannot return, a started server without a
+checkpoint (a GGUF source becomes model.path after validate)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None, *, repl
     r = cfg.rollout
     routing, index = replay_parts(replay)
     in_process = bool(r.server.in_process)
+    if (r.server.launch or in_process) and not r.server.model_path:  # resolved by validate, after a GGUF conversion
+        raise ConfigError("config error: rollout.server.launch needs rollout.server.model_path or model.path "
+                          "(the checkpoint directory the server loads)")
     if r.backend != "sglang" and index:
         raise ConfigError(f"config error: algo.replay={replay} with rollout.backend={r.backend}: "
                           f"{vllm_index_refusal('vLLM')}")
