@@ -68,8 +68,8 @@ def bench_server(s: Sizes, device: str) -> list[dict[str, Any]]:
     from glmlight.engines.base import SamplingParams
     from glmlight.engines.factory import build_server_engine
     from glmlight.engines.local.engine import LocalEngine
-    from glmlight.engines.servers.server_types import sampling_fields
-    from glmlight.engines.servers.tiny_checkpoint import build_tiny_checkpoint
+    from glmlight.engines.servers.protocol import sampling_fields
+    from glmlight.models.tiny_checkpoint import build_tiny_checkpoint
 
     root = tempfile.mkdtemp(prefix="glmlight-bench-server-")
     ckpt = build_tiny_checkpoint(os.path.join(root, "tiny-llama"), "llama", seed=0)

@@ -168,7 +168,7 @@ class _Server:
 
         from glmlight.bench.server import _session
         from glmlight.engines.factory import build_server_engine
-        from glmlight.engines.servers.server_types import sampling_fields
+        from glmlight.engines.servers.protocol import sampling_fields
 
         self.root = tempfile.mkdtemp(prefix=f"glmlight-bench-smollm2-{backend}-")
         self.engine = build_server_engine(_config(backend, ckpt, self.root))

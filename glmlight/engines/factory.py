@@ -91,11 +91,11 @@ def build_server_engine(cfg: Any, policy: torch.nn.Module | None = None, *, repl
         raise ConfigError(f"config error: rollout.backend={r.backend} needs aiohttp; "
                           f"pip install 'glmlight[{r.backend.split('_')[0]}]'") from None
     if r.backend == "sglang":
-        from glmlight.engines.servers.sglang import SGLangEngine as cls
+        from glmlight.engines.servers.sglang.engine import SGLangEngine as cls
     elif in_process:
-        from glmlight.engines.servers.vllm_inprocess import VLLMInProcessEngine as cls
+        from glmlight.engines.servers.vllm.inprocess import VLLMInProcessEngine as cls
     else:
-        from glmlight.engines.servers.vllm import VLLMEngine as cls
+        from glmlight.engines.servers.vllm.engine import VLLMEngine as cls
     _check_weight_format(cfg, cls)
     engine = cls.from_config(cfg) if in_process else cls.from_config(cfg, replay=(routing, index))
     if policy is not None and hasattr(engine, "capture_replay"):

@@ -49,7 +49,7 @@ from aiohttp import web
 
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.engines.servers.replay_codec import RecordLayout, vllm_routed_experts_payload
-from glmlight.engines.servers.vllm_worker import WeightLoaderExtension
+from glmlight.engines.servers.worker.vllm_extension import WeightLoaderExtension
 from tests.support.standin_base import FAULT, ProtocolServer, _params, join_gloo_group
 
 PAUSED = {"error": {"message": "Generation is paused. Please retry after it resumes.", "type": "ServiceUnavailableError",

@@ -2,7 +2,7 @@
 reaps, its log captured to a file, its exit detected; and the addresses a launch or a
 weight-update rendezvous needs.
 
-A managed server runs under `server_guard.py` (standard library only), which leads its own
+A managed server runs under `guard.py` (standard library only), which leads its own
 process group and holds the read end of a pipe whose write end only this process holds. The
 server and everything it starts (vLLM's engine core and workers, SGLang's schedulers) are
 stopped when
@@ -39,9 +39,9 @@ from urllib.parse import urlparse
 
 from glmlight.errors import ConfigError, EngineError
 
-GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_guard.py")
+GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
 # The directory that holds the glmlight package: put on a server's PYTHONPATH so that a worker
-# extension (glmlight.engines.servers.vllm_worker) imports in the server's own environment.
+# extension (glmlight.engines.servers.worker.vllm_extension) imports in the server's own environment.
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SERVER_ID_ENV = "GLMLIGHT_SERVER_ID"
 
@@ -79,7 +79,7 @@ def python_path_with_package(env: dict[str, str] | None = None) -> str:
 
 
 class ManagedServer:
-    """A server under `server_guard.py` (own process group), stdout+stderr captured to `log_path`."""
+    """A server under `guard.py` (own process group), stdout+stderr captured to `log_path`."""
 
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
@@ -335,7 +335,7 @@ def sglang_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (Fal
 def vllm_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False, False)) -> LaunchSpec:
     """A managed vLLM (or vLLM-Ascend) OpenAI-compatible server for the run's config; `replay`: (routing,
     index), the replay records it must return."""
-    from glmlight.engines.servers.vllm_wire import ASCEND_OPTIONS, EXTENSION
+    from glmlight.engines.servers.vllm.wire import ASCEND_OPTIONS, EXTENSION
 
     s, ascend = cfg.rollout.server, cfg.rollout.backend == "vllm_ascend"
     host, port = launch_target(s.urls)

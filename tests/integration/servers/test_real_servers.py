@@ -22,7 +22,7 @@ from glmlight.errors import EngineError
 from glmlight.engines.base import SamplingParams
 from glmlight.engines.factory import build_server_engine
 from glmlight.engines.servers.launch import server_processes
-from glmlight.engines.servers.tiny_checkpoint import build_tiny_checkpoint
+from glmlight.models.tiny_checkpoint import build_tiny_checkpoint
 from glmlight.engines.transport import read_checkpoint
 from tests.support.waiting import running, wait_event, wait_until
 from tests.conftest import newest_pushed_version
@@ -119,7 +119,7 @@ def test_seeds(real):
     if real.backend == "sglang" and DEVICE == "cpu":
         # SGLang uses sampling_seed only with --enable-deterministic-inference, which refuses torch-native
         # attention: the engine says so (and warned at start), and the same seed indeed samples differently
-        info = real.engine._server_info(real.url)
+        info = real.engine.servers[real.url].server_info()
         assert info["enable_deterministic_inference"] is False and real.engine.seeded_sampling is False
         runs = [real.engine.generate(p[:1], SamplingParams(temperature=1.0, max_new_tokens=24, seed=5))[0].token_ids
                 for _ in range(3)]
@@ -166,13 +166,13 @@ def test_a_paused_server_is_neither_dead_nor_restarted_to_the_suspect_probe(real
     _serving(real, 0)
     eng, url = real.engine, real.url
     resyncs = eng.num_resyncs
-    eng.http.run(eng._pause(url))
+    eng.http.run(eng.servers[url].pause())
     try:
-        eng._suspects.add(url)
-        eng._sync_suspects()
-        assert url not in eng._suspects and eng.num_resyncs == resyncs
+        eng.suspects.mark_out(url)
+        eng.sync_suspects()
+        assert url not in eng.suspects and eng.num_resyncs == resyncs
     finally:
-        eng.http.run(eng._resume(url))
+        eng.http.run(eng.servers[url].resume())
 
 
 def test_abort_on_pause_returns_partial_answer_with_right_logprobs(real):
@@ -263,7 +263,7 @@ def test_abort_request_ends_the_request_with_its_partial_answer(real):
     t = threading.Thread(target=_sglang_stream, args=(real, p, box, started, rid))
     t.start()
     wait_event(started, alive=t.is_alive, what="the streamed request's first tokens")
-    real.engine.http.run(real.engine._aborter(real.url, "no answer within 1s", rid))
+    real.engine.http.run(real.engine.servers[real.url]._aborter(real.url, "no answer within 1s", rid))
     t.join()
     ids, lps = box["ids"], box["lps"]
     assert box["finish"] == "abort" and 20 <= len(ids) < 900, (box["finish"], len(ids))
@@ -307,7 +307,7 @@ def test_a_disk_update_whose_cache_flush_is_refused_is_not_rolled_back(real):
     if real.backend != "sglang":
         pytest.skip("SGLang's /update_weights_from_disk")
     eng, url = real.engine, real.url
-    eng.weight_sync = "disk"
+    eng.sync.mode = "disk"
     _serving(real, 0)
     ps, comps = _prompts(real.tok, 1), [[9, 8, 7, 6, 5, 4]]
     want = trainer_logprobs(real.models[1], ps[0], comps[0])
@@ -318,20 +318,20 @@ def test_a_disk_update_whose_cache_flush_is_refused_is_not_rolled_back(real):
     wait_event(started, alive=t.is_alive, what="the streamed request's first tokens")
     version = eng.version + 1
     refused = {}
-    loaded_anyway = eng._loaded_anyway
-    eng._loaded_anyway = lambda errors, v: (refused.update(errors), loaded_anyway(errors, v))[1]
+    loaded_anyway = eng.sync._loaded_anyway
+    eng.sync._loaded_anyway = lambda errors, v, servers: (refused.update(errors), loaded_anyway(errors, v, servers))[1]
     eng.http.run(eng.http.request("/pause_generation", {"mode": "in_place"}, url=url, expect_json=False))
     try:
-        source = eng._push([url], read_checkpoint(real.ckpts[1]), None, version)
+        source = eng.sync.push([eng.servers[url]], read_checkpoint(real.ckpts[1]), None, version, eng._current)
     finally:
-        del eng._loaded_anyway
-        eng.http.run(eng._resume(url))
+        del eng.sync._loaded_anyway
+        eng.http.run(eng.servers[url].resume())
     t.join()
     assert box["finish"] == "length"  # the paused request went on after the pause
     assert "cache was not flushed" in str(refused.get(url)), refused  # the server did answer success: false
-    eng.http.run(eng._flush(url))  # what the update does next (the request is done now)
-    assert source.version == version and eng.http.run(eng._served_label(url)) == str(version)
-    eng._current, eng._version, eng._expect[url] = source, version, str(version)
+    eng.http.run(eng.servers[url].flush())  # what the update does next (the request is done now)
+    assert source.version == version and eng.http.run(eng.servers[url].label()) == str(version)
+    eng._current, eng._version, eng.suspects.expect[url] = source, version, str(version)
     real.current = 1
     assert max_diff(_scores(real, ps, comps)[0], want) <= real.tol
 
@@ -342,9 +342,9 @@ def test_weight_sync_serves_exactly_the_trainers_weights(real, mode, bucket_byte
     """bucket_bytes=1: one tensor per bucket, so vLLM's fused q/k/v and gate/up layers get their
     parts in separate calls."""
     eng = real.engine
-    eng.weight_sync = mode
+    eng.sync.mode = mode
     if bucket_bytes is not None:
-        eng.bucket_bytes = bucket_bytes
+        eng.sync.bucket_bytes = bucket_bytes
     new = 2 if real.current != 2 else 1
     ps = _prompts(real.tok, 2)
     comps = [[(5 * i + 11 * j) % 90 + 5 for j in range(12)] for i in range(2)]
@@ -373,7 +373,7 @@ def test_delta_sync_into_a_real_vllm_server_serves_exactly_the_trainers_weights(
     if real.backend != "vllm":
         pytest.skip("delta sync is vLLM's (its worker extension rebuilds the update)")
     eng = real.engine
-    eng.weight_sync, eng.bucket_bytes, eng.delta = "tensor", 1 << 28, DeltaSender()
+    eng.sync.mode, eng.sync.bucket_bytes, eng.sync.delta = "tensor", 1 << 28, DeltaSender()
     try:
         base = [(k, v.detach().clone()) for k, v in real.models[1].state_dict().items()]
         eng.update_weights(base, version=eng.version + 1)
@@ -396,14 +396,14 @@ def test_delta_sync_into_a_real_vllm_server_serves_exactly_the_trainers_weights(
         print(f"\nvllm delta sync: {sent['bytes']} of {full} bytes sent, max |server - trainer| = {worst:.2e}")
         assert worst <= real.tol
     finally:
-        eng.delta, real.current = None, -1  # the next test syncs whole weights again
+        eng.sync.delta, real.current = None, -1  # the next test syncs whole weights again
 
 
 def test_shm_updates_alternate_slots_and_each_serves_the_trainers_weights(real):
     """Three weight_sync=shm updates in a row: the second goes into the other slot, the third
     overwrites the first slot's file in place; after each the server scores as the trainer."""
     eng = real.engine
-    eng.weight_sync = "shm"
+    eng.sync.mode = "shm"
     ps = _prompts(real.tok, 2)
     comps = [[(7 * i + 3 * j) % 90 + 5 for j in range(10)] for i in range(2)]
     paths = []
@@ -414,15 +414,15 @@ def test_shm_updates_alternate_slots_and_each_serves_the_trainers_weights(real):
         paths.append(eng._current.path)
         want = [trainer_logprobs(real.models[new], p, c) for p, c in zip(ps, comps)]
         assert max(max_diff(a, w) for a, w in zip(_scores(real, ps, comps), want)) <= real.tol
-    assert paths[0] != paths[1] and paths[2] == paths[0] and paths[0].startswith(eng.shm_dir)
+    assert paths[0] != paths[1] and paths[2] == paths[0] and paths[0].startswith(eng.sync.shm.shm_dir)
 
 
 def test_failed_update_leaves_the_previous_weights_serving(real):
     """A bucket that cannot be loaded (a tensor of the wrong shape) and a load that fails after the
     weights went in: the server keeps serving the previous version, and the run gets one line."""
     eng = real.engine
-    eng.weight_sync = "tensor"
-    eng.bucket_bytes = 1
+    eng.sync.mode = "tensor"
+    eng.sync.bucket_bytes = 1
     _serving(real, 0)
     ps = _prompts(real.tok, 1)
     comps = [[9, 8, 7, 6, 5, 4]]
@@ -436,11 +436,12 @@ def test_failed_update_leaves_the_previous_weights_serving(real):
     if real.backend == "vllm":  # the worker's own fault seam: fail once load_weights ran
         url, uid = real.url, "seam-1"
         named = read_checkpoint(real.ckpts[1])
-        eng._stage([url], named, None, version + 1, uid, types.SimpleNamespace(path=None))
-        errors = eng._each([url], "glmlight_commit", {"update_id": uid, "version": "x", "_fail_after_load": True})
+        eng.sync._stage([eng.servers[url]], named, None, version + 1, uid, types.SimpleNamespace(path=None))
+        errors = eng.sync.each([eng.servers[url]], "glmlight_commit",
+                               {"update_id": uid, "version": "x", "_fail_after_load": True})
         assert "injected failure after load_weights" in str(errors[url])
         assert max_diff(_scores(real, ps, comps)[0], want[0]) <= real.tol  # the previous weights came back
-        assert eng.http.run(eng._served_label(url)) == str(version)
+        assert eng.http.run(eng.servers[url].label()) == str(version)
 
 
 def test_permanent_server_errors_are_not_retried(real):
@@ -451,7 +452,7 @@ def test_permanent_server_errors_are_not_retried(real):
     eng, before = real.engine, real.engine.http.num_retries
     t0 = time.monotonic()
     with pytest.raises(ServerFailed, match="collective_rpc method failed"):
-        eng.http.run(eng._rpc(real.url, "no_such_method", None))
+        eng.http.run(eng.servers[real.url].rpc("no_such_method", None))
     assert eng.http.num_retries == before and time.monotonic() - t0 < 5
 
 
@@ -463,7 +464,7 @@ def test_worker_extension_imports_in_the_server_environment(real):
 
     from glmlight.engines.servers.launch import python_path_with_package
 
-    code = ("import sys, glmlight.engines.servers.vllm_worker as w; "
+    code = ("import sys, glmlight.engines.servers.worker.vllm_extension as w; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'hydra', 'omegaconf', 'aiohttp')))")
     out = subprocess.run([real.python, "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": python_path_with_package({}), "PATH": "/usr/bin:/bin"})

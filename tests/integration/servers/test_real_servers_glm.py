@@ -1,5 +1,5 @@
 """GLM-4.5 (Glm4Moe) and GLM-4.7-Flash (Glm4MoeLite) served by the REAL vLLM and SGLang CPU servers, started by
-glmlight's managed launch: a tiny checkpoint of each (glmlight/engines/servers/tiny_checkpoint.py), sampled
+glmlight's managed launch: a tiny checkpoint of each (glmlight/models/tiny_checkpoint.py), sampled
 log-probs equal the trainer's float32 forward, and a tensor weight sync moves every answer to the new weights
 and version. Slow (a server start per case); which combinations serve and the errors of those that cannot are
 in docs/servers.md."""
@@ -12,7 +12,7 @@ from glmlight.engines.base import SamplingParams
 from glmlight.errors import EngineError
 from glmlight.engines.factory import build_server_engine
 from glmlight.engines.servers.launch import server_processes
-from glmlight.engines.servers.tiny_checkpoint import build_tiny_checkpoint
+from glmlight.models.tiny_checkpoint import build_tiny_checkpoint
 from glmlight.engines.transport import read_checkpoint
 from tests.support.real_servers import interpreter, logprob_tol, max_diff, server_config, trainer_logprobs
 

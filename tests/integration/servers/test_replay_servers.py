@@ -26,10 +26,10 @@ from glmlight.engines.servers.http import HttpSettings
 from glmlight.engines.servers.launch import replay_parts, sglang_launch, vllm_launch
 from glmlight.engines.local.engine import LocalEngine
 from glmlight.engines.servers.replay_codec import RecordLayout
-from glmlight.engines.servers.server_replay import ReplayRecordsInvalid
-from glmlight.engines.servers.server_types import server_settings
-from glmlight.engines.servers.sglang import SGLangEngine
-from glmlight.engines.servers.vllm import VLLMEngine
+from glmlight.engines.servers.replay import ReplayRecordsInvalid
+from glmlight.engines.servers.settings import server_settings
+from glmlight.engines.servers.sglang.engine import SGLangEngine
+from glmlight.engines.servers.vllm.engine import VLLMEngine
 from tests.conftest import overrides_for_tests
 from tests.support.protocol_servers import SGLangServer, VLLMServer, launch_config, standin_script
 from tests.unit.algorithms.test_replay import _near_ties
@@ -104,7 +104,7 @@ def test_servers_that_cannot_return_records_are_refused_at_capture(tokenizer):
         with _client(SGLangEngine, plain.url, model) as eng:
             with pytest.raises(EngineError, match="without meta_info.routed_experts.*--enable-return-routed-experts"):
                 eng.capture_replay(routing=True)
-            assert eng.replay_capture == (False, False) and "return_routed_experts" not in eng.replay_request()
+            assert eng.replay_capture == (False, False) and "return_routed_experts" not in eng.replay.request()
         with _client(SGLangEngine, fused.url, model) as eng:
             with pytest.raises(ReplayRecordsInvalid, match="KV-cache slot ids.*SGLANG_DSA_FUSE_TOPK=0"):
                 eng.capture_replay(index=True)

@@ -21,7 +21,7 @@ from glmlight.engines.factory import build_server_engine
 from glmlight.engines.servers.http import HttpSettings
 from glmlight.engines.servers.launch import free_port, server_processes
 from glmlight.engines.local.engine import LocalEngine
-from glmlight.engines.servers.sglang import SGLangEngine
+from glmlight.engines.servers.sglang.engine import SGLangEngine
 from tests.support.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
     SGLangServer, answers_of, assert_same, expected, greedy, launch_config, model, perturbed, prompts, ref,
     standin_script)
@@ -382,7 +382,8 @@ def test_an_update_waits_for_the_running_requests_unless_the_server_is_paused(mo
         # the same update sent without a pause: it waits for the held generation
         hold = HeldDecoding(server.engine)
         gen = threading.Thread(target=lambda: box.setdefault("served", eng.generate(ps, sp)[0]))
-        push = threading.Thread(target=lambda: box.setdefault("source", eng._push([server.url], v2, None, 2)))
+        push = threading.Thread(target=lambda: box.setdefault(
+            "source", eng.sync.push([eng.servers[server.url]], v2, None, 2, eng._current)))
         gen.start()
         try:
             wait_event(hold.held, alive=gen.is_alive, what="the generation under way")
@@ -482,9 +483,9 @@ def test_pause_aborts_in_flight_generation_with_its_partial_answer(server, ref, 
         tokens = server.engine.stats()["tokens"]
         while server.in_flight == 0 or server.engine.stats()["tokens"] < tokens + 2:  # it has decoded
             time.sleep(0.001)
-        eng.http.run(eng._pause(server.url))
+        eng.http.run(eng.servers[server.url].pause())
         t.join(30)
-        eng.http.run(eng._resume(server.url))
+        eng.http.run(eng.servers[server.url].resume())
     g = box["g"]
     assert g.finish_reason == "abort" and 0 < len(g.token_ids) < 400
     tol = model_logprob_tolerance(model, [ps[0] + g.token_ids])  # decoded step by step vs one scoring forward
@@ -650,7 +651,7 @@ def test_a_dropped_tensor_bucket_puts_the_server_back_and_tries_again(model, ser
 
 
 def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model, server, tokenizer, tmp_path):
-    from glmlight.engines.servers.server_types import FleetFailed
+    from glmlight.engines.servers.protocol import FleetFailed
 
     with make(server.url, tmp_path) as eng:
         eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
@@ -664,7 +665,7 @@ def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model,
 def test_a_server_without_sampling_masks_serves_plain_sampling_and_refuses_top_k(model, ref, tokenizer, tmp_path):
     """SGLang before 0.5.18 cannot report top-k/top-p log-probs: it passes the start-up check (the
     temperature part), serves sampling without top-k/top-p, and a top-k request stops the run."""
-    from glmlight.engines.servers.sglang import FilteredLogprobsMissing
+    from glmlight.engines.servers.sglang.wire import FilteredLogprobsMissing
 
     srv = SGLangServer(LocalEngine(model), sampling_mask=False).start()
     try:
@@ -713,15 +714,15 @@ def test_a_paused_server_is_up_to_the_suspect_probe(server, tmp_path):
     """SGLang's health paths generate a token, which a pause holds (503 after 20 s): the suspect probe
     reads /model_info instead and finds the paused server up, on its weights, at once."""
     with make(server.url, tmp_path) as eng:
-        eng.http.run(eng._pause(server.url))
+        eng.http.run(eng.servers[server.url].pause())
         try:
             health = len(server.calls("/health_generate")) + len(server.calls("/health"))
-            eng._suspects.add(server.url)
-            eng._sync_suspects()
-            assert server.url not in eng._suspects and eng.num_resyncs == 0
+            eng.suspects.mark_out(server.url)
+            eng.sync_suspects()
+            assert server.url not in eng.suspects and eng.num_resyncs == 0
             assert len(server.calls("/health_generate")) + len(server.calls("/health")) == health
         finally:
-            eng.http.run(eng._resume(server.url))
+            eng.http.run(eng.servers[server.url].resume())
 
 
 def test_an_unknown_sampling_key_is_one_line_with_the_servers_message(server, tokenizer, tmp_path):
@@ -746,15 +747,15 @@ def test_a_disk_update_whose_flush_is_refused_keeps_the_new_weights(model, token
     want = answers_of(model, new, ps, sp)
     try:
         with make(srv.url, tmp_path) as eng:
-            eng.http.run(eng._pause(srv.url))
+            eng.http.run(eng.servers[srv.url].pause())
             srv.in_flight += 1  # a request the pause did not end (e.g. paused in place)
             loads = len(srv.calls("/update_weights_from_disk"))
-            source = eng._push([srv.url], new, None, 1)
+            source = eng.sync.push([eng.servers[srv.url]], new, None, 1, eng._current)
             srv.in_flight -= 1
             assert len(srv.calls("/update_weights_from_disk")) == loads + 1 and srv.weight_version == "1"
-            assert eng.http.run(eng._served_label(srv.url)) == "1" and source.version == 1
-            eng.http.run(eng._resume(srv.url))
-            eng._current, eng._version, eng._expect[srv.url] = source, 1, "1"
+            assert eng.http.run(eng.servers[srv.url].label()) == "1" and source.version == 1
+            eng.http.run(eng.servers[srv.url].resume())
+            eng._current, eng._version, eng.suspects.expect[srv.url] = source, 1, "1"
             assert_same(eng.generate(ps, sp), want)
     finally:
         srv.close()

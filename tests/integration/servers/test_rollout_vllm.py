@@ -20,7 +20,8 @@ from glmlight.engines.factory import build_server_engine
 from glmlight.engines.servers.http import HttpSettings
 from glmlight.engines.servers.launch import PACKAGE_ROOT, free_port, server_processes
 from glmlight.engines.local.engine import LocalEngine
-from glmlight.engines.servers.vllm import EXTENSION, VLLMEngine
+from glmlight.engines.servers.vllm.engine import VLLMEngine
+from glmlight.engines.servers.vllm.wire import EXTENSION
 from tests.conftest import REPO
 from tests.support.tolerances import model_logprob_tolerance
 from tests.support.protocol_servers import (  # noqa: F401  (model, ref: shared fixtures)
@@ -225,12 +226,12 @@ def test_permanent_rpc_errors_are_not_retried(server, tmp_path):
     with make(server.url, tmp_path, http=HttpSettings(timeout_s=120, max_retries=5, backoff_s=0.2)) as eng:
         n = len(server.calls("/collective_rpc"))
         with pytest.raises(ServerFailed, match="has no attribute 'no_such_method'"):
-            eng.http.run(eng._rpc(server.url, "no_such_method", None))
+            eng.http.run(eng.servers[server.url].rpc("no_such_method", None))
         assert len(server.calls("/collective_rpc")) == n + 1 and eng.http.num_retries == 0
 
 
 def test_a_server_that_acknowledges_weights_it_did_not_load_stops_the_run(model, server, tokenizer, tmp_path):
-    from glmlight.engines.servers.server_types import FleetFailed
+    from glmlight.engines.servers.protocol import FleetFailed
 
     with make(server.url, tmp_path, weight_sync="tensor") as eng:
         eng.generate(prompts(tokenizer, 1), greedy(tokenizer))
@@ -335,7 +336,7 @@ def test_build_validates_config(server, tokenizer):
                                                                                   "weight_sync": "nccl"}}}))
     eng = build_server_engine(validate({"rollout": {"backend": "vllm_ascend", "server": {"urls": [server.url]}}}))
     try:
-        assert isinstance(eng, VLLMEngine) and eng.name == "vLLM-Ascend" and eng.sync_backend == "hccl"
+        assert isinstance(eng, VLLMEngine) and eng.name == "vLLM-Ascend" and eng.sync.backend == "hccl"
     finally:
         eng.close()
 
@@ -371,13 +372,14 @@ def test_worker_extension_imports_with_torch_and_safetensors_alone(tmp_path):
     blocker = tmp_path / "sitecustomize.py"
     blocker.write_text("import sys\nfor name in ('lightning', 'hydra', 'omegaconf', 'transformers', 'aiohttp', "
                        "'torchmetrics', 'lightning_utilities'):\n    sys.modules[name] = None\n")
-    code = ("import sys, glmlight.engines.servers.vllm_worker as w; assert w.WeightLoaderExtension; "
+    code = ("import sys, glmlight.engines.servers.worker.vllm_extension as w; assert w.WeightLoaderExtension; "
             "print(sorted(m for m in sys.modules if m.startswith('glmlight')))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-1500:]
     assert out.stdout.strip() == str(['glmlight', 'glmlight.dtypes', 'glmlight.engines', 'glmlight.engines.servers',
-                                      'glmlight.engines.servers.vllm_worker', 'glmlight.engines.servers.worker_checks',
+                                      'glmlight.engines.servers.worker', 'glmlight.engines.servers.worker.checks',
+                                      'glmlight.engines.servers.worker.vllm_extension',
                                       'glmlight.engines.transport', 'glmlight.engines.weight_delta', 'glmlight.sample'])
 
 
@@ -496,7 +498,7 @@ def _fake_vllm(monkeypatch, device_type: str, weight_nz_mode: int) -> list:
 def _ascend_worker(seen: list, device: str):
     import types
 
-    from glmlight.engines.servers.vllm_worker import WeightLoaderExtension
+    from glmlight.engines.servers.worker.vllm_extension import WeightLoaderExtension
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -569,7 +571,7 @@ def test_a_vllm_ascend_server_with_nz_weights_is_named_at_the_first_update(model
 def test_in_process_vllm_ascend_engine_keeps_weights_in_nd(monkeypatch):
     import types
 
-    from glmlight.engines.servers.vllm_inprocess import VLLMInProcessEngine
+    from glmlight.engines.servers.vllm.inprocess import VLLMInProcessEngine
 
     built: dict = {}
     fake = types.ModuleType("vllm")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from glmlight.engines.servers.vllm_wire import ASCEND_OPTIONS
+from glmlight.engines.servers.vllm.wire import ASCEND_OPTIONS
 from tests.support.wheel_names import (RELEASES, TORCH_NPU, VLLM, VLLM_ASCEND, Found, Missing, Report, Sources,
                                        Unavailable, Unknown, Use, binding_problem, cache_dir, call_shape, calls_named,
                                        collect_uses, dict_keys, literal, native_strings, public_definitions, self_uses,
@@ -38,7 +38,7 @@ from tests.support.wheel_names import (RELEASES, TORCH_NPU, VLLM, VLLM_ASCEND, F
 
 REPO = Path(__file__).resolve().parents[3]
 STANDIN = REPO / "tests" / "support" / "npu_standin" / "torch_npu"
-EXTENSION_FILE = REPO / "glmlight" / "engines" / "servers" / "vllm_worker.py"
+EXTENSION_FILE = REPO / "glmlight" / "engines" / "servers" / "worker" / "vllm_extension.py"
 _MENTIONS = ("npu", "vllm", "ShardedGradScaler", "_new_process_group_helper")
 
 # torch names glmlight calls on the NPU path that torch_npu replaces when it is imported (read in

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from glmlight.config.schema import validate
 from glmlight.engines.servers.launch import sglang_launch, speculative_launch_options, vllm_launch
-from glmlight.engines.servers.server_types import server_settings
-from glmlight.engines.servers.vllm_worker import WeightLoaderExtension
+from glmlight.engines.servers.settings import server_settings
+from glmlight.engines.servers.worker.vllm_extension import WeightLoaderExtension
 from glmlight.errors import ConfigError
 from tests.support.server_sources import server_source
 
@@ -104,7 +104,7 @@ def test_a_speculating_server_takes_the_synced_mtp_weights():
         assert 'selector: Literal["target", "draft", "all"] = "all"' in body, req
     updater = server_source("sglang", "sglang/srt/managers/scheduler_components/weight_updater.py")
     assert 'if "draft" in roles and self.draft_worker is not None:' in updater
-    from glmlight.engines.servers import sglang_tensor_sync, sglang_wire
+    from glmlight.engines.servers.sglang import sync as sglang_tensor_sync, wire as sglang_wire
     import inspect
     assert "selector" not in inspect.getsource(sglang_tensor_sync) + inspect.getsource(sglang_wire)
 

@@ -22,7 +22,7 @@ def test_the_estimate_follows_the_arithmetic():
 def test_one_float32_forward_is_within_the_estimated_error(tmp_path, seed):
     """The estimate holds on whatever CPU runs this: a float32 forward's log-probs are within
     `logprob_error` of the float64 forward, so two float32 computations are within twice that."""
-    from glmlight.engines.servers.tiny_checkpoint import build_tiny_checkpoint
+    from glmlight.models.tiny_checkpoint import build_tiny_checkpoint
     from glmlight.models.loading import load_causal_lm, load_tokenizer
 
     path = build_tiny_checkpoint(str(tmp_path / "tiny"), "llama", seed=seed)

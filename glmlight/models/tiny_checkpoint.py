@@ -3,7 +3,7 @@ few hundred thousand parameters with glmlight's character tokenizer, saved as sa
 GLM-4.5 (`glm4_moe`) or GLM-4.7-Flash (`glm4_moe_lite`) of glmlight's `test` preset (glmlight/models/tiny.py).
 Used by the real-server tests, `scripts/bench.py` and `scripts/gpu_check.sh`; nothing is downloaded.
 
-    python -m glmlight.engines.servers.tiny_checkpoint OUT_DIR [llama|qwen2|glm4_moe|glm4_moe_lite] [SEED]
+    python -m glmlight.models.tiny_checkpoint OUT_DIR [llama|qwen2|glm4_moe|glm4_moe_lite] [SEED]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 
 from glmlight.errors import EngineError
 
-EXTENSION = "glmlight.engines.servers.vllm_worker.WeightLoaderExtension"
+EXTENSION = "glmlight.engines.servers.worker.vllm_extension.WeightLoaderExtension"
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "length", "error": "error"}
 
 # rollout=vllm_ascend: the same HTTP protocol; installing vllm-ascend registers the NPU platform

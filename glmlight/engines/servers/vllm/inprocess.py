@@ -12,8 +12,9 @@ from typing import Any
 from glmlight.errors import EngineError
 from glmlight.engines import transport as wt
 from glmlight.engines.base import Generation, NamedTensors, SamplingParams
-from glmlight.engines.servers.server_types import sampling_fields
-from glmlight.engines.servers.vllm_wire import ASCEND_OPTIONS, EXTENSION, FINISH_REASONS
+from glmlight.engines.servers.protocol import sampling_fields
+from glmlight.engines.servers.settings import served_model_path
+from glmlight.engines.servers.vllm.wire import ASCEND_OPTIONS, EXTENSION, FINISH_REASONS
 
 
 class VLLMInProcessEngine:
@@ -33,8 +34,7 @@ class VLLMInProcessEngine:
 
     @classmethod
     def from_config(cls, cfg: Any) -> VLLMInProcessEngine:
-        s = cfg.rollout.server
-        return cls(s.model_path or cfg.model.path, ascend=cfg.rollout.backend == "vllm_ascend")
+        return cls(served_model_path(cfg), ascend=cfg.rollout.backend == "vllm_ascend")
 
     @property
     def version(self) -> int:

@@ -1,4 +1,4 @@
-"""Checks the vLLM worker extension (vllm_worker.py) makes of an update before it loads it: the served
+"""Checks the vLLM worker extension (vllm_extension.py) makes of an update before it loads it: the served
 checkpoint's names and shapes, read from its safetensors headers. Imports torch and safetensors only."""
 
 from __future__ import annotations

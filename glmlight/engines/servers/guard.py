@@ -1,7 +1,7 @@
 """The guard a managed server runs under (standard library only; run as a script, never imported
 by glmlight itself):
 
-    python server_guard.py <watch-fd> <grace-seconds> -- <server command...>
+    python guard.py <watch-fd> <grace-seconds> -- <server command...>
 
 It leads its own process group (the launcher starts it with `start_new_session`), starts the server
 in that group with `PR_SET_PDEATHSIG = SIGTERM` (Linux), and stops the whole group — the server
@@ -74,7 +74,7 @@ def _stop(pgid: int, grace: float) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[2] != "--":
-        print("usage: server_guard.py WATCH_FD GRACE_S -- COMMAND...", file=sys.stderr)
+        print("usage: guard.py WATCH_FD GRACE_S -- COMMAND...", file=sys.stderr)
         return 2
     watch_fd, grace = int(argv[0]), float(argv[1])
     command = argv[3:]

@@ -1,6 +1,6 @@
 """The vLLM worker extension: weight updates inside vLLM's workers, reached with /collective_rpc.
 
-Start the server with `--worker-extension-cls glmlight.engines.servers.vllm_worker.WeightLoaderExtension`
+Start the server with `--worker-extension-cls glmlight.engines.servers.worker.vllm_extension.WeightLoaderExtension`
 (a managed launch adds it and puts glmlight on the server's PYTHONPATH). This module imports torch,
 safetensors and glmlight's weight transport, update checks and delta form only (vLLM lazily, inside
 the methods), so the server's environment needs no other part of glmlight.
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from glmlight.dtypes import parse_dtype
-from glmlight.engines.servers.worker_checks import check_update_names, checkpoint_shapes
+from glmlight.engines.servers.worker.checks import check_update_names, checkpoint_shapes
 from glmlight.engines.transport import (Named, decode_safetensors, init_custom_process_group, map_checkpoint, read_checkpoint,
                                        sync_device)
 from glmlight.engines.weight_delta import DeltaBase
