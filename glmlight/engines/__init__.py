@@ -8,5 +8,5 @@
 - `servers/`: the SGLang and vLLM clients, the servers glmlight launches, the vLLM worker extension.
 
 `local/` and `servers/` import the modules above, never each other. This package imports nothing at
-import time: a vLLM worker imports `servers/vllm_worker.py` with torch and safetensors alone.
+import time: a vLLM worker imports `servers/worker/vllm_extension.py` with torch and safetensors alone.
 """

@@ -14,7 +14,7 @@ On the wire a delta is two ordinary named tensors, `<name>.__delta_mask` (uint8,
 order) and `<name>.__delta_values`, so buckets and the safetensors encoding carry it unchanged; the
 receiver expands the whole update at commit, whichever buckets the pieces came in.
 
-This module imports torch only: it runs inside the vLLM worker too (vllm_worker.py).
+This module imports torch only: it runs inside the vLLM worker too (servers/worker/vllm_extension.py).
 """
 
 from __future__ import annotations
