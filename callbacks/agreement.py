@@ -7,7 +7,7 @@ Every `every_n_steps` RL steps, on the first `num_sequences` sequences of the st
   while it generated; at fit start the monitor asks the engine to record them). An engine that
   cannot record but exposes its model in this process (`engine.model`) is measured on a prefill
   of that model instead; otherwise the check is skipped, saying so once;
-- the trainer's choices are those its own forward uses (`RLModule.forward_logits`: glmlight's
+- the trainer's choices are those its own forward uses (`PolicyScoring.forward_logits`: glmlight's
   GLM-5 forward or the model's, with `algo.replay` applied), captured during a no-grad forward.
 
 With `algo.replay` on, the trainer uses the engine's choices, so the agreement is 1 by construction;
@@ -77,7 +77,7 @@ class ChoiceAgreement(RLCallback):
                 if engine is None:
                     return
                 used: dict = {}
-                module.forward_logits(module.policy, sub, capture=used)
+                module.scoring.forward_logits(module.policy, sub, capture=used)
         finally:
             module.policy.train(was_training)
         per_layer = {}

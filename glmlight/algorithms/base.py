@@ -7,6 +7,10 @@ One training step = one rollout batch, read top to bottom in glmlight/algorithms
                ─► advantages (the algorithm's own)
                ─► ppo_epochs × num_minibatches optimizer steps (micro-batched)
 
+It holds two parts it builds with explicit arguments: `scoring` (log-probs, entropy, the reference:
+glmlight/algorithms/scoring.py) and `parallel` (micro-batches, and what the trainer's strategy asks of the
+passes: glmlight/algorithms/parallel.py).
+
 Subclasses implement `compute_advantages` and may add loss terms through
 `extra_loss`. A policy with MTP layers (model.mtp) also trains them with `mtp_loss`, whose gradient reaches
 only them (docs/models.md). `trainer.max_steps` in the config counts RL steps; Lightning's
@@ -31,6 +35,7 @@ from glmlight.algorithms.scoring import LOGPROB_FLOOR, PolicyScoring
 from glmlight.algorithms.step import rl_step
 from glmlight.strategies.checkpoint import restore_rank_state, save_rank_state
 from glmlight.config.schema import AlgoConfig
+from glmlight.strategies.base import rl_strategy
 from glmlight.strategies.distributed import all_reduce_gradients, clip_grad_norm, global_sums, grad_scale, grads_finite
 from glmlight.hooks import EvalTarget, call_rl_hooks, with_hook
 from glmlight.models.lora import check_trainable_state, is_lora, keep_trainable_state
@@ -39,7 +44,7 @@ from glmlight.ops.dis import dis_loss_per_token
 from glmlight.ops.kl import kl_penalty
 from glmlight.ops.mtp import mtp_loss_terms, mtp_mask
 from glmlight.ops.policy_loss import ppo_clip_loss
-from glmlight.ops.reduce import aggregate_loss, masked_mean
+from glmlight.ops.reduce import aggregate_loss, loss_normalisers, masked_mean
 from glmlight.ops.schedule import lr_lambda
 from glmlight.sample import Experience, Sample
 
@@ -53,7 +58,7 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
+class RLModule(pl.LightningModule):
     # Whether compute_advantages reads batch.old_logprobs (then they are computed before the update).
     advantages_read_old_logprobs = False
     # Whether the advantages' baseline is the group's own rewards, so a group whose rewards are all equal
@@ -61,37 +66,47 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
     group_baseline = False
 
     def __init__(self, cfg: AlgoConfig, policy: torch.nn.Module, *, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, max_new_tokens: int = 64, pad_token_id: int = 0, use_glm_forward: bool = False):
+                 top_p: float = 1.0, max_new_tokens: int = 64, pad_token_id: int = 0, use_glm_forward: bool = False,
+                 filter_order: str = "sequential"):
         super().__init__()
         self.cfg = cfg
-        self.use_glm_forward = use_glm_forward  # logits through glmlight.models.glm5.forward (model.forward)
         self.policy = policy.train()
-        # The sampling distribution (glmlight.ops.logprobs): the trainer's log-probs are taken under the
-        # same temperature / top-k / top-p processing as the engine's, so both are the same quantity.
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.top_k, self.top_p = top_k, top_p
         self.max_new_tokens = max_new_tokens
         self.pad_token_id = pad_token_id
         self.automatic_optimization = False
         self.policy_version = 0
         self._nonfinite_streak = 0
-        self.replay_mode = getattr(cfg, "replay", "none")  # algo.replay (glmlight/algorithms/replay.py)
-        replay_.check_model(policy, self.replay_mode)
+        replay_mode = getattr(cfg, "replay", "none")  # algo.replay (glmlight/algorithms/replay.py)
+        replay_.check_model(policy, replay_mode)
         self.records_filter: replay_.RecordsFilter | None = None  # set at fit start when replay is on
-        # The frozen reference lives outside the module's parameters: never trained, never checkpointed.
-        self._reference: list[torch.nn.Module] = []
-        # A LoRA policy's reference is its own frozen base (adapters disabled): no copy.
+        # The frozen reference lives outside the module's parameters (in `scoring`): never trained, never
+        # checkpointed. A LoRA policy's reference is its own frozen base (adapters disabled): no copy.
         self.lora = is_lora(policy)
-        self._reference_is_base = cfg.kl_coef > 0 and self.lora
         if self.lora:
             self.strict_loading = False  # checkpoints hold the adapters, not the frozen base
         # The MTP layers (`glmlight.models.mtp`): trained with algo.mtp_loss_coef beside the policy loss, on a
         # gradient path of their own (glmlight/models/glm5/forward.py, `forward_logits_mtp`)
         self.mtp_coef = float(getattr(cfg, "mtp_loss_coef", 0.0)) if num_mtp_layers(policy) else 0.0
+        reference = []
         if cfg.kl_coef > 0 and not self.lora:
             ref = copy.deepcopy(policy).eval()
             ref.requires_grad_(False)
-            self._reference.append(ref)
+            reference.append(ref)
+        # The passes over micro-batches and ranks (glmlight/algorithms/parallel.py)
+        self.parallel = ParallelSteps(cfg.micro_batch_size, getattr(cfg, "micro_batch_tokens", None),
+                                      self.attached_trainer)
+        # Log-probs, entropy and the reference's log-probs (glmlight/algorithms/scoring.py), under the
+        # sampling distribution (glmlight.ops.logprobs): the trainer's log-probs are taken under the same
+        # temperature / top-k / top-p processing as the engine's, so both are the same quantity.
+        self.scoring = PolicyScoring(
+            self.policy, self.parallel, temperature=temperature if temperature > 0 else 1.0, top_k=top_k,
+            top_p=top_p, filter_order=filter_order, replay_mode=replay_mode, use_glm_forward=use_glm_forward,
+            share_prompt_forward=bool(getattr(cfg, "share_prompt_forward", False)), reference=reference,
+            reference_is_base=cfg.kl_coef > 0 and self.lora)
+
+    def attached_trainer(self) -> pl.Trainer | None:
+        """The Lightning trainer this module is attached to (None before `fit` attaches it)."""
+        return self._trainer
 
     # ----------------------------------------------------------------- steps
     @property
@@ -115,7 +130,7 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         return logprobs.new_zeros(()), {}
 
     def on_fit_start(self) -> None:
-        replay_.start(self, self.replay_mode)  # the engine records what is replayed
+        replay_.start(self, self.scoring.replay_mode)  # the engine records what is replayed
 
     def evaluation_targets(self) -> list[EvalTarget]:
         """Other models to evaluate beside the policy at the start of training (glmlight.hooks); none."""
@@ -160,12 +175,13 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         was_training = self.policy.training
         self.policy.eval()
         from_update = self.old_logprobs_from_update()
-        batch.old_logprobs = None if from_update else self.compute_logprobs(self.policy, batch)
-        if batch.old_logprobs is not None and self.filters(batch):
+        scoring = self.scoring
+        batch.old_logprobs = None if from_update else scoring.compute_logprobs(self.policy, batch)
+        if batch.old_logprobs is not None and scoring.filters(batch):
             outside = (batch.old_logprobs <= LOGPROB_FLOOR).float()
             batch.stats["train/outside_kept_set_frac"] = float(masked_mean(outside, batch.loss_mask))
         batch.stats["train/old_logprobs_from_update"] = float(from_update)
-        ref = self.reference_logprobs(batch)
+        ref = scoring.reference_logprobs(batch)
         if ref is not None:
             batch.ref_logprobs = ref
         self.policy.train(was_training)
@@ -209,14 +225,6 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
                                    lambda mb, scale: self.micro_batch_loss(mb, scale), batch, rows,
                                    idle_rows=self.rows_without_gradient)
 
-    def ranks_may_skip_rows(self) -> bool:
-        """Whether a rank may run fewer forward/backward passes than the others: yes on one process and
-        under glmlight's data parallelism (gradients all-reduced once, after the passes); no under
-        FSDP / DeepSpeed, whose passes gather parameters and reduce gradients collectively."""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return True
-        return bool(getattr(self.trainer.strategy, "rl_gradient_sync", False))
-
     def rows_without_gradient(self, mb: Experience) -> torch.Tensor | None:
         """Boolean [B]: rows of `mb` whose policy loss is identically zero, so the update skips their
         forward and backward (their gradient is exactly zero). None (the default): every row trains."""
@@ -250,12 +258,13 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         # The global minibatch's denominators (summed over ranks, even by a rank with no rows) and the
         # factor that makes the ranks' averaged gradients the global loss's (glmlight.strategies.distributed).
         scale = {**global_sums(self.normalisers(mb_all)), "grad_scale": grad_scale()}
-        idle = idle_rows(mb_all) if idle_rows is not None and len(rows) and self.ranks_may_skip_rows() else None
+        parallel = self.parallel
+        idle = idle_rows(mb_all) if idle_rows is not None and len(rows) and parallel.ranks_may_skip_rows() else None
         active = torch.arange(len(rows)) if idle is None else (~idle.cpu()).nonzero().squeeze(1)
-        micros = self._collective(self._micro_batches(active, mb_all))
+        micros = parallel.collective(parallel.micro_batches(active, mb_all))
         for i, micro in enumerate(micros):
-            loss, stats = loss_fn(self._select(mb_all if micro is not None else batch, micro), scale)
-            self._mark_boundary(i == len(micros) - 1)
+            loss, stats = loss_fn(parallel.select(mb_all if micro is not None else batch, micro), scale)
+            parallel.mark_boundary(i == len(micros) - 1)
             self.manual_backward(loss * (scale["grad_scale"] if micro is not None else 0.0))
             if micro is None:
                 continue
@@ -267,13 +276,14 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
             if not len(active):  # what backward of the all-zero loss would leave: zero gradients
                 for p in params:
                     p.grad = torch.zeros_like(p)
-        if not self.sharded:
+        if not parallel.sharded:
             all_reduce_gradients(params)  # data parallel: every rank joins, even with no rows (FSDP reduces its own)
         loss_value = global_sums({"loss": loss_value})["loss"]  # the global minibatch's loss
         if model is self.policy:  # and its policy-loss part, summed over ranks as the loss is
             totals.update(global_sums({k: totals.get(k, 0.0) for k in LOSS_SHARES}))
-        if self._engine_steps and micros:
-            return {**totals, **self._engine_step(opt, sched, model, loss_value)}
+        if parallel.engine_steps and micros:
+            prefix = "train" if model is self.policy else "critic"
+            return {**totals, **parallel.engine_step(opt, sched, prefix, loss_value)}
         if all(p.grad is None for p in params):
             return self._step_without_update(opt, sched)
         if not grads_finite(params) or not math.isfinite(loss_value):
@@ -326,11 +336,12 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
     def micro_batch_loss(self, mb: Experience, scale: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         mtp_logits = None
+        scoring = self.scoring
         if self.mtp_coef:
-            logits, mtp_logits = self.forward_logits_mtp(self.policy, mb)
+            logits, mtp_logits = scoring.forward_logits_mtp(self.policy, mb)
         else:
-            logits = self.forward_logits(self.policy, mb)
-        logprobs = self.logprobs(logits, mb.response_ids, mb)
+            logits = scoring.forward_logits(self.policy, mb)
+        logprobs = scoring.logprobs(logits, mb.response_ids, mb)
         mask = mb.loss_mask
         pg, stats = self.policy_loss(mb, logprobs)
         if mb.token_weights is not None:
@@ -341,7 +352,7 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
             per_token = per_token + cfg.kl_coef * kl
             stats["train/kl"] = masked_mean(kl.detach(), mask)
         if cfg.entropy_coef or cfg.log_entropy:
-            entropy = self.entropy(logits, mask, with_grad=bool(cfg.entropy_coef), exp=mb)
+            entropy = scoring.entropy(logits, mask, with_grad=bool(cfg.entropy_coef), exp=mb)
             if cfg.entropy_coef:
                 per_token = per_token - cfg.entropy_coef * entropy
             stats["train/entropy"] = masked_mean(entropy.detach(), mask)
@@ -376,6 +387,27 @@ class RLModule(PolicyScoring, ParallelSteps, pl.LightningModule):
         cfg = self.cfg
         pg, kept = dis_loss_per_token(logprobs, mb.rollout_logprobs, mb.advantages, cfg.dis_eps_low, cfg.dis_eps_high)
         return pg, {"train/dis_masked_frac": 1.0 - masked_mean(kept.float(), mb.loss_mask)}
+
+    def normalisers(self, mb: Experience) -> dict[str, float]:
+        """This rank's share of the loss denominators of minibatch `mb` (summed over ranks before use:
+        glmlight.strategies.distributed)."""
+        return loss_normalisers(mb.loss_mask)
+
+    def sharded_modules(self) -> list[torch.nn.Module]:
+        """What trainer.strategy=fsdp shards: the policy and the frozen reference (subclasses add theirs)."""
+        return [self.policy, *self.scoring.reference]
+
+    def configure_model(self) -> None:
+        """Under an `RLStrategy` (glmlight/strategies/base.py) hand the strategy the module
+        (`configure_for`: DeepSpeed takes its gradient clipping), then, under a sharded one, each model of
+        `sharded_modules` (`shard`: FSDP2 shards each decoder layer, then the root); nothing otherwise."""
+        strategy = rl_strategy(self._trainer)
+        if strategy is None:
+            return
+        strategy.configure_for(self)
+        if strategy.rl_sharded:
+            for model in self.sharded_modules():
+                strategy.shard(model)
 
     # ----------------------------------------------------------------- optim
     def configure_optimizers(self) -> Any:

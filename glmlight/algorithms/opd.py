@@ -89,11 +89,12 @@ class OPD(RLModule):
         # A plain dict of plain objects: never a registered submodule, never checkpointed.
         self._teachers: dict[str, Any] | None = None
         self._noted_group_size = False
-        self.teacher_temperature = cfg.teacher_temperature if cfg.teacher_temperature is not None else self.temperature
+        self.teacher_temperature = (cfg.teacher_temperature if cfg.teacher_temperature is not None
+                                    else self.scoring.temperature)
         if self.teacher_temperature <= 0:
             raise ConfigError(f"config error: algo.teacher_temperature={self.teacher_temperature:g} must be > 0")
         if cfg.distill_loss == "full":
-            if self.top_k > 0 or self.top_p < 1:
+            if self.scoring.top_k > 0 or self.scoring.top_p < 1:
                 raise ConfigError("config error: algo.distill_loss=full compares whole distributions; it needs "
                                   "rollout.top_k=0 and rollout.top_p=1 (use distill_loss=sampled with top-k / top-p)")
             remote = [n for n, tc in self.teacher_cfgs.items() if tc.engine is not None or tc.serve == "engine"]
@@ -262,8 +263,8 @@ class OPD(RLModule):
             if next(teacher.parameters()).device != logits.device:
                 teacher.to(logits.device)
             with torch.no_grad():
-                t_logits = self.forward_logits(teacher, mb.select(rows.tolist()), replay=False)
-            kl = kl.index_put((rows,), full_reverse_kl(logits[rows], t_logits, mask[rows], self.temperature,
+                t_logits = self.scoring.forward_logits(teacher, mb.select(rows.tolist()), replay=False)
+            kl = kl.index_put((rows,), full_reverse_kl(logits[rows], t_logits, mask[rows], self.scoring.temperature,
                                                        self.teacher_temperature))
         cfg = self.cfg
         loss = aggregate_loss(kl, mask, cfg.loss_agg, constant=cfg.loss_agg_constant or self.max_new_tokens,

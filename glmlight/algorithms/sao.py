@@ -157,7 +157,7 @@ class SAO(RLModule):
         super().prepare_experience(batch)
         with torch.no_grad():
             self.critic.eval()
-            batch.values = self.per_row(batch, self.critic_values)
+            batch.values = self.parallel.per_row(batch, self.critic_values)
             self.critic.train()
 
     def token_rewards(self, batch: Experience, mask: torch.Tensor) -> torch.Tensor:

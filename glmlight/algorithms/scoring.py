@@ -1,6 +1,6 @@
-"""How an RLModule scores tokens: the trainer-side logits over a batch's responses, log-probs and
-entropy under the engine's sampling distribution (temperature, top-k, top-p), and the reference
-model's log-probs.
+"""How an RL module scores tokens (`PolicyScoring`, an object `RLModule` holds): the trainer-side logits
+over a batch's responses, log-probs and entropy under the engine's sampling distribution (temperature,
+top-k, top-p), and the reference model's log-probs.
 
 Per-turn sampling: tokens drawn with other settings than the run's (the agent gateway's
 `client_sampling`; `Experience.sampling`, glmlight/sample.py) are scored at the temperature, top-k and
@@ -15,11 +15,10 @@ keys by themselves, as slime's routing replay falls through for its reference an
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 
 from glmlight.algorithms import replay as replay_
+from glmlight.algorithms.parallel import ParallelSteps
 from glmlight.models import shared_prompt
 from glmlight.models.glm5 import forward as glm_forward
 from glmlight.models.glm5.replay import transformers_replay
@@ -47,26 +46,34 @@ def takes_logits_to_keep(model: torch.nn.Module) -> bool:
 
 
 class PolicyScoring:
-    """Mixin of `RLModule` (glmlight/algorithms/base.py), which sets temperature, top_k, top_p,
-    replay_mode, use_glm_forward, policy, the reference and `per_row`. `filter_order`: how the engine
-    whose rollouts are scored combines top-k and top-p (glmlight/ops/logprobs.py; the builder sets it
-    from the engine)."""
+    """How an RL module (glmlight/algorithms/base.py) scores tokens; it holds one.
 
-    # read from the class this is part of, defined there
-    cfg: Any
-    policy: torch.nn.Module
-    device: torch.device
-    temperature: float
-    top_k: int
-    top_p: float
-    replay_mode: Any
-    use_glm_forward: bool
-    sharded: bool
-    _reference: Any
-    _reference_is_base: bool
-    per_row: Callable[..., Any]
+    Args:
+        policy: the trained model (its own forwards replay the engine's records with `replay_mode`).
+        parallel: the module's `ParallelSteps` (micro-batches, whether the models are sharded).
+        temperature, top_k, top_p: the run's sampling distribution (rollout.*).
+        filter_order: how the engine whose rollouts are scored combines top-k and top-p
+            (glmlight/ops/logprobs.py; the builder takes it from the engine).
+        replay_mode: algo.replay (glmlight/algorithms/replay.py).
+        use_glm_forward: logits through glmlight.models.glm5.forward (model.forward).
+        share_prompt_forward: algo.share_prompt_forward (glmlight/models/shared_prompt.py).
+        reference: the frozen reference model, or none (a list of at most one, outside the module's parameters).
+        reference_is_base: the reference is the LoRA policy's own frozen base (its adapters disabled).
+    """
 
-    filter_order = "sequential"
+    def __init__(self, policy: torch.nn.Module, parallel: ParallelSteps, *, temperature: float, top_k: int,
+                 top_p: float, filter_order: str = "sequential", replay_mode: str = "none",
+                 use_glm_forward: bool = False, share_prompt_forward: bool = False,
+                 reference: list[torch.nn.Module] | None = None, reference_is_base: bool = False):
+        self.policy = policy
+        self.parallel = parallel
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.filter_order = filter_order
+        self.replay_mode = replay_mode
+        self.use_glm_forward = use_glm_forward
+        self.share_prompt_forward = share_prompt_forward
+        self.reference: list[torch.nn.Module] = reference if reference is not None else []
+        self.reference_is_base = reference_is_base
 
     def forward_logits(self, model: torch.nn.Module, exp: Experience, capture: dict | None = None,
                        replay: bool | None = None) -> torch.Tensor:
@@ -107,14 +114,14 @@ class PolicyScoring:
 
     def _shared_prompt_forward(self, model: torch.nn.Module, exp: Experience):
         """`shared_prompt.plan` when `algo.share_prompt_forward` is on and the models are not FSDP-sharded."""
-        if not getattr(self.cfg, "share_prompt_forward", False) or self.sharded:
+        if not self.share_prompt_forward or self.parallel.sharded:
             return None
         return shared_prompt.plan(model, exp)
 
     @torch.no_grad()
     def compute_logprobs(self, model: torch.nn.Module, exp: Experience, replay: bool | None = None) -> torch.Tensor:
         """Log-probs [B, T] of the responses under `model` (`replay`: as in `forward_logits`)."""
-        return self.per_row(exp, lambda mb: self.logprobs(self.forward_logits(model, mb, replay=replay),
+        return self.parallel.per_row(exp, lambda mb: self.logprobs(self.forward_logits(model, mb, replay=replay),
                                                           mb.response_ids, mb))
 
     def sampling_of(self, exp: Experience | None) -> tuple:
@@ -169,10 +176,10 @@ class PolicyScoring:
     def reference_logprobs(self, batch: Experience) -> torch.Tensor | None:
         """θ_ref's log-probs (algo.kl_coef > 0): a LoRA policy's frozen base, its adapters disabled, or the
         frozen copy of the initial policy; None without a reference."""
-        if self._reference_is_base:
+        if self.reference_is_base:
             with base_model_context(self.policy):
                 return self.compute_logprobs(self.policy, batch, replay=False)  # the base is not the policy
-        if self._reference:
-            ref = self._reference[0] if self.sharded else self._reference[0].to(self.device)
+        if self.reference:  # (sharded: where its shards are; else moved to the batch's device)
+            ref = self.reference[0] if self.parallel.sharded else self.reference[0].to(batch.input_ids.device)
             return self.compute_logprobs(ref, batch)
         return None

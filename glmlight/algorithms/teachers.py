@@ -10,11 +10,13 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from omegaconf import OmegaConf
 
+from glmlight.algorithms.parallel import ParallelSteps
+from glmlight.algorithms.scoring import PolicyScoring
 from glmlight.config.schema import typed_entry, WarmStartConfig
 from glmlight.engines.base import can_score_at_temperature
 from glmlight.errors import ConfigError, EngineError
@@ -28,11 +30,8 @@ class Student(Protocol):
 
     device: torch.device
     teacher_temperature: float
-
-    def per_row(self, exp: Experience, fn: Callable[[Experience], torch.Tensor]) -> torch.Tensor: ...
-
-    def forward_logits(self, model: torch.nn.Module, exp: Experience, capture: dict | None = None,
-                       replay: bool | None = None) -> torch.Tensor: ...
+    parallel: ParallelSteps  # the row-wise batching (`per_row`)
+    scoring: PolicyScoring  # the forward (`forward_logits`)
 
 
 @dataclass
@@ -63,8 +62,8 @@ class ModelTeacher:
         if next(self.model.parameters()).device != module.device:
             self.model.to(module.device)
         # the policy's micro-batches (algo.micro_batch_size or the token budget); the teacher's own routing
-        return module.per_row(exp, lambda mb: logprobs_from_logits(module.forward_logits(self.model, mb, replay=False),
-                                                                    mb.response_ids, module.teacher_temperature))
+        return module.parallel.per_row(exp, lambda mb: logprobs_from_logits(
+            module.scoring.forward_logits(self.model, mb, replay=False), mb.response_ids, module.teacher_temperature))
 
     def close(self) -> None:
         self.model = None

@@ -38,14 +38,14 @@ def bench_micro_batches(s: Sizes, device: str, long: int = 512, short: int = 16,
         module.prepare_experience(batch)
         module.compute_advantages(batch)
         scale = {**loss_normalisers(batch.loss_mask), "grad_scale": 1.0}
-        micro = module._micro_batches(torch.arange(batch.batch_size), batch)
+        micro = module.parallel.micro_batches(torch.arange(batch.batch_size), batch)
         counts[name] = len(micro)
 
         def step() -> None:  # what RLModule.optimizer_step does before the optimizer, without Lightning
             policy.train()
             policy.zero_grad(set_to_none=True)
             for idx in micro:
-                loss, _ = module.micro_batch_loss(module._select(batch, idx), scale)
+                loss, _ = module.micro_batch_loss(module.parallel.select(batch, idx), scale)
                 loss.backward()
 
         step()  # warm-up

@@ -359,8 +359,8 @@ def build(cfg: DictConfig | dict) -> Run:
     module = algorithm(cfg.algo.name).module(
         cfg.algo, policy, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-        use_glm_forward=use_glm_forward(cfg, policy))
-    module.filter_order = filter_order_of(engine)  # score the rollouts with the engine's own top-k/top-p order
+        use_glm_forward=use_glm_forward(cfg, policy),
+        filter_order=filter_order_of(engine))  # score the rollouts with the engine's own top-k/top-p order
     datamodule = RolloutDataModule(engine, tokenizer, source, reward, cfg.rollout, agent=agent, eval_cfg=cfg.eval,
                                    eval_sets=held_out, vocab_size=vocab,
                                    policy_version=lambda: module.policy_version)

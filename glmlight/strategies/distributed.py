@@ -3,7 +3,7 @@
 An RL step runs many forward/backward passes inside one `training_step` (old
 log-probs, epochs × minibatches × micro-batches, critic updates), which
 DistributedDataParallel's reducer does not allow. So `trainer.strategy=ddp` keeps
-the module unwrapped: rank 0's parameters are broadcast once at setup, and
+the module unwrapped (`RLDDPStrategy`): rank 0's parameters are broadcast once at setup, and
 `RLModule` all-reduces (averages) gradients itself before every optimizer step.
 Under `trainer.strategy=fsdp` (FSDP2, glmlight/strategies/fsdp.py) FSDP averages the
 gradients itself. Each rank rolls out its own shard of prompts with its own engine.
@@ -19,25 +19,33 @@ is the global loss.
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 
-def _configure_without_wrapper(self: DDPStrategy) -> None:
-    from lightning.pytorch.overrides.distributed import _sync_module_states
+class RLDDPStrategy(DDPStrategy):
+    """Lightning's DDP strategy leaving the module unwrapped (trainer.strategy=ddp): every rank starts from
+    rank 0's weights and `RLModule` averages the gradients itself (an `RLStrategy`,
+    glmlight/strategies/base.py)."""
 
-    _sync_module_states(self.model)  # every rank starts from rank 0's weights
+    rl_gradient_sync = True  # the module all-reduces gradients after its passes
+    rl_sharded = False
+    rl_engine_steps = False
 
+    def configure_ddp(self) -> None:
+        from lightning.pytorch.overrides.distributed import _sync_module_states
 
-def without_ddp_wrapper(strategy: DDPStrategy) -> DDPStrategy:
-    """The same strategy object, configured to leave the module unwrapped (gradients synced by RLModule)."""
-    strategy.configure_ddp = types.MethodType(_configure_without_wrapper, strategy)
-    strategy.rl_gradient_sync = True
-    return strategy
+        _sync_module_states(self.model)  # every rank starts from rank 0's weights (no DDP wrapper)
+
+    def configure_for(self, module: Any) -> None:
+        """Nothing to take from the module."""
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # every rank holds whole models
 
 
 def world_size() -> int:

@@ -47,7 +47,10 @@ class RLFSDPStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "rl_fsdp2"
+    # an `RLStrategy` (glmlight/strategies/base.py)
     rl_sharded = True  # RLModule: collective forwards, gradients reduced by FSDP
+    rl_gradient_sync = False
+    rl_engine_steps = False
 
     def __init__(self, *, param_dtype: str | None = None, reduce_dtype: str | None = None,
                  reshard_after_forward: bool = True, process_group_backend: str | None = None, **kwargs: Any):
@@ -69,6 +72,9 @@ class RLFSDPStrategy(ModelParallelStrategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+
+    def configure_for(self, module: Any) -> None:
+        """Nothing to take from the module (its models come to `shard`)."""
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """fully_shard every decoder layer of `model`, then its root (in place; idempotent)."""

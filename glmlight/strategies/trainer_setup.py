@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
 from glmlight.strategies.checkpoint import AtomicCheckpointIO
-from glmlight.strategies.distributed import without_ddp_wrapper
+from glmlight.strategies.distributed import RLDDPStrategy
 from glmlight.errors import ConfigError
 
 
@@ -38,20 +38,20 @@ def _public_config(cfg: DictConfig) -> dict[str, Any]:
 def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
     """Accelerator, devices, strategy and precision. Data-parallel strategies leave the module
     unwrapped (glmlight.strategies.distributed); fsdp is FSDP2 (glmlight.strategies.fsdp) on any accelerator; the NPU
-    plugin builds its own objects for the others."""
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-
+    plugin's DDP and DeepSpeed strategies in their RL form (glmlight.strategies.npu)."""
     if t.strategy == "fsdp":
         return fsdp_kwargs(t)
     if t.accelerator == "npu":
         from glmlight.accelerators import make_npu_trainer_kwargs
+        from glmlight.strategies.npu import for_rl
 
         kwargs = make_npu_trainer_kwargs(t.strategy, t.devices, t.precision, zero_stage=t.zero_stage,
                                          num_nodes=t.num_nodes)
+        kwargs["strategy"] = for_rl(kwargs["strategy"], zero_stage=t.zero_stage)
     else:
         strategy: Any = t.strategy
         if strategy == "ddp":
-            strategy = DDPStrategy()
+            strategy = RLDDPStrategy()
         elif strategy == "deepspeed":
             require("deepspeed", "trainer.strategy=deepspeed", "glmlight[deepspeed]")
             from glmlight.strategies.zero import RLDeepSpeedStrategy, select_cpu_accelerator
@@ -61,13 +61,6 @@ def hardware_kwargs(t: DictConfig) -> dict[str, Any]:
             strategy = RLDeepSpeedStrategy(stage=t.zero_stage)
         kwargs = dict(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
                       precision=t.precision)
-    s = kwargs["strategy"]
-    if isinstance(s, DDPStrategy) and not isinstance(s, DeepSpeedStrategy):
-        without_ddp_wrapper(s)
-    elif isinstance(s, DeepSpeedStrategy) and not getattr(s, "rl_engine_steps", False):
-        from glmlight.strategies.zero import for_rl
-
-        for_rl(s)  # the NPU plugin's DeepSpeed strategy
     return kwargs
 
 

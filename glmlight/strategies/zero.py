@@ -7,6 +7,8 @@
 - no batch-size probe of the dataloader (an RL step's batch is generated, not loaded);
 - the module's gradient clipping as DeepSpeed's (`configure_for`), which clips its partitioned
   gradients itself;
+- an `RLStrategy` (glmlight/strategies/base.py): its flags are declared on the class (`ZeroForRL`, which
+  the NPU plugin's form shares: glmlight/strategies/npu.py), never set on a live strategy;
 - `RLModule` runs the same number of backward passes on every rank (each one reduces gradient
   buckets collectively), marks the last one of an optimizer step as the gradient-accumulation
   boundary, and lets DeepSpeed's engine take the step (`rl_engine_steps`).
@@ -44,16 +46,39 @@ def select_cpu_accelerator() -> None:
                               "set DS_ACCELERATOR=cpu before starting")
 
 
-class RLDeepSpeedStrategy(DeepSpeedStrategy):
+class ZeroForRL(DeepSpeedStrategy):
+    """Lightning's DeepSpeed strategy with what an RL step needs, on the devices Lightning's runs on (an
+    `RLStrategy`, glmlight/strategies/base.py): equal backward passes on every rank, DeepSpeed's engine
+    steps, no batch-size probe of the dataloader, the module's gradient clipping (`configure_for`).
+    `RLDeepSpeedStrategy` adds CPUs; glmlight/strategies/npu.py's `RLNPUDeepSpeedStrategy` is this over
+    the NPU plugin's strategy."""
+
+    rl_sharded = True  # every rank runs the same backward passes
+    rl_engine_steps = True  # DeepSpeed's engine reduces, clips and steps
+    rl_gradient_sync = False
+
+    def __init__(self, stage: int = 2, **kwargs: Any) -> None:
+        # train_micro_batch_size_per_gpu in DeepSpeed's config (only its throughput logging reads it): an RL
+        # step's batch is generated, so Lightning must not probe the dataloader for it
+        kwargs.setdefault("logging_batch_size_per_gpu", 1)
+        super().__init__(stage=stage, **kwargs)
+
+    def configure_for(self, module: Any) -> None:
+        """Before DeepSpeed is initialised: the module's gradient clipping (0: none) as DeepSpeed's."""
+        if isinstance(getattr(module, "critic", None), Module):
+            raise ConfigError(f"config error: trainer.strategy=deepspeed takes one optimizer (DeepSpeed's limit), but "
+                              f"{type(module).__name__} trains a policy and a critic; use trainer.strategy=fsdp")
+        self._init_config_if_needed()
+        self.config["gradient_clipping"] = float(module.cfg.grad_clip or 0.0)
+
+    def shard(self, model: Module) -> Module:
+        return model  # DeepSpeed partitions the model it initialises (deepspeed.initialize), not here
+
+
+class RLDeepSpeedStrategy(ZeroForRL):
     """DeepSpeed ZeRO (stage 0-3) for RL modules on CPUs (gloo) or GPUs (nccl); see the module docstring."""
 
     strategy_name = "rl_deepspeed"
-    rl_sharded = True  # every rank runs the same backward passes
-    rl_engine_steps = True  # DeepSpeed's engine reduces, clips and steps
-
-    def __init__(self, stage: int = 2, **kwargs: Any) -> None:
-        kwargs.setdefault("logging_batch_size_per_gpu", 1)
-        super().__init__(stage=stage, **kwargs)
 
     def setup_environment(self) -> None:
         if self.root_device.type == "cpu":
@@ -79,24 +104,3 @@ class RLDeepSpeedStrategy(DeepSpeedStrategy):
             args=None, config=self.config, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
             model_parameters=[p for p in model.parameters() if p.requires_grad], dist_init_required=False)
         return engine, opt
-
-    def configure_for(self, module: Any) -> None:
-        """Before DeepSpeed is initialised: the module's gradient clipping (0: none) as DeepSpeed's."""
-        if isinstance(getattr(module, "critic", None), Module):
-            raise ConfigError(f"config error: trainer.strategy=deepspeed takes one optimizer (DeepSpeed's limit), but "
-                              f"{type(module).__name__} trains a policy and a critic; use trainer.strategy=fsdp")
-        self._init_config_if_needed()
-        self.config["gradient_clipping"] = float(module.cfg.grad_clip or 0.0)
-
-
-def for_rl(strategy: DeepSpeedStrategy) -> DeepSpeedStrategy:
-    """Another DeepSpeed strategy object (the NPU plugin's) given what RLDeepSpeedStrategy adds for RL
-    modules: equal backward passes on every rank, engine steps, no dataloader batch-size probe, the
-    module's gradient clipping."""
-    import types
-
-    strategy.rl_sharded = True
-    strategy.rl_engine_steps = True
-    strategy.logging_batch_size_per_gpu = strategy.logging_batch_size_per_gpu or 1
-    strategy.configure_for = types.MethodType(RLDeepSpeedStrategy.configure_for, strategy)
-    return strategy

@@ -33,7 +33,7 @@ def _batch(tokenizer):
 
 def _logprobs(module, model, tokenizer):
     _, exp = _batch(tokenizer)
-    lp = module.compute_logprobs(model.eval(), exp)
+    lp = module.scoring.compute_logprobs(model.eval(), exp)
     return [lp[i, : len(c)].tolist() for i, c in enumerate(COMPLETIONS)]
 
 

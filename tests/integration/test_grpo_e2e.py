@@ -194,14 +194,14 @@ def test_only_data_parallel_ranks_may_skip_rows(tmp_path):
     from glmlight.strategies.trainer_setup import hardware_kwargs
 
     module = _build(tmp_path).module
-    assert module.ranks_may_skip_rows()  # no trainer attached: one process
+    assert module.parallel.ranks_may_skip_rows()  # no trainer attached: one process
     ddp = hardware_kwargs(OmegaConf.create({"accelerator": "cpu", "strategy": "ddp", "devices": 2, "num_nodes": 1,
                                             "precision": "32-true", "zero_stage": 2}))["strategy"]
     for strategy, may in ((ddp, True), (SimpleNamespace(), False)):
         module.trainer = SimpleNamespace(world_size=2, strategy=strategy)
-        assert module.ranks_may_skip_rows() is may
+        assert module.parallel.ranks_may_skip_rows() is may
     module.trainer = SimpleNamespace(world_size=1, strategy=SimpleNamespace())
-    assert module.ranks_may_skip_rows()
+    assert module.parallel.ranks_may_skip_rows()
 
 
 def test_compiled_rollout_trains_as_the_eager_one(tmp_path):
@@ -234,9 +234,9 @@ def test_old_logprobs_update_with_several_passes_is_a_config_error(tmp_path):
 
 def test_the_trainer_forward_choice(tmp_path):
     # model.forward=auto: glmlight's GLM-5 forward for a GlmMoeDsa model, the model's own otherwise
-    assert _build(tmp_path).module.use_glm_forward
-    assert not _build(tmp_path, "model.forward=transformers").module.use_glm_forward
-    assert not _build(tmp_path, "model.gradient_checkpointing=true").module.use_glm_forward
+    assert _build(tmp_path).module.scoring.use_glm_forward
+    assert not _build(tmp_path, "model.forward=transformers").module.scoring.use_glm_forward
+    assert not _build(tmp_path, "model.gradient_checkpointing=true").module.scoring.use_glm_forward
     with pytest.raises(ConfigError, match="model.forward=glmlight cannot be used: model.gradient_checkpointing"):
         _build(tmp_path, "model.forward=glmlight", "model.gradient_checkpointing=true")
 
@@ -249,9 +249,9 @@ def test_both_trainer_forwards_give_the_same_response_logits(tmp_path):
     assert batch.attention_mask[:, 0].min() == 0 or batch.attention_mask[:, -1].min() == 0  # there is padding
     module = run.module
     with torch.no_grad():
-        fast = module.forward_logits(module.policy, batch)
-        module.use_glm_forward = False
-        ref = module.forward_logits(module.policy, batch)
+        fast = module.scoring.forward_logits(module.policy, batch)
+        module.scoring.use_glm_forward = False
+        ref = module.scoring.forward_logits(module.policy, batch)
     mask = batch.response_mask.bool()
     rows = [s.prompt_ids + s.response_ids for s in batch.samples]
     tol = model_logit_tolerance(module.policy, rows, context=batch.input_ids.shape[1])  # other kernels: float32

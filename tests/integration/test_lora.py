@@ -91,12 +91,12 @@ def test_lora_grpo_trains_only_the_adapters_and_syncs_merged_weights(tmp_path, t
     assert run.module.policy_version == 3 == run.datamodule.engine.version
     exp, rows = _experience(tokenizer, tokenizer.pad_token_id)
     # the reference is the frozen base (adapters disabled), no copy of the model
-    assert run.module._reference == []
-    ref = run.module.reference_logprobs(exp)
-    base_lp = run.module.compute_logprobs(frozen_base, exp)
+    assert run.module.scoring.reference == []
+    ref = run.module.scoring.reference_logprobs(exp)
+    base_lp = run.module.scoring.compute_logprobs(frozen_base, exp)
     # the same computation: zero adapters merge into W + 0 = W bit for bit, and a disabled adapter runs W alone
     assert torch.equal(ref, base_lp)
-    trained = run.module.compute_logprobs(policy.eval(), exp)
+    trained = run.module.scoring.compute_logprobs(policy.eval(), exp)
     assert (trained - ref).abs().max() > 1e-3  # the adapters matter
     # the engine serves the merged weights: its log-probs are the trained policy's
     served = run.datamodule.engine.score([p for p, _ in rows], [c for _, c in rows])
@@ -125,7 +125,7 @@ def test_lora_checkpoint_of_other_adapters_is_refused(tmp_path):
 
 def test_lora_uses_the_models_own_forward(tmp_path):
     run = _build(tmp_path, "model.lora.rank=2", "trainer.max_steps=1")
-    assert run.module.use_glm_forward is False
+    assert run.module.scoring.use_glm_forward is False
     with pytest.raises(ConfigError, match="model.lora.rank"):
         _build(tmp_path, "model.lora.rank=2", "model.forward=glmlight")
     with pytest.raises(ConfigError, match="target_modules"):

@@ -63,7 +63,7 @@ def test_hf_architecture_trains_and_syncs(tmp_path, tokenizer, caplog, arch, ext
                                                      "~callbacks.held_out_eval", "algo.lr=3e-3", *extra)))
     fast = arch in RUNNER  # a fast runner; the other models decode through their own forward
     assert type(run.datamodule.engine._runner).__name__ == RUNNER.get(arch, "HFRunner")
-    assert run.module.use_glm_forward is False
+    assert run.module.scoring.use_glm_forward is False
     run.fit(close=False)  # the engine is scored below
     # the fast paths that do not apply are named, once each
     logs = [r.getMessage() for r in caplog.records]
@@ -88,10 +88,10 @@ def test_hf_architecture_trains_and_syncs(tmp_path, tokenizer, caplog, arch, ext
                       versions=[0] * len(c)) for p, c in zip(prompts, completions)]
     exp = Experience.collate(samples, pad_token_id=tokenizer.pad_token_id)
     policy = run.module.policy.eval()
-    plain_lp = run.module.compute_logprobs(policy, exp, replay=False)
+    plain_lp = run.module.scoring.compute_logprobs(policy, exp, replay=False)
     if "rollout.weight_format=fp8" in extra:  # the trainer's weights through FP8 and back
         policy = _fp8_reference(policy)
-    trainer_lp = run.module.compute_logprobs(policy, exp, replay=False)
+    trainer_lp = run.module.scoring.compute_logprobs(policy, exp, replay=False)
     served = run.datamodule.engine.score(prompts, completions)
     run.close()
     tol = model_logprob_tolerance(policy, [p + c for p, c in zip(prompts, completions)])  # float32 rounding
@@ -103,6 +103,6 @@ def test_hf_architecture_trains_and_syncs(tmp_path, tokenizer, caplog, arch, ext
                                                     use_safetensors=True, dtype=torch.float32).eval()
     base = run.module.policy.get_base_model() if "model.lora.rank=4" in extra else run.module.policy
     assert type(exported).__name__ == type(base).__name__
-    exported_lp = run.module.compute_logprobs(exported, exp, replay=False)
+    exported_lp = run.module.scoring.compute_logprobs(exported, exp, replay=False)
     for i, c in enumerate(completions):
         assert exported_lp[i, : len(c)].tolist() == pytest.approx(plain_lp[i, : len(c)].tolist(), abs=tol)

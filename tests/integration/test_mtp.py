@@ -152,7 +152,7 @@ def test_glm45_structure_through_model_hf_trains_and_exports_a_fresh_mtp_layer(t
     assert "declares 1 MTP layer(s) (num_nextn_predict_layers), its weights hold 0" in caplog.text
     run = glmlight.build(compose(overrides_for_tests(
         tmp_path / "run", "model=hf", f"model.path={path}", "model.dtype=float32", "model.mtp.layers=1")))
-    assert type(run.module.policy.mtp.layers[0].mlp).__name__ == "Glm4MoeMoE" and not run.module.use_glm_forward
+    assert type(run.module.policy.mtp.layers[0].mlp).__name__ == "Glm4MoeMoE" and not run.module.scoring.use_glm_forward
     with run:
         run.fit()
         trained = {k: v.detach().clone() for k, v in run.module.policy.state_dict().items()}

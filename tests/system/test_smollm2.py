@@ -73,11 +73,11 @@ class Batches(pl.Callback):
     def on_experience(self, trainer, module, batch):
         from tests.support.tolerances import dims, logprob_tolerance
 
-        trainer_lp = module.compute_logprobs(module.policy, batch)
+        trainer_lp = module.scoring.compute_logprobs(module.policy, batch)
         mask = batch.loss_mask.bool()
         diff = (trainer_lp - batch.rollout_logprobs)[mask].abs().max().item()
         with torch.no_grad():  # float32 on both sides: the tolerance of two float32 computations
-            logits = module.forward_logits(module.policy, batch)
+            logits = module.scoring.forward_logits(module.policy, batch)
         tol = logprob_tolerance(**dims(module.policy.config), context=batch.input_ids.shape[-1],
                                 vocab=logits.shape[-1], logit_max=float(logits[mask].abs().max()) / self.temperature)
         groups = {}

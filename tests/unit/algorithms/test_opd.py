@@ -227,7 +227,7 @@ def test_full_distill_loss_is_the_exact_kl_to_each_rows_teacher(tokenizer, tiny_
     module.prepare_experience(batch)
     module.compute_advantages(batch)
     assert torch.all(batch.advantages == 0)
-    logits = module.forward_logits(module.policy, batch)
+    logits = module.scoring.forward_logits(module.policy, batch)
     scale = {"total_tokens": float(batch.loss_mask.sum()), "num_sequences": 3.0}
     loss, stats = module.extra_loss(batch, logits, None, batch.loss_mask, scale)
     models = {n: load_causal_lm(p, None).eval() for n, p in teacher_dirs.items()}
@@ -235,7 +235,7 @@ def test_full_distill_loss_is_the_exact_kl_to_each_rows_teacher(tokenizer, tiny_
     for i, name in enumerate(["A", "B", "B"]):
         row = batch.select([i])
         with torch.no_grad():
-            t = module.forward_logits(models[name], row)
+            t = module.scoring.forward_logits(models[name], row)
         expected = expected + full_reverse_kl(logits[i:i + 1], t, row.loss_mask).sum()
     assert loss.item() == pytest.approx(2.0 * expected.item() / scale["total_tokens"], rel=1e-5)
     assert stats["opd/full_reverse_kl"].item() == pytest.approx(expected.item() / scale["total_tokens"], rel=1e-5)

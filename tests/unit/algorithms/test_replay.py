@@ -137,7 +137,7 @@ def test_both_runners_record_what_the_trainer_chooses(tokenizer):
         module = _module(tokenizer, model, replay="none", forward=forward)
         used: dict = {}
         with torch.no_grad():
-            module.forward_logits(model, exp, capture=used)
+            module.scoring.forward_logits(model, exp, capture=used)
         routing, index = _agreements(exp, used)
         assert routing == [1.0] and index == [1.0, 1.0], forward
 
@@ -170,7 +170,7 @@ def test_replay_makes_engine_and_trainer_logprobs_agree_on_near_ties(tokenizer, 
         module = _module(tokenizer, model, replay=mode, forward=forward)
         used: dict = {}
         with torch.no_grad():
-            lp = logprobs_from_logits(module.forward_logits(model, exp, capture=used), exp.response_ids, 1.0)
+            lp = logprobs_from_logits(module.scoring.forward_logits(model, exp, capture=used), exp.response_ids, 1.0)
         gaps[mode] = float(((lp - exp.rollout_logprobs) * exp.loss_mask).abs().max())
         agree[mode] = _agreements(exp, used)
     routing, index = agree["none"]
@@ -191,12 +191,12 @@ def test_replay_survives_token_budget_micro_batches(tokenizer, forward):
     tol = model_logprob_tolerance(model, _sequences(exp))  # engine runner vs trainer forward: float32 rounding
     for extra in ([], ["algo.micro_batch_tokens=40"], ["algo.micro_batch_tokens=16"]):
         module = _module(tokenizer, model, "both", forward, *extra)
-        old = module.compute_logprobs(model, exp)
+        old = module.scoring.compute_logprobs(model, exp)
         gap = float(((old - exp.rollout_logprobs) * exp.loss_mask).abs().max())
         assert gap <= tol, (extra, gap, tol)
-        for idx in module._micro_batches(torch.arange(exp.batch_size), exp):
-            mb = module._select(exp, idx)
-            lp = module.logprobs(module.forward_logits(model, mb), mb.response_ids).detach()
+        for idx in module.parallel.micro_batches(torch.arange(exp.batch_size), exp):
+            mb = module.parallel.select(exp, idx)
+            lp = module.scoring.logprobs(module.scoring.forward_logits(model, mb), mb.response_ids).detach()
             assert float(((lp - mb.rollout_logprobs) * mb.loss_mask).abs().max()) <= tol, (extra, idx.tolist())
 
 
@@ -212,13 +212,13 @@ def test_only_the_policys_own_forwards_replay(tokenizer, forward):
     exp = Experience.collate(_rollout(policy, tokenizer), pad_token_id=tokenizer.pad_token_id)
     on = _module(tokenizer, policy, "both", forward, "algo.kl_coef=0.1")
     off = _module(tokenizer, policy, "none", forward, "algo.kl_coef=0.1")
-    on._reference, off._reference = [other], [other]
-    ref_on, ref_off = on.reference_logprobs(exp), off.reference_logprobs(exp)
+    on.scoring.reference, off.scoring.reference = [other], [other]
+    ref_on, ref_off = on.scoring.reference_logprobs(exp), off.scoring.reference_logprobs(exp)
     assert float(((ref_on - ref_off) * exp.loss_mask).abs().max()) == 0.0
     on.teacher_temperature = off.teacher_temperature = 1.0
     teacher = ModelTeacher("t", other)
     assert torch.equal(teacher.logprobs(on, exp) * exp.loss_mask, teacher.logprobs(off, exp) * exp.loss_mask)
-    own = on.compute_logprobs(policy, exp)
+    own = on.scoring.compute_logprobs(policy, exp)
     tol = model_logprob_tolerance(policy, _sequences(exp))  # engine runner vs trainer forward: float32 rounding
     assert float(((own - exp.rollout_logprobs) * exp.loss_mask).abs().max()) <= tol
 
@@ -232,7 +232,7 @@ def test_replay_only_replaces_choices_and_gradients_reach_the_router(tokenizer):
     grads, logits = {}, {}
     for mode in ("none", "both"):
         model.zero_grad()
-        out = _module(tokenizer, model, replay=mode).forward_logits(model, exp)
+        out = _module(tokenizer, model, replay=mode).scoring.forward_logits(model, exp)
         (out.float().square().mean()).backward()
         logits[mode] = out.detach()
         grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -305,7 +305,8 @@ def test_generic_moe_routing_replay_through_hooks(tokenizer, arch):
     logits = {}
     for mode in ("none", "routing"):
         used: dict = {}
-        out = _module(tokenizer, model, replay=mode, forward="transformers").forward_logits(model, exp, capture=used)
+        scoring = _module(tokenizer, model, replay=mode, forward="transformers").scoring
+        out = scoring.forward_logits(model, exp, capture=used)
         logits[mode] = out.detach()
         assert _routing_agreement(exp, used) == [1.0, 1.0]
     lp = logprobs_from_logits(logits["routing"], exp.response_ids, 1.0)
@@ -325,7 +326,8 @@ def test_glm4_replay_makes_engine_and_trainer_logprobs_agree_on_near_ties(tokeni
     for mode in ("none", "routing"):
         used: dict = {}
         with torch.no_grad():
-            out = _module(tokenizer, model, replay=mode, forward="transformers").forward_logits(model, exp, capture=used)
+            scoring = _module(tokenizer, model, replay=mode, forward="transformers").scoring
+            out = scoring.forward_logits(model, exp, capture=used)
         lp = logprobs_from_logits(out, exp.response_ids, 1.0)
         gaps[mode] = float(((lp - exp.rollout_logprobs) * exp.loss_mask).abs().max())
         agree[mode] = _routing_agreement(exp, used)
@@ -351,7 +353,8 @@ def test_glm4_router_gradients_under_replay_equal_a_float64_recomputation(tokeni
     grads = {}
     for mode in ("none", "routing"):
         model.zero_grad()
-        loss(model, _module(tokenizer, model, replay=mode, forward="transformers").forward_logits(model, exp)).backward()
+        scoring = _module(tokenizer, model, replay=mode, forward="transformers").scoring
+        loss(model, scoring.forward_logits(model, exp)).backward()
         grads[mode] = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
 
     ref = copy.deepcopy(model).double()
@@ -493,7 +496,7 @@ def test_agent_episodes_carry_first_run_records(tmp_path, tokenizer):
     exp = Experience.collate([s], pad_token_id=tokenizer.pad_token_id)
     used: dict = {}
     with torch.no_grad():
-        _module(tokenizer, model, replay="none").forward_logits(model, exp, capture=used)
+        _module(tokenizer, model, replay="none").scoring.forward_logits(model, exp, capture=used)
     assert _agreements(exp, used) == ([1.0], [1.0, 1.0])
     run = glmlight.build(compose(overrides_for_tests(
         tmp_path, "algo.replay=both", "task=calculator_agent", "rollout.max_new_tokens=6", "task.agent.max_turns=2",
@@ -537,7 +540,7 @@ def test_demo_model_replay_brings_old_logprobs_closer(tmp_path):
     for mode in ("none", "both"):
         used: dict = {}
         with torch.no_grad():
-            logits = _with_replay(run.module, mode).forward_logits(model, exp, capture=used)
+            logits = _with_replay(run.module, mode).scoring.forward_logits(model, exp, capture=used)
             lp = logprobs_from_logits(logits, exp.response_ids, 1.0)
         gap = (exp.rollout_logprobs - lp) * exp.loss_mask
         if affected is None:  # action tokens whose context holds a choice the trainer makes otherwise
@@ -562,5 +565,5 @@ def test_demo_model_replay_brings_old_logprobs_closer(tmp_path):
 
 
 def _with_replay(module, mode: str):
-    module.replay_mode = mode
+    module.scoring.replay_mode = mode
     return module

@@ -20,9 +20,9 @@ def test_entropy_without_gradient_in_chunks_equals_the_whole_batch(monkeypatch):
     mask[2, 0] = 0
     want = entropy_from_logits(logits, 0.7, 5) * mask
     monkeypatch.setattr(scoring, "ENTROPY_CHUNK_ELEMENTS", 2 * 40)  # two positions per chunk: 7 chunks
-    got = module.entropy(logits, mask, with_grad=False)
+    got = module.scoring.entropy(logits, mask, with_grad=False)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert not got.requires_grad
-    with_grad = module.entropy(logits.clone().requires_grad_(), mask, with_grad=True)
+    with_grad = module.scoring.entropy(logits.clone().requires_grad_(), mask, with_grad=True)
     torch.testing.assert_close(with_grad.detach(), want, rtol=0, atol=1e-6)
     assert with_grad.requires_grad

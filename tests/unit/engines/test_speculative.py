@@ -157,7 +157,7 @@ def test_recorded_logprobs_and_replay_records_are_the_trainers(tokenizer):
     exp = Experience.collate(samples, pad_token_id=tokenizer.pad_token_id)
     used: dict = {}
     with torch.no_grad():
-        _module(tokenizer, model, replay="none").forward_logits(model, exp, capture=used)
+        _module(tokenizer, model, replay="none").scoring.forward_logits(model, exp, capture=used)
     routing, index = _agreements(exp, used)
     assert routing == [1.0] and index == [1.0, 1.0]
 

@@ -45,7 +45,7 @@ def _experience(tiny_model, tokenizer, client_sampling, turns=TURNS, top_k=0):
 
 def _gap(tiny_model, exp, top_k=0):
     module = GRPO(GRPOConfig(), tiny_model, temperature=1.0, top_k=top_k)
-    lp = module.compute_logprobs(tiny_model.eval(), exp)
+    lp = module.scoring.compute_logprobs(tiny_model.eval(), exp)
     m = exp.loss_mask.bool()
     assert int(m.sum()) > 20
     return float((lp - exp.rollout_logprobs)[m].abs().max())
@@ -111,8 +111,8 @@ def test_entropy_and_micro_batches_take_the_per_token_sampling(tiny_model, monke
     for (r, c), (t, k, p) in settings.items():
         want[r, c] = entropy_from_logits(logits[r, c], t, k, p)
     monkeypatch.setattr(scoring, "ENTROPY_CHUNK_ELEMENTS", 2 * 40)
-    torch.testing.assert_close(module.entropy(logits, exp.loss_mask, False, exp), want, rtol=0, atol=1e-6)
-    got = module.entropy(logits.clone().requires_grad_(), exp.loss_mask, True, exp)
+    torch.testing.assert_close(module.scoring.entropy(logits, exp.loss_mask, False, exp), want, rtol=0, atol=1e-6)
+    got = module.scoring.entropy(logits.clone().requires_grad_(), exp.loss_mask, True, exp)
     torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
     mb = microbatch.trim(exp.select([1]))
     assert mb.sampling.shape == (1, 2, 3) and mb.sampling.isnan().all()

@@ -440,7 +440,7 @@ def test_the_trainer_scores_the_sampled_tokens_of_forced_turns_at_the_engines_lo
     # new segment: every episode's segments together hold its three actions
     assert actions == 3 * len({s.rollout_id for s in exp.samples})
     module = GRPO(GRPOConfig(), tiny_model, temperature=1.0, top_k=0)
-    lp = module.compute_logprobs(tiny_model.eval(), exp)
+    lp = module.scoring.compute_logprobs(tiny_model.eval(), exp)
     m = exp.loss_mask.bool()
     gap = float((lp - exp.rollout_logprobs)[m].abs().max())
     tol = model_logprob_tolerance(tiny_model, [s.prompt_ids + s.response_ids for s in exp.samples], temperature=1.0)
