@@ -56,3 +56,31 @@ def test_the_npu_plugins_strategies_in_their_rl_form():
     assert RLNPUDeepSpeedStrategy._setup_model_and_optimizer is DeepSpeedStrategy._setup_model_and_optimizer
     assert RLNPUDeepSpeedStrategy.configure_for is ZeroForRL.configure_for
     assert tuple(getattr(RLNPUDeepSpeedStrategy, f) for f in FLAGS) == (False, True, True)
+
+
+def test_configure_model_hands_the_module_and_its_models_to_the_strategy():
+    from glmlight.algorithms.grpo import GRPO, GRPOConfig
+    from glmlight.models.loading import load_causal_lm
+    from glmlight.models.tokenizer import build_char_tokenizer
+
+    class Recording:  # an RLStrategy that records what the module hands it
+        rl_gradient_sync, rl_engine_steps = False, False
+
+        def __init__(self, sharded):
+            self.rl_sharded, self.calls = sharded, []
+
+        def configure_for(self, module):
+            self.calls.append(("configure_for", module))
+
+        def shard(self, model):
+            self.calls.append(("shard", model))
+            return model
+
+    module = GRPO(GRPOConfig(kl_coef=0.1), load_causal_lm(None, build_char_tokenizer(), preset="test", seed=0))
+    for sharded in (True, False):
+        strategy = Recording(sharded)
+        module.trainer = SimpleNamespace(strategy=strategy, world_size=2)
+        module.configure_model()
+        shards = [("shard", m) for m in (module.policy, *module.scoring.reference)] if sharded else []
+        assert strategy.calls == [("configure_for", module), *shards]
+        assert module.parallel.sharded is sharded and module.parallel.ranks_may_skip_rows() is False
