@@ -27,8 +27,12 @@ PY="$DIR/bin/python"
 STAMP="$VERSION $(cat "$0" "$HERE"/sglang_cpu/*.py "$HERE"/sglang_cpu/*/*.py | sha256sum | cut -c1-16)"
 check() { SGLANG_USE_CPU_ENGINE=1 "$PY" -c "import sglang, sglang.launch_server; assert sglang.__version__ == '$VERSION', sglang.__version__" >/dev/null 2>&1; }
 installed() { "$PY" -c "import importlib.metadata as m; assert m.version('sglang') == '$VERSION'" >/dev/null 2>&1; }
+# SGLang's own router (a Rust load balancer from the package registry; rollout.server.router=sglang-router)
+ROUTER=sglang-router==0.3.2
+router() { "$PY" -m pip show sglang-router 2>/dev/null | grep -q "^Version: ${ROUTER#*==}$" || "$PY" -m pip install -q "$ROUTER"; }
 if [ -f "$DIR/.glmlight-ready" ] && [ "$(cat "$DIR/.glmlight-ready")" = "$STAMP" ] && installed; then
   echo "sglang $VERSION CPU environment: reusing $DIR" >&2
+  router
   echo "$PY"
   exit 0
 fi
@@ -57,6 +61,7 @@ SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cp -r "$HERE"/sglang_cpu/sgl_kernel "$SITE"/
 "$PY" "$HERE"/sglang_cpu/guard_torchvision.py
 check || { echo "sglang $VERSION CPU environment: 'import sglang.launch_server' fails in $DIR" >&2; exit 1; }
+router
 echo "$STAMP" > "$DIR/.glmlight-ready"
 echo "sglang $VERSION CPU environment: built in $(( $(date +%s) - start ))s" >&2
 echo "$PY"

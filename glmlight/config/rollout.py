@@ -21,9 +21,11 @@ class ServerConfig:
     """Rollout servers (rollout.backend = sglang | vllm | vllm_ascend)."""
 
     urls: list[str] = field(default_factory=list)  # one or more servers (requests go to the least busy one), or a router
-    # urls[0] is a router (sglang-router; generation only): send generation there; list the workers after it so
-    # weight sync can reach them
-    router: bool = False
+    # true: urls[0] is a router you run (generation goes there; list its workers after it so weight sync can reach
+    # them); sglang-router | vllm-router: glmlight launches the backend's own router (installed from the package
+    # registry) in front of the servers it launches (launch=true), and takes a restarting server out of its rotation
+    router: Any = choice(False, True, "sglang-router", "vllm-router", default=False)
+    router_args: list[str] = field(default_factory=list)  # extra router flags (default: --policy cache_aware)
     # the name of the environment variable holding the API key (sent as Bearer); None or unset: no key. vLLM
     # checks it on /v1, /v2, /inference, /cohere only
     api_key_env: Optional[str] = None
@@ -44,6 +46,12 @@ class ServerConfig:
     # dtype, as a bitmask and the new values; each server keeps a copy of the weights to apply them to)
     delta_sync: bool = False
     launch: bool = False  # start the server as a managed child process
+    # with launch: start this many servers of the backend, each on its own port (urls: one per server, or none for
+    # free ports) and its own share of the CPU cores (VLLM_/SGLANG_CPU_OMP_THREADS_BIND) or of the visible devices
+    # (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES: devices_per_server each; pass the tensor-parallel size in
+    # launch_args); every one is stopped on every exit path
+    num_servers: int = field_range(">= 1", 1)
+    devices_per_server: Optional[int] = field_range(">= 1", None)
     launch_args: list[str] = field(default_factory=list)  # extra server flags, e.g. [--tp-size, "8"]
     launch_command: Optional[list[str]] = None  # replaces `python -m sglang.launch_server` / the vLLM server
     launch_python: Optional[str] = None  # the interpreter of a managed server (its own environment); default: ours
@@ -77,8 +85,26 @@ class ServerConfig:
         if not self.urls and not self.launch and not self.in_process:
             raise ConfigError(f"config error: rollout.backend={r.backend} needs rollout.server.urls (running servers) "
                               "or rollout.server.launch=true (start one)")
-        if self.router and self.launch:
-            raise ConfigError("config error: rollout.server.router and rollout.server.launch cannot both be set")
+        named = self.router if isinstance(self.router, str) else None
+        if self.router is True and self.launch:
+            raise ConfigError("config error: rollout.server.router=true is a router you run (urls[0]) and cannot be "
+                              "launched; rollout.server.router=sglang-router or vllm-router launches the backend's "
+                              "router in front of the managed servers")
+        if named is not None:
+            if not self.launch:
+                raise ConfigError(f"config error: rollout.server.router={named} is started in front of the servers "
+                                  "glmlight launches: set rollout.server.launch=true (a router you run yourself: "
+                                  "router=true with its URL first in rollout.server.urls)")
+            want = "sglang" if named == "sglang-router" else "vllm"
+            if r.backend.split("_")[0] != want:
+                raise ConfigError(f"config error: rollout.server.router={named} routes {want} servers; this run's "
+                                  f"rollout.backend is {r.backend}")
+        if self.num_servers > 1 and (not self.launch or self.in_process):
+            raise ConfigError(f"config error: rollout.server.num_servers={self.num_servers} starts a fleet of managed "
+                              "servers: set rollout.server.launch=true (servers you run: list them in rollout.server.urls)")
+        if self.launch and len(self.urls) not in (0, 1, self.num_servers):
+            raise ConfigError(f"config error: rollout.server.urls lists {len(self.urls)} addresses for "
+                              f"{self.num_servers} managed server(s): give one per server, or none for free ports")
 
 
 @dataclass

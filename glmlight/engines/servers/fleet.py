@@ -35,6 +35,13 @@ suspect): before the next call it is probed, and if it serves other weights than
 In router mode (`router`), the first URL is the router, which generation goes through; the URLs after it
 are its workers, which take the weight updates.
 
+A managed fleet (`launch`: one LaunchSpec per server, `rollout.server.num_servers`) starts every server, and
+with `router_launch` the backend's own router in front of them (router.py); all of them are stopped on every
+exit path. A managed server that dies is marked out at once (and taken out of the router's rotation through
+its worker API), so requests go to the others; before the next call it is started again, re-synced to the
+current version, and only then marked in (and given back to the router). A router that dies is started
+again on its port with the same workers.
+
 This module imports nothing heavy at import time; the engines import aiohttp.
 """
 
@@ -56,6 +63,7 @@ from glmlight.engines.servers.checks import ServedShapes, UpdateProbe, check_rep
 from glmlight.engines.servers.launch import LaunchSpec, ManagedServer
 from glmlight.engines.servers.protocol import Answer, FleetFailed, ServerAdapter, Source, UpdateFailed, WeightSync
 from glmlight.engines.servers.replay import ReplayCapture
+from glmlight.engines.servers.router import RouterAdmin
 from glmlight.engines.servers.suspects import Suspects
 
 log = logging.getLogger(__name__)
@@ -70,7 +78,8 @@ class ServerFleet:
     sends_fp8_weights = True  # rollout.weight_format=fp8: pushes carry the block-FP8 checkpoint layout
 
     def __init__(self, servers: Sequence[ServerAdapter], *, http: Any, sync: WeightSync, replay: ReplayCapture,
-                 router: bool = False, launch: LaunchSpec | None = None, ready_timeout_s: float = 900.0,
+                 router: bool = False, launch: Sequence[LaunchSpec] = (), router_launch: LaunchSpec | None = None,
+                 ready_timeout_s: float = 900.0,
                  version: int = 0, confirm_timeout_s: float | None = None, poll_interval_s: float = 0.05,
                  update_retries: int = 2, resync: bool = True, verify_updates: bool = True,
                  weight_format: str = "auto", launch_restarts: int = 0, model_path: str | None = None,
@@ -83,17 +92,23 @@ class ServerFleet:
         self.router = router
         self.weight_format = weight_format  # auto | fp8 (glmlight.models.fp8_checkpoint.to_server_weights)
         self.model_path = model_path
-        self.launcher: ManagedServer | None = None
+        self.launchers: dict[str, ManagedServer] = {}  # url -> a managed server's process
+        self.router_proc: ManagedServer | None = None
+        self.router_admin = RouterAdmin(router_launch.name, router_launch.url) if router_launch is not None else None
+        self._out_of_router: set[str] = set()  # workers taken out of the router's rotation
         self.launch_restarts, self.num_server_restarts = launch_restarts, 0
         self.ready_timeout_s = ready_timeout_s
         self.confirm_timeout_s = confirm_timeout_s or http.settings.timeout_s
         self.poll_interval_s = poll_interval_s
         self.update_retries, self.resync, self.verify_updates = update_retries, resync, verify_updates
-        self.num_duplicates = self.num_resyncs = self.num_stale_answers = 0
+        self.num_duplicates = self.num_resyncs = self.num_stale_answers = self.num_router_removals = 0
         self._closed = False
         self._version = version
         self._current = Source(version, None)  # what every server serves now
-        self.suspects = Suspects(self.urls, version)
+        # the servers whose versions are tracked: the workers (in router mode an answer's URL is the router's, and
+        # its version the fleet's, since every worker takes each update together)
+        self.suspects = Suspects(self.urls[1:] if router else self.urls, version, on_out=self._leave_router,
+                                 on_in=self._rejoin_router)
         self.probe = UpdateProbe()
         self.shapes = ServedShapes(model_path)
         # One fleet change at a time: an update (the trainer) and a re-sync (a generating thread)
@@ -102,12 +117,15 @@ class ServerFleet:
         http.on_connection_error = self._check_launcher
         http.on_server_error = self.suspects.on_server_error
         try:
-            if launch is not None:
-                self.launcher = launch.start()
+            for spec in launch:
+                self.launchers[spec.url] = spec.start()
+            if router_launch is not None:
+                self.router_proc = router_launch.start()
             self.pool = UrlPool(self.urls[:1] if router else self.urls)
             self.pool.avoid = self.suspects.out
-            for url in self.urls:
+            for url in self.urls[1:] + self.urls[:1] if router_launch is not None else self.urls:
                 self._wait_ready(self.servers[url], ready_timeout_s)
+            self._wait_router_workers(ready_timeout_s)
             try:
                 if on_ready is not None:
                     on_ready(self)
@@ -124,6 +142,11 @@ class ServerFleet:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def launcher(self) -> ManagedServer | None:
+        """The managed server's process, for a fleet of one (the first server of a larger one)."""
+        return next(iter(self.launchers.values()), None)
 
     @property
     def front(self) -> ServerAdapter:
@@ -270,8 +293,9 @@ class ServerFleet:
             self.sync.close(servers)
         finally:
             self.http.close()
-            if self.launcher is not None:
-                self.launcher.stop()
+            for proc in [self.router_proc, *self.launchers.values()]:
+                if proc is not None:
+                    proc.stop()
 
     # ------------------------------------------------------------------ the fleet update
     def _update_fleet(self, servers: Sequence[ServerAdapter], named: list | None, path: str | None, version: int,
@@ -406,8 +430,17 @@ class ServerFleet:
         return [self.servers[u] for u in self.urls[1:]]
 
     def _check_launcher(self) -> None:
-        if self.launcher is not None:
+        """After a failed request (the HTTP loop's thread). A single managed server that exited: raise its exit
+        as one line. In a fleet of several, or behind a managed router: mark every exited server out (the
+        others take its requests) and leave the restart to the next call (`_restart_exited_servers`)."""
+        dead = [u for u, m in self.launchers.items() if m.proc.poll() is not None]
+        if len(self.launchers) == 1 and self.router_proc is None:
             self.launcher.check()
+            return
+        for url in dead:
+            self.suspects.mark_out(url)
+        if dead and len(dead) == len(self.launchers) and self.launch_restarts == 0:
+            self.launchers[dead[0]].check()
 
     def _raise_if_exited(self, wait_s: float = 15.0) -> None:
         """After a failed request to a managed server: if its process exits within `wait_s` (a worker that
@@ -422,29 +455,85 @@ class ServerFleet:
 
     def _restart_exited_server(self) -> None:
         """A managed server that exited (killed, crashed) is started again on the same address, up to
-        `launch_restarts` times, and waited for; it then serves its start-up weights, so it is marked out:
-        `sync_suspects` gives it the current ones before any request. Past the limit, the exit is raised
-        as one line (`ManagedServer.check`). Called from the caller's thread, before generating, scoring
-        or updating (never from the HTTP loop: the wait blocks)."""
-        if self.launcher is None or self.launcher.proc.poll() is None or self._closed:
+        `launch_restarts` times in all, and waited for; it then serves its start-up weights, so it is marked out:
+        `sync_suspects` gives it the current ones before any request, and only then marks it in (and gives it
+        back to the router). A managed router that exited is started again on its port. Past the limit, the
+        exit is raised as one line (`ManagedServer.check`). Called from the caller's thread, before generating,
+        scoring or updating (never from the HTTP loop: the wait blocks)."""
+        if self._closed:
+            return
+        exited = [u for u, m in self.launchers.items() if m.proc.poll() is not None]
+        router_exited = self.router_proc is not None and self.router_proc.proc.poll() is not None
+        if not exited and not router_exited:
             return
         with self._fleet_lock:
-            if self.launcher.proc.poll() is None:
-                return
+            for url in exited:
+                self.launchers[url] = self._start_again(self.launchers[url])
+                self.suspects.mark_out(url)
+                self._leave_router(url)
+                self._wait_ready(self.servers[url], self.ready_timeout_s)
+            if router_exited:
+                self.router_proc = self._start_again(self.router_proc)
+                self._wait_ready(self.servers[self.urls[0]], self.ready_timeout_s)
+                self._out_of_router.clear()  # started with every worker: take the marked-out ones out again
+                for url in self.suspects:
+                    self._leave_router(url)
+                self._wait_router_workers(self.ready_timeout_s)
+
+    def _start_again(self, proc: ManagedServer) -> ManagedServer:
+        """A managed process that exited, started again with the same command (counted against
+        `launch_restarts`); its exit is raised as one line once the restarts are spent."""
+        try:
+            proc.check()
+        except EngineError as e:
+            if self.num_server_restarts >= self.launch_restarts:
+                self._failed = f"{e} (restarted {self.num_server_restarts} times already)"
+                raise FleetFailed(self._failed) from None
+            log.warning("%s; starting it again (restart %d of %d)", e, self.num_server_restarts + 1,
+                        self.launch_restarts)
+        proc.stop()  # whatever is left of its process group
+        self.num_server_restarts += 1
+        return proc.spec.start()
+
+    # ------------------------------------------------------------------ the managed router's rotation
+    def _leave_router(self, url: str) -> None:
+        """Take worker `url` out of the managed router's rotation (its worker API), once."""
+        if self.router_admin is None or url in self._out_of_router or url not in self.launchers:
+            return
+        try:
+            self.router_admin.remove(url)
+            self._out_of_router.add(url)
+            self.num_router_removals += 1
+        except EngineError as e:  # a router that is down is restarted, and told again, before the next call
+            log.warning("%s: cannot take %s out of the router's rotation: %s", self.name, url, e)
+
+    def _rejoin_router(self, url: str) -> None:
+        """Give worker `url`, serving the current version again, back to the managed router."""
+        if self.router_admin is None or url not in self._out_of_router:
+            return
+        try:
+            self.router_admin.add(url)
+            self._out_of_router.discard(url)
+        except EngineError as e:
+            log.warning("%s: cannot give %s back to the router: %s", self.name, url, e)
+
+    def _wait_router_workers(self, timeout_s: float) -> None:
+        """Wait until the managed router routes to every worker in its rotation (sglang-router registers the
+        workers of its command line in the background)."""
+        if self.router_admin is None:
+            return
+        want = set(self.launchers) - self._out_of_router
+        deadline = time.monotonic() + timeout_s
+        while True:
             try:
-                self.launcher.check()
-            except EngineError as e:
-                if self.num_server_restarts >= self.launch_restarts:
-                    self._failed = f"{e} (restarted {self.num_server_restarts} times already)"
-                    raise FleetFailed(self._failed) from None
-                log.warning("%s; starting it again (restart %d of %d)", e, self.num_server_restarts + 1,
-                            self.launch_restarts)
-            spec, url = self.launcher.spec, self.launcher.spec.url
-            self.launcher.stop()  # whatever is left of its process group
-            self.launcher = spec.start()
-            self.num_server_restarts += 1
-            self._wait_ready(self.servers[url], self.ready_timeout_s)
-            self.suspects.mark_out(url)
+                if want <= set(self.router_admin.workers()):
+                    return
+            except EngineError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.name}: the {self.router_admin.kind} at {self.router_admin.url} did not list "
+                                  f"its workers {sorted(want)} within {timeout_s:g}s")
+            time.sleep(0.2)
 
     def _wait_ready(self, server: ServerAdapter, timeout_s: float) -> None:
         from glmlight.engines.servers.http import ServerUnavailable

