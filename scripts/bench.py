@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput of glmlight against baselines measured in the same run (docs/performance.md).
 
-    python scripts/bench.py [--quick] [--only engine|grpo|flops|sync|server|serversync|delta|micro|smollm2|speculative] [--sweep] [--device cpu|cuda]
+    python scripts/bench.py [--quick] [--only engine|grpo|flops|sync|server|serversync|delta|micro|smollm2|speculative|fleet] [--sweep] [--device cpu|cuda]
     python scripts/bench.py --only grpo --model smollm2   # the GRPO step against TRL on the real SmolLM2-135M-Instruct
                             [--json out.json] [--threads N] [--rounds R]
 
@@ -39,6 +39,10 @@ speculative  decode tokens/s of the embedded engine with speculative rollout (ro
         plain decoding, same weights, same run: the default run's tiny GLM-5 with one MTP layer, both warm-started
         as `train.py model.mtp.layers=1` builds them, sampling the task's held-out sums as the run samples; also
         with auto-off, and the measured draft, verification and plain step costs. Target >= 1.5x.
+fleet   a managed fleet of two real vLLM servers (each on half the cores), directly and behind the real
+        vllm-router, vs one server, SmolLM2-135M-Instruct: rollout tokens/s, weight-sync time (shm, distributed
+        over gloo) into two servers vs one, and a worker's restart and re-sync after kill -9. Needs
+        GLMLIGHT_VLLM_PYTHON (with vllm-router: scripts/vllm_cpu_venv.sh installs it); skipped without.
 --sweep glmlight (sync) vs TRL step times over completion length, group size and model size.
 
 Figures are medians of several repetitions; ratios are glmlight / baseline. Nothing here is
@@ -77,7 +81,8 @@ from glmlight.bench.grpo import bench_grpo, digit_fraction, digit_fraction_rewar
 from glmlight.bench.micro import bench_micro_batches  # noqa: F401
 from glmlight.bench.weightsync import bench_sync
 
-BENCHES = ["engine", "grpo", "flops", "sync", "server", "serversync", "delta", "micro", "smollm2", "speculative"]
+BENCHES = ["engine", "grpo", "flops", "sync", "server", "serversync", "delta", "micro", "smollm2", "speculative",
+           "fleet"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         from glmlight.bench.smollm2 import bench_smollm2
 
         rows += bench_smollm2(sizes, args.device)
+    if "fleet" in wanted:
+        from glmlight.bench.fleet import bench_fleet
+
+        rows += bench_fleet(sizes, args.device)
     if "speculative" in wanted:
         from glmlight.bench.speculative import bench_speculative
 

@@ -161,7 +161,7 @@ def _sync_rows(s: Sizes, engine: Any, local: Any, policy: torch.nn.Module, root:
     version = [engine.version]
 
     def push_server(mode: str) -> None:
-        engine.weight_sync = mode
+        engine.sync.mode = mode
         version[0] += 1
         engine.update_weights(named, version=version[0])
 

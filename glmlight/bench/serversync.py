@@ -64,7 +64,7 @@ def bench_server_sync(s: Sizes, device: str) -> list[dict[str, Any]]:
         try:
             for rep in range(s.sync_reps + 1):  # the first round warms every mode up and is not counted
                 for mode in MODES:
-                    engine.weight_sync = mode
+                    engine.sync.mode = mode
                     t = time.perf_counter()
                     engine.update_weights(named, version=engine.version + 1)
                     if rep:
@@ -151,7 +151,7 @@ def bench_delta_sync(states: list[dict[str, torch.Tensor]]) -> list[dict[str, An
     cfg = _config("vllm", ckpt, root)
     cfg.rollout.server.launch_args = [a if a != "float32" else "bfloat16" for a in cfg.rollout.server.launch_args]
     engine = build_server_engine(cfg)
-    engine.weight_sync = "tensor"
+    engine.sync.mode = "tensor"
     seconds: dict[str, list[float]] = {"whole": [], "delta": []}
     sent: dict[str, list[int]] = {"whole": [], "delta": []}
     try:
