@@ -19,7 +19,7 @@ from glmlight.bench.common import Sizes, row, timed
 
 
 def bench_speculative(s: Sizes, device: str, *, depth: int = 2, prompts: int = 64) -> list[dict[str, Any]]:
-    from glmlight import builder
+    from glmlight.run import build as builder
     from glmlight.config.compose import compose
     from glmlight.engines.base import SamplingParams
     from glmlight.engines.local.engine import LocalEngine
