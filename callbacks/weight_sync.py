@@ -4,7 +4,8 @@ gather (state_dict of the policy; a LoRA policy's merged weights; under FSDP2 wh
 from the shards bucket by bucket as the engine takes them, `glmlight.strategies.fsdp.full_weights`) → send
 (engine.update_weights, which casts to the engine's dtype) → acknowledge: the policy
 version advances only when the engine acknowledges the new version. Every data-parallel
-rank pushes to its own engine. Pushes the current weights once at the start of fit,
+rank pushes to its own engine; ranks that share one fleet of servers (glmlight/engines/base.py
+SharedFleet) push once, from the rank that owns it, and the others adopt the version. Pushes the current weights once at the start of fit,
 so a resumed run's engine serves the restored weights.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from glmlight.engines.base import SharedFleet
 from glmlight.hooks import RLCallback
 from glmlight.metrics import log_metrics
 from glmlight.models.lora import is_lora, merged_named_tensors
@@ -64,8 +66,11 @@ class WeightSync(RLCallback):
         # trainer.deterministic=true with an async producer: the push lands between two of its batches, at a
         # point the step count fixes (RolloutDataModule.weight_update_point); otherwise at once
         point = getattr(trainer.datamodule, "weight_update_point", contextlib.nullcontext)
-        with point():
-            engine.update_weights(named, version=version)
+        if isinstance(engine, SharedFleet) and trainer.world_size > 1:
+            self._push_shared(trainer, engine, named, version)
+        else:
+            with point():
+                engine.update_weights(named, version=version)
         if engine.version != version:
             raise RuntimeError(f"engine acknowledged version {engine.version}, expected {version}")
         if not is_lora(module.policy):
@@ -74,6 +79,20 @@ class WeightSync(RLCallback):
         self.num_syncs += 1
         return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes),
                 "sync/gather_seconds": gather_seconds, "sync/version": float(version)}
+
+    @staticmethod
+    def _push_shared(trainer: pl.Trainer, engine: SharedFleet, named: Any, version: int) -> None:
+        """Data-parallel ranks that share one fleet of servers: once every rank's rollout is done, the owning rank
+        pushes, the others take part in the gather (under FSDP2 a collective) and then adopt the version."""
+        trainer.strategy.barrier("glmlight-fleet-before-push")
+        if engine.owns_fleet:
+            engine.update_weights(named, version=version)
+        else:
+            for _ in named:
+                pass
+        trainer.strategy.barrier("glmlight-fleet-after-push")
+        if not engine.owns_fleet:
+            engine.adopt_version(version)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

@@ -151,6 +151,16 @@ class SeedsSampling(Protocol):
     seeded_sampling: bool  # False: per-request seeds do not fix the samples (SGLang without deterministic inference)
 
 
+@runtime_checkable
+class SharedFleet(Protocol):
+    """An engine that every data-parallel rank reaches as a client of one fleet of servers: one rank owns it
+    (launches it, pushes the weights into it); the others only adopt each version the owner pushed."""
+
+    owns_fleet: bool
+
+    def adopt_version(self, version: int) -> None: ...
+
+
 def can_score_at_temperature(engine: Any) -> bool:
     """Whether `engine.score` takes a `temperature` (servers score at temperature 1 only)."""
     score = getattr(engine, "score", None)

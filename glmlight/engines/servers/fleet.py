@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -83,10 +84,13 @@ class ServerFleet:
                  version: int = 0, confirm_timeout_s: float | None = None, poll_interval_s: float = 0.05,
                  update_retries: int = 2, resync: bool = True, verify_updates: bool = True,
                  weight_format: str = "auto", launch_restarts: int = 0, model_path: str | None = None,
-                 on_ready: Callable[[ServerFleet], None] | None = None):
+                 on_ready: Callable[[ServerFleet], None] | None = None, owns_fleet: bool = True):
         from glmlight.engines.servers.http import UrlPool
 
         self.http, self.sync, self.replay = http, sync, replay
+        # False: a client of a fleet another data-parallel rank owns (it pushes the weights and re-syncs servers;
+        # this rank adopts each version it pushed, `adopt_version`)
+        self.owns_fleet = owns_fleet
         self.servers: dict[str, ServerAdapter] = {s.url: s for s in servers}
         self.urls = [s.url for s in servers]
         self.router = router
@@ -239,6 +243,13 @@ class ServerFleet:
             self._current = source
             self._version = version
 
+    def adopt_version(self, version: int) -> None:
+        """The fleet's owner (another data-parallel rank) moved every server to `version`: answers from now on
+        carry it (the SharedFleet protocol, glmlight/engines/base.py)."""
+        self._version = version
+        self.suspects.served([s.url for s in self._sync_servers()], version)
+        self._current = Source(version, None)
+
     # ------------------------------------------------------------------ replay records (replay.py)
     def capture_replay(self, routing: bool = False, index: bool = False) -> None:
         """Return the replay records asked for with every generation from now on (`ReplayCapture.start`),
@@ -285,6 +296,10 @@ class ServerFleet:
         if self._closed:
             return
         self._closed = True
+        from glmlight.engines.servers.settings import FLEET_ENV
+
+        if self.launchers and self.urls[-1] in os.environ.get(FLEET_ENV, ""):
+            del os.environ[FLEET_ENV]  # this fleet is gone: no rank started later may join it
         try:
             try:
                 servers = self._sync_servers()
@@ -385,6 +400,8 @@ class ServerFleet:
                 self._resync(server)
 
     def _resync(self, server: ServerAdapter) -> None:
+        if not self.owns_fleet:  # the owning rank re-syncs it; until then requests go to the other servers
+            return
         src = self._current
         if src.named is None and src.path is None:
             self._failed = (f"{self.name} server at {server.url} lost the weights of version {src.version} (it "

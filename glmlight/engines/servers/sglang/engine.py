@@ -17,7 +17,7 @@ from glmlight.engines.servers.checks import check_logprob_definition
 from glmlight.engines.servers.fleet import ServerFleet
 from glmlight.engines.servers.launch import fleet_launch
 from glmlight.engines.servers.replay import ReplayCapture
-from glmlight.engines.servers.settings import server_settings
+from glmlight.engines.servers.settings import joined_fleet, publish_fleet, server_settings
 from glmlight.engines.servers.sglang.adapter import REPLAY_FIELDS, SGLangFleetInfo, SGLangServer
 from glmlight.engines.servers.sglang.sync import SGLangWeightSync
 from glmlight.engines.servers.sglang.wire import check_sampling
@@ -62,13 +62,18 @@ class SGLangEngine(ServerFleet):
         """The engine for the run's config; `replay`: (routing, index), what a managed server must return."""
         check_sampling(cfg.rollout.top_p, cfg.rollout.top_k)
         s, kw = cfg.rollout.server, server_settings(cfg)
-        launch = fleet_launch(cfg, kw, replay) if s.launch else []
+        joined = joined_fleet(cfg)
+        if joined is not None:  # another data-parallel rank owns the fleet: be its client
+            kw = {**kw, "urls": joined["urls"], "router": joined["router"], "owns_fleet": False}
+        launch = fleet_launch(cfg, kw, replay) if s.launch and joined is None else []
         if launch and isinstance(s.router, str):
             from glmlight.engines.servers.router import router_launch
 
             kw = {**kw, "router": True, "router_launch": router_launch(cfg, [spec.url for spec in launch])}
-        return cls(launch=launch, sync_backend=s.sync_backend or "nccl", sync_master_address=s.sync_master_address,
+        engine = cls(launch=launch, sync_backend=s.sync_backend or "nccl", sync_master_address=s.sync_master_address,
                    check_logprobs=bool(s.check_logprobs), **kw)
+        publish_fleet(engine)
+        return engine
 
     def _start_checks(self) -> None:
         # Health checks pass without a key; an authenticated call finds a refused key now.
