@@ -565,7 +565,9 @@ class ServerFleet:
                 return
             except ServerUnavailable as e:
                 refusals += e.refused
-                if e.refused and self.launcher is None and refusals > self.http.settings.max_retries:
+                # a fleet of one's own that refuses connections is not running; one that another rank owns may
+                # still be starting (torchrun starts every rank at once): wait for it up to the timeout
+                if e.refused and self.launcher is None and self.owns_fleet and refusals > self.http.settings.max_retries:
                     raise EngineError(f"cannot reach {self.name} server at {url}: connection refused {refusals} times; "
                                       "is it running? (rollout.server.urls)") from None
                 if time.monotonic() > deadline:

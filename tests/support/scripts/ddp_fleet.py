@@ -2,6 +2,11 @@
 tests/integration/distributed/test_shared_fleet.py.
 
     python -m tests.support.scripts.ddp_fleet OUT_DIR BACKEND PYTHON CHECKPOINT
+    torchrun --nnodes=2 --nproc-per-node=1 --node-rank=N --master-addr=127.0.0.1 --master-port=P \
+        -m tests.support.scripts.ddp_fleet OUT_DIR BACKEND PYTHON CHECKPOINT URL1,URL2
+
+With URLs (two nodes of one process each, started at once by torchrun): rank 0 launches the servers there
+and rank 1 joins them.
 
 Rank 0 launches the fleet when the run is built; Lightning starts rank 1 by re-running this script, and rank 1
 joins that fleet as a client. After every RL step each rank writes to OUT_DIR/rank<r>.jsonl: a fingerprint of
@@ -37,15 +42,17 @@ class Fingerprint(pl.Callback):
             f.write(json.dumps(row) + "\n")
 
 
-def main(out_dir: str, backend: str, python: str, ckpt: str) -> None:
+def main(out_dir: str, backend: str, python: str, ckpt: str, urls: str = "") -> None:
     os.makedirs(out_dir, exist_ok=True)
+    placement = (["trainer.devices=1", "trainer.num_nodes=2", f"rollout.server.urls=[{urls}]"] if urls else
+                 ["trainer.devices=2", "rollout.server.urls=[]"])
     cfg = compose([
         f"rollout={backend}", "model=hf", f"model.path={ckpt}", "model.dtype=float32", "model.warm_start.steps=0",
         "logger=none", f"trainer.default_root_dir={out_dir}", "trainer.max_steps=3", "trainer.enable_progress_bar=false",
         "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4",
         "trainer.checkpoint_every_n_steps=0", "task.reward._target_=tests.conftest.digit_fraction_reward",
-        "~callbacks.held_out_eval", "~callbacks.sample_table", "trainer.devices=2", "trainer.strategy=ddp",
-        "algo.lr=0.001", "rollout.server.urls=[]", "rollout.server.launch=true", "rollout.server.num_servers=2",
+        "~callbacks.held_out_eval", "~callbacks.sample_table", "trainer.strategy=ddp",
+        "algo.lr=0.001", *placement, "rollout.server.launch=true", "rollout.server.num_servers=2",
         "rollout.server.weight_sync=tensor", "rollout.server.api_key_env=null",
     ])
     OmegaConf.set_struct(cfg, False)
@@ -59,4 +66,4 @@ def main(out_dir: str, backend: str, python: str, ckpt: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
