@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, field, is_dataclass
+from dataclasses import MISSING, field, fields, is_dataclass
 from typing import Any, Iterator
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -52,15 +52,30 @@ def _check_values(node: DictConfig, prefix: str = "") -> None:
             continue
         if value is None or not is_dataclass(schema):
             continue
-        rng = declared_range(schema, str(key))
-        if rng is not None:
-            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, ListConfig) else [(path, value)]
-            for where, v in items:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v not in rng:
-                    raise ConfigError(f"config error: {where} must be {rng}, got {v!r}")
-        allowed = declared(schema, str(key), "choices")
-        if allowed is not None and value not in allowed:
-            raise ConfigError(f"config error: {path}={value!r} is not one of {list(allowed)}")
+        _check_value(schema, str(key), value, path)
+
+
+def _check_value(schema: type, key: str, value: Any, path: str) -> None:
+    """`value` of field `key` of the dataclass `schema` against its declared range and allowed values."""
+    rng = declared_range(schema, key)
+    if rng is not None:
+        items = ([(f"{path}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, (ListConfig, list, tuple))
+                 else [(path, value)])
+        for where, v in items:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v not in rng:
+                raise ConfigError(f"config error: {where} must be {rng}, got {v!r}")
+    allowed = declared(schema, key, "choices")
+    if allowed is not None and value not in allowed:
+        raise ConfigError(f"config error: {path}={value!r} is not one of {list(allowed)}")
+
+
+def check_section(section: Any, prefix: str) -> None:
+    """The fields of one config dataclass instance built outside `validate` (the Python API: e.g. RewardOptions
+    passed to a reward) against their declared ranges and allowed values, with validate's one-line messages."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if value is not None:
+            _check_value(type(section), f.name, value, f"{prefix}.{f.name}")
 
 
 def _check_sections(node: DictConfig, cfg: DictConfig) -> None:

@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Awaitable, Callable, Union
 
-from glmlight.config.rules import CHOICES
+from glmlight.config.rules import check_section
 from glmlight.config.rollout import RewardOptions
 from glmlight.errors import ConfigError
 from glmlight.rewards.workers import (NoScore, ProcessWorkers, RemoteRewardError, RewardError, ThreadWorkers,
@@ -66,15 +66,8 @@ def reward_options(options: RewardOptions | Mapping[str, Any] | None) -> RewardO
             options = RewardOptions(**dict(options))
         except TypeError as e:
             raise ConfigError(f"config error: task.reward_options: {e}") from None
-    for key in ("executor", "style"):
-        allowed = CHOICES[f"task.reward_options.{key}"]
-        if getattr(options, key) not in allowed:
-            raise ConfigError(f"config error: task.reward_options.{key}={getattr(options, key)!r} is not one of "
-                              f"{list(allowed)}")
-    if not options.timeout_s > 0:
-        raise ConfigError(f"config error: task.reward_options.timeout_s must be > 0, got {options.timeout_s!r}")
-    if isinstance(options.max_concurrency, bool) or not isinstance(options.max_concurrency, int) \
-            or options.max_concurrency < 1:
+    check_section(options, "task.reward_options")  # the ranges and allowed values declared on its fields
+    if not isinstance(options.max_concurrency, int):
         raise ConfigError(f"config error: task.reward_options.max_concurrency must be >= 1, got "
                           f"{options.max_concurrency!r}")
     return options
