@@ -52,9 +52,14 @@ def _kill_server(proc) -> list[int]:
     return pids
 
 
-def _vllm_requests(url: str) -> float:
+def _vllm_counter(url: str, name: str) -> float:
+    """A counter of a vLLM server's own Prometheus metrics (summed over its labels)."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)", text, re.M))
+    return sum(float(v) for v in re.findall(r"^vllm:" + name + r"\{[^}]*\} ([0-9.e+]+)", text, re.M))
+
+
+def _vllm_requests(url: str) -> float:
+    return _vllm_counter(url, "request_success_total")
 
 
 def test_a_group_s_copies_go_to_one_worker_updates_reach_every_worker_and_a_killed_worker_rejoins(tmp_path):
@@ -78,14 +83,20 @@ def test_a_group_s_copies_go_to_one_worker_updates_reach_every_worker_and_a_kill
         assert sorted(engine.router_admin.workers()) == sorted(workers)
         params = SamplingParams(max_new_tokens=4, temperature=1.0)
         one_worker = 0
+        cache = [(_vllm_counter(w, "prefix_cache_hits_total"), _vllm_counter(w, "prefix_cache_queries_total"))
+                 for w in workers]
         for g in range(8):
             prompt = [(7 * g + 3 * j) % 90 + 5 for j in range(300)]
             before = [_vllm_requests(w) for w in workers]
             engine.generate([prompt] * 4, [SamplingParams(max_new_tokens=4, temperature=1.0, seed=c) for c in range(4)])
             got = [_vllm_requests(w) - b for w, b in zip(workers, before)]
             one_worker += sorted(got) == [0, 4]
-        print(f"groups whose 4 copies one worker answered: {one_worker} of 8")
+        hits = sum(_vllm_counter(w, "prefix_cache_hits_total") - h for w, (h, _) in zip(workers, cache))
+        queries = sum(_vllm_counter(w, "prefix_cache_queries_total") - q for w, (_, q) in zip(workers, cache))
+        print(f"groups whose 4 copies one worker answered: {one_worker} of 8; prefix-cache hit rate "
+              f"{hits / queries:.2f} ({hits:.0f} of {queries:.0f} prompt tokens, the workers' own counters)")
         assert one_worker >= 7  # cache-aware routing keeps a group on one worker (its prefix cached there)
+        assert hits / queries >= 0.5  # 3 of a group's 4 copies find its whole blocks cached: 0.64 at vLLM's 128-token blocks
 
         engine.update_weights(read_checkpoint(ckpts[1]), version=1)
         assert engine.version == 1 and all(engine.suspects.versions[w] == 1 for w in workers)
