@@ -35,16 +35,14 @@ def _config(ckpt: str, root: str, n: int, router: bool, mode: str) -> Any:
 
 
 def _kill(proc: Any) -> None:
+    """kill -9 a managed server (its processes, not its guard), as a crash would."""
     import signal
 
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != proc.proc.pid:
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[2]) == proc.pgid:
-                        os.kill(int(entry), signal.SIGKILL)
-            except (OSError, ValueError):
-                continue
+    from glmlight.engines.servers.launch import group_processes
+
+    for pid in group_processes(proc.pgid):
+        if pid != proc.proc.pid:
+            os.kill(pid, signal.SIGKILL)
     proc.proc.wait(60)
 
 

@@ -64,3 +64,21 @@ def publish_fleet(engine: Any) -> None:
 
     if data_parallel_rank() == 0 and engine.launchers:
         os.environ[FLEET_ENV] = json.dumps({"urls": list(engine.urls), "router": bool(engine.router)})
+
+
+def fleet_plan(cfg: Any, kw: dict[str, Any], replay: tuple[bool, bool]) -> tuple[dict[str, Any], list[Any]]:
+    """A server engine's constructor arguments and the servers it launches: a client of the fleet another
+    data-parallel rank owns (nothing to launch), or this rank's own managed fleet (rollout.server.launch: its
+    servers, and the backend's router in front with rollout.server.router=sglang-router|vllm-router)."""
+    from glmlight.engines.servers.launch import fleet_launch
+
+    s = cfg.rollout.server
+    joined = joined_fleet(cfg)
+    if joined is not None:
+        return {**kw, "urls": joined["urls"], "router": joined["router"], "owns_fleet": False}, []
+    launch = fleet_launch(cfg, kw, replay) if s.launch else []
+    if launch and isinstance(s.router, str):
+        from glmlight.engines.servers.router import router_launch
+
+        kw = {**kw, "router": True, "router_launch": router_launch(cfg, [spec.url for spec in launch])}
+    return kw, launch

@@ -17,6 +17,7 @@ import pytest
 
 from glmlight.engines.base import SamplingParams
 from glmlight.engines.factory import build_server_engine
+from glmlight.engines.servers.launch import group_processes
 from glmlight.models.tiny_checkpoint import build_tiny_checkpoint
 from tests.support.real_servers import interpreter, server_config
 
@@ -26,20 +27,9 @@ ROUTER = {"vllm": "vllm-router", "sglang": "sglang-router"}
 
 
 def _group(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (a managed process's guard leads its own group). The routers
-    rename their process (setproctitle), which overwrites /proc/<pid>/environ, so their GLMLIGHT_SERVER_ID
-    cannot be read back: their group is what finds them."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
+    """The live processes of a managed process's group (the routers rename themselves, so their
+    GLMLIGHT_SERVER_ID cannot be read back: their group is what finds them)."""
+    return group_processes(pgid)
 
 
 def _kill_server(proc) -> list[int]:

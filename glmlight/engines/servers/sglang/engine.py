@@ -15,9 +15,8 @@ from typing import Any
 from glmlight.errors import EngineError
 from glmlight.engines.servers.checks import check_logprob_definition
 from glmlight.engines.servers.fleet import ServerFleet
-from glmlight.engines.servers.launch import fleet_launch
 from glmlight.engines.servers.replay import ReplayCapture
-from glmlight.engines.servers.settings import joined_fleet, publish_fleet, server_settings
+from glmlight.engines.servers.settings import fleet_plan, publish_fleet, server_settings
 from glmlight.engines.servers.sglang.adapter import REPLAY_FIELDS, SGLangFleetInfo, SGLangServer
 from glmlight.engines.servers.sglang.sync import SGLangWeightSync
 from glmlight.engines.servers.sglang.wire import check_sampling
@@ -62,14 +61,7 @@ class SGLangEngine(ServerFleet):
         """The engine for the run's config; `replay`: (routing, index), what a managed server must return."""
         check_sampling(cfg.rollout.top_p, cfg.rollout.top_k)
         s, kw = cfg.rollout.server, server_settings(cfg)
-        joined = joined_fleet(cfg)
-        if joined is not None:  # another data-parallel rank owns the fleet: be its client
-            kw = {**kw, "urls": joined["urls"], "router": joined["router"], "owns_fleet": False}
-        launch = fleet_launch(cfg, kw, replay) if s.launch and joined is None else []
-        if launch and isinstance(s.router, str):
-            from glmlight.engines.servers.router import router_launch
-
-            kw = {**kw, "router": True, "router_launch": router_launch(cfg, [spec.url for spec in launch])}
+        kw, launch = fleet_plan(cfg, kw, replay)
         engine = cls(launch=launch, sync_backend=s.sync_backend or "nccl", sync_master_address=s.sync_master_address,
                    check_logprobs=bool(s.check_logprobs), **kw)
         publish_fleet(engine)

@@ -14,9 +14,9 @@ from typing import Any
 from glmlight.engines.weight_delta import DeltaSender
 from glmlight.engines.servers.checks import check_logprob_definition
 from glmlight.engines.servers.fleet import ServerFleet
-from glmlight.engines.servers.launch import fleet_launch, vllm_index_refusal
+from glmlight.engines.servers.launch import vllm_index_refusal
 from glmlight.engines.servers.replay import ReplayCapture
-from glmlight.engines.servers.settings import joined_fleet, publish_fleet, server_settings
+from glmlight.engines.servers.settings import fleet_plan, publish_fleet, server_settings
 from glmlight.engines.servers.vllm.adapter import REPLAY_FIELDS, VLLMFleetInfo, VLLMServer
 from glmlight.engines.servers.vllm.sync import VLLMWeightSync
 from glmlight.engines.servers.vllm.wire import ASCEND_OPTIONS
@@ -67,14 +67,7 @@ class VLLMEngine(ServerFleet):
         """The engine for the run's config; `replay`: (routing, index), what a managed server must return."""
         s, kw = cfg.rollout.server, server_settings(cfg)
         ascend = cfg.rollout.backend == "vllm_ascend"
-        joined = joined_fleet(cfg)
-        if joined is not None:  # another data-parallel rank owns the fleet: be its client
-            kw = {**kw, "urls": joined["urls"], "router": joined["router"], "owns_fleet": False}
-        launch = fleet_launch(cfg, kw, replay) if s.launch and joined is None else []
-        if launch and isinstance(s.router, str):
-            from glmlight.engines.servers.router import router_launch
-
-            kw = {**kw, "router": True, "router_launch": router_launch(cfg, [spec.url for spec in launch])}
+        kw, launch = fleet_plan(cfg, kw, replay)
         backend = s.sync_backend or (ASCEND_OPTIONS["sync_backend"] if ascend else "nccl")
         engine = cls(launch=launch, ascend=ascend, sync_backend=backend, sync_master_address=s.sync_master_address,
                    check_logprobs=bool(s.check_logprobs), delta_sync=bool(s.delta_sync), **kw)
