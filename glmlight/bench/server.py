@@ -124,7 +124,7 @@ def bench_server(s: Sizes, device: str) -> list[dict[str, Any]]:
         if counts["client"] != counts["raw"] or counts["embedded"] != counts["raw exact"]:
             print(f"server: token counts differ: {counts}", file=sys.stderr)
         med = {k: statistics.median(v) for k, v in rate.items()}
-        version = ".".join(map(str, engine.server_versions.get(url, ()))) or "?"
+        version = ".".join(map(str, engine.info.versions.get(url, ()))) or "?"
         work = f"vLLM {version} (CPU build, --enforce-eager, float32), tiny Llama, {s.server_prompts} concurrent requests"
         rows.append(row("vLLM rollout through glmlight's client", "tokens/s", med["client"], med["raw"],
                         TARGETS["server"], f"{work} x <= {s.server_tokens} new tokens, same requests and seeds on "
