@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from glmlight.config.rules import CHOICES
+from glmlight.config.schema import CHOICES
 from glmlight.groups import pad_or_drop_group
 from glmlight.errors import ConfigError
 from glmlight.models.glm5.replay import Replay, index_shape, routing_shape
@@ -31,7 +31,7 @@ from glmlight.sample import Experience, Sample
 log = logging.getLogger(__name__)
 
 def parts(mode: str) -> tuple[bool, bool]:
-    """(routing, index) of an `algo.replay` value (its values: glmlight.config.rules.CHOICES)."""
+    """(routing, index) of an `algo.replay` value (its values: glmlight.config.schema.CHOICES)."""
     if mode not in CHOICES["algo.replay"]:
         raise ConfigError(f"config error: algo.replay={mode!r} is not one of {list(CHOICES['algo.replay'])}")
     return mode in ("routing", "both"), mode in ("index", "both")

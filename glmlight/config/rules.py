@@ -1,8 +1,8 @@
 """Allowed values and the walk that checks a config: `choice(...)` declares the values a key may take on its
 dataclass field (beside `glmlight.config.ranges.field_range`), each config dataclass may hold its section's
 cross-key rules in a `check(self, cfg)` method, and `check_config` walks a merged config once: every key's
-range and allowed values, then every section's `check`. `CHOICES` reads the allowed values by dotted key off the
-fields, for code that acts on a key by its name.
+range and allowed values, then every section's `check`. (`glmlight.config.schema.CHOICES` reads the allowed values
+by dotted key off the schema's fields, for code that acts on a key by its name.)
 
     @dataclass
     class MySection:
@@ -16,10 +16,8 @@ fields, for code that acts on a key by its name.
 
 from __future__ import annotations
 
-import typing
-from collections.abc import Mapping
 from dataclasses import MISSING, field, fields, is_dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -88,49 +86,3 @@ def _check_sections(node: DictConfig, cfg: DictConfig) -> None:
         value = node[key]
         if isinstance(value, DictConfig) and is_dataclass(OmegaConf.get_type(value)):
             _check_sections(value, cfg)
-
-
-class _Choices(Mapping):
-    """dotted key -> its allowed values, read off the fields of the schema (`algo.*`: the fields every algorithm
-    shares, `AlgoConfig`)."""
-
-    def __getitem__(self, key: str) -> tuple:
-        from glmlight.config.schema import AlgoConfig, TrainConfig
-
-        cls: Any = TrainConfig
-        *parents, name = key.split(".")
-        for part in parents:
-            cls = AlgoConfig if cls is TrainConfig and part == "algo" else typing.get_type_hints(cls).get(part)
-            if not is_dataclass(cls):
-                raise KeyError(key)
-        allowed = declared(cls, name, "choices")
-        if allowed is None:
-            raise KeyError(key)
-        return tuple(allowed)
-
-    def __iter__(self) -> Iterator[str]:
-        from glmlight.config.schema import TrainConfig
-
-        return iter(_choice_keys(TrainConfig, ""))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-def _choice_keys(cls: type, prefix: str) -> list[str]:
-    from dataclasses import fields
-
-    from glmlight.config.schema import AlgoConfig, TrainConfig
-
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in fields(cls):
-        tp = AlgoConfig if cls is TrainConfig and f.name == "algo" else hints[f.name]
-        if is_dataclass(tp):
-            out += _choice_keys(tp, f"{prefix}{f.name}.")
-        elif declared(cls, f.name, "choices") is not None:
-            out.append(f"{prefix}{f.name}")
-    return out
-
-
-CHOICES: Mapping[str, tuple] = _Choices()

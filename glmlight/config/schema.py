@@ -10,6 +10,8 @@ rules in the `check(self, cfg)` of its dataclass; `validate` walks them once (gl
 from __future__ import annotations
 
 import difflib
+import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -18,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from glmlight.config.ranges import SEED, field_range
+from glmlight.config.ranges import SEED, declared, field_range
 from glmlight.config.registry import algorithm
 from glmlight.config.rollout import RolloutConfig, TaskConfig, resolve_server_model_path
 from glmlight.config.rules import check_config, choice
@@ -415,3 +417,41 @@ def format_config_error(e: BaseException) -> str:
     if "Could not find" in lines[0] and options:
         return f"config error: {lines[0]} (available: {', '.join(options)})"
     return f"config error: {lines[0] if lines else type(e).__name__}"
+
+
+class _Choices(Mapping):
+    """dotted key -> its allowed values, read off the fields of the schema (`algo.*`: the fields every algorithm
+    shares, `AlgoConfig`)."""
+
+    def __getitem__(self, key: str) -> tuple:
+        cls: Any = TrainConfig
+        *parents, name = key.split(".")
+        for part in parents:
+            cls = AlgoConfig if cls is TrainConfig and part == "algo" else typing.get_type_hints(cls).get(part)
+            if not is_dataclass(cls):
+                raise KeyError(key)
+        allowed = declared(cls, name, "choices")
+        if allowed is None:
+            raise KeyError(key)
+        return tuple(allowed)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_choice_keys(TrainConfig, ""))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _choice_keys(cls: type, prefix: str) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        tp = AlgoConfig if cls is TrainConfig and f.name == "algo" else hints[f.name]
+        if is_dataclass(tp):
+            out += _choice_keys(tp, f"{prefix}{f.name}.")
+        elif declared(cls, f.name, "choices") is not None:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+CHOICES: Mapping[str, tuple] = _Choices()

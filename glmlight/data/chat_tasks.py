@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 
-from glmlight.config.rules import CHOICES
+from glmlight.config.schema import CHOICES
 from glmlight.split import Side, question_key
 from glmlight.errors import DataError
 from glmlight.prompt import Prompt

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glmlight.errors import DataError
-from glmlight.config.rules import CHOICES
+from glmlight.config.schema import CHOICES
 
 FORMATS = CHOICES["task.format"]  # auto (by the name), jsonl, json, parquet, datasets: the config's one list
 EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}

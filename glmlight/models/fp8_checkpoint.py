@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from glmlight.config.rules import CHOICES
+from glmlight.config.schema import CHOICES
 from glmlight.errors import ConfigError
 from glmlight.models.fp8 import fp8_splits, quantize_split
 from glmlight.ops.quant import BLOCK, quantize_fp8_block

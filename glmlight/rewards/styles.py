@@ -27,7 +27,7 @@ import inspect
 from typing import Any, Callable
 
 from glmlight.errors import ConfigError
-from glmlight.config.rules import CHOICES
+from glmlight.config.schema import CHOICES
 from glmlight.sample import SAMPLING_KEY, Sample
 
 STYLES = CHOICES["task.reward_options.style"]

@@ -99,7 +99,7 @@ def test_task_subtraction_is_arithmetic_with_minus():
 def test_the_allowed_names_match_what_implements_them():
     """config.CHOICES is the one list of allowed values; the kinds of chat question and the gateway's tool-call
     formats it names are exactly the implemented ones."""
-    from glmlight.config.rules import CHOICES
+    from glmlight.config.schema import CHOICES
     from glmlight.data.chat_tasks import ChatQuestionTask
     from glmlight.gateway.tool_format import FORMATS
 
