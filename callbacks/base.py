@@ -7,8 +7,7 @@ counts, policy_version)` on each rollout round's samples before they are accepte
 and the reference log-probs exist, before the advantages and the loss. An `on_experience` hook may
 read the batch, log into `batch.stats`, or change `batch.token_weights` (multiply) and
 `batch.loss_mask` (intersect); one that does not read the old log-probs sets
-`reads_old_logprobs = False`, so the module may skip computing them. (`ExperienceHook` is the
-former name of this base.)
+`reads_old_logprobs = False`, so the module may skip computing them.
 
 `Correction`: the base of the train/inference mismatch corrections (IcePop, TIS, MIS,
 rejection sampling). A subclass implements `compute(batch) -> CorrectionResult` from
@@ -23,8 +22,6 @@ from typing_extensions import override
 from glmlight.hooks import RLCallback
 from glmlight.ops.corrections import CorrectionResult
 from glmlight.sample import Experience
-
-ExperienceHook = RLCallback
 
 
 class Correction(RLCallback):

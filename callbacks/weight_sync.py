@@ -66,10 +66,10 @@ class WeightSync(RLCallback):
         # trainer.deterministic=true with an async producer: the push lands between two of its batches, at a
         # point the step count fixes (RolloutDataModule.weight_update_point); otherwise at once
         point = getattr(trainer.datamodule, "weight_update_point", contextlib.nullcontext)
-        if isinstance(engine, SharedFleet) and trainer.world_size > 1:
-            self._push_shared(trainer, engine, named, version)
-        else:
-            with point():
+        with point():
+            if isinstance(engine, SharedFleet) and trainer.world_size > 1:
+                self._push_shared(trainer, engine, named, version)
+            else:
                 engine.update_weights(named, version=version)
         if engine.version != version:
             raise RuntimeError(f"engine acknowledged version {engine.version}, expected {version}")

@@ -449,7 +449,7 @@ class ServerFleet:
     def _check_launcher(self) -> None:
         """After a failed request (the HTTP loop's thread). A single managed server that exited: raise its exit
         as one line. In a fleet of several, or behind a managed router: mark every exited server out (the
-        others take its requests) and leave the restart to the next call (`_restart_exited_servers`)."""
+        others take its requests) and leave the restart to the next call (`_restart_exited_server`)."""
         dead = [u for u, m in self.launchers.items() if m.proc.poll() is not None]
         if len(self.launchers) == 1 and self.router_proc is None:
             self.launcher.check()

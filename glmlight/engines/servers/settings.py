@@ -1,5 +1,5 @@
 """The server engines' constructor settings from the run's config, read in this one place: among them
-the checkpoint the servers serve (`rollout.server.model_path`, else `model.path`)."""
+the checkpoint the servers serve (`rollout.server.model_path`, as validate resolved it)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Any
 
 
 def served_model_path(cfg: Any) -> str | None:
-    """The checkpoint directory the servers serve: rollout.server.model_path, else model.path."""
-    return cfg.rollout.server.model_path or cfg.model.path
+    """The checkpoint directory the servers serve: rollout.server.model_path, which validate resolves (to
+    model.path when unset: glmlight.config.rollout.resolve_server_model_path)."""
+    return cfg.rollout.server.model_path
 
 
 def server_settings(cfg: Any) -> dict[str, Any]:
