@@ -70,6 +70,13 @@ from glmlight.engines.servers.suspects import Suspects
 log = logging.getLogger(__name__)
 
 
+def fleet_urls(urls: Sequence[str], launch: Sequence[LaunchSpec], router_launch: LaunchSpec | None) -> list[str]:
+    """The URLs a fleet's adapters talk to: a managed fleet's (its router first), else the servers in `urls`."""
+    if not launch:
+        return list(urls)
+    return ([router_launch.url] if router_launch is not None else []) + [spec.url for spec in launch]
+
+
 class ServerFleet:
     """See the module docstring. `servers`: one adapter per URL, in `urls` order (a managed launch's:
     its own URL); `on_ready(fleet)`: what the backend checks once every server answers."""
@@ -567,7 +574,8 @@ class ServerFleet:
                 refusals += e.refused
                 # a fleet of one's own that refuses connections is not running; one that another rank owns may
                 # still be starting (torchrun starts every rank at once): wait for it up to the timeout
-                if e.refused and self.launcher is None and self.owns_fleet and refusals > self.http.settings.max_retries:
+                gave_up = refusals > self.http.settings.max_retries
+                if e.refused and self.launcher is None and self.owns_fleet and gave_up:
                     raise EngineError(f"cannot reach {self.name} server at {url}: connection refused {refusals} times; "
                                       "is it running? (rollout.server.urls)") from None
                 if time.monotonic() > deadline:

@@ -14,7 +14,7 @@ from typing import Any
 
 from glmlight.errors import EngineError
 from glmlight.engines.servers.checks import check_logprob_definition
-from glmlight.engines.servers.fleet import ServerFleet
+from glmlight.engines.servers.fleet import ServerFleet, fleet_urls
 from glmlight.engines.servers.replay import ReplayCapture
 from glmlight.engines.servers.settings import fleet_plan, publish_fleet, server_settings
 from glmlight.engines.servers.sglang.adapter import REPLAY_FIELDS, SGLangFleetInfo, SGLangServer
@@ -35,7 +35,7 @@ class SGLangEngine(ServerFleet):
                  weight_sync_dir: str = ".cache/glmlight/weights", model_path: str | None = None,
                  sync_backend: str = "nccl", sync_master_address: str | None = None,
                  bucket_bytes: int = 1 << 30, keep_checkpoints: int = 2, check_logprobs: bool = True,
-                 http: Any = None, launch: Any = None, shm_dir: str = "/dev/shm",
+                 http: Any = None, launch: Sequence[Any] = (), router_launch: Any = None, shm_dir: str = "/dev/shm",
                  confirm_timeout_s: float | None = None, poll_interval_s: float = 0.05, **kwargs: Any):
         from glmlight.engines.servers.http import HttpClient, HttpSettings
 
@@ -44,15 +44,14 @@ class SGLangEngine(ServerFleet):
         self.seeded_sampling = True  # the servers honour sampling_seed (`_check_seeding`)
         client = HttpClient(self.name, http or HttpSettings())
         replay = ReplayCapture(self.name, REPLAY_FIELDS)
-        launch = [launch] if launch is not None and not isinstance(launch, (list, tuple)) else list(launch or [])
-        router_launch = kwargs.get("router_launch")
-        urls = ([router_launch.url] if router_launch is not None else []) + [spec.url for spec in launch] if launch else list(urls)
+        urls = fleet_urls(urls, launch, router_launch)
         servers = [SGLangServer(u, client, self.info, replay, poll_interval_s) for u in urls]
         sync = SGLangWeightSync(client, mode=weight_sync, weight_sync_dir=weight_sync_dir, model_path=model_path,
                                 backend=sync_backend, master_address=sync_master_address, bucket_bytes=bucket_bytes,
                                 keep_checkpoints=keep_checkpoints, shm_dir=shm_dir,
                                 timeout_s=confirm_timeout_s or client.settings.timeout_s)
-        super().__init__(servers, http=client, sync=sync, replay=replay, launch=launch, model_path=model_path,
+        super().__init__(servers, http=client, sync=sync, replay=replay, launch=launch, router_launch=router_launch,
+                         model_path=model_path,
                          confirm_timeout_s=confirm_timeout_s, poll_interval_s=poll_interval_s,
                          on_ready=SGLangEngine._start_checks, **kwargs)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from glmlight.engines.weight_delta import DeltaSender
 from glmlight.engines.servers.checks import check_logprob_definition
-from glmlight.engines.servers.fleet import ServerFleet
+from glmlight.engines.servers.fleet import ServerFleet, fleet_urls
 from glmlight.engines.servers.launch import vllm_index_refusal
 from glmlight.engines.servers.replay import ReplayCapture
 from glmlight.engines.servers.settings import fleet_plan, publish_fleet, server_settings
@@ -36,8 +36,9 @@ class VLLMEngine(ServerFleet):
                  weight_sync_dir: str = ".cache/glmlight/weights", model_path: str | None = None,
                  served_model: str | None = None, sync_backend: str = "nccl", sync_master_address: str | None = None,
                  bucket_bytes: int = 1 << 28, keep_checkpoints: int = 2, ascend: bool = False,
-                 check_logprobs: bool = True, delta_sync: bool = False, http: Any = None, launch: Any = None,
-                 shm_dir: str = "/dev/shm", confirm_timeout_s: float | None = None, poll_interval_s: float = 0.05,
+                 check_logprobs: bool = True, delta_sync: bool = False, http: Any = None, launch: Sequence[Any] = (),
+                 router_launch: Any = None, shm_dir: str = "/dev/shm", confirm_timeout_s: float | None = None,
+                 poll_interval_s: float = 0.05,
                  **kwargs: Any):
         from glmlight.engines.servers.http import HttpClient, HttpSettings
 
@@ -49,16 +50,15 @@ class VLLMEngine(ServerFleet):
         client = HttpClient(self.name, http or HttpSettings())
         replay = ReplayCapture(self.name, REPLAY_FIELDS, lambda routing, index: (
             vllm_index_refusal(self.name) if index else None))
-        launch = [launch] if launch is not None and not isinstance(launch, (list, tuple)) else list(launch or [])
-        router_launch = kwargs.get("router_launch")
-        urls = ([router_launch.url] if router_launch is not None else []) + [spec.url for spec in launch] if launch else list(urls)
+        urls = fleet_urls(urls, launch, router_launch)
         servers = [VLLMServer(u, client, self.info, replay, poll_interval_s) for u in urls]
         sync = VLLMWeightSync(client, self.name, mode=weight_sync, weight_sync_dir=weight_sync_dir,
                               model_path=model_path, backend=sync_backend, master_address=sync_master_address,
                               bucket_bytes=bucket_bytes, keep_checkpoints=keep_checkpoints,
                               delta=DeltaSender() if delta_sync else None, shm_dir=shm_dir,
                               timeout_s=confirm_timeout_s or client.settings.timeout_s)
-        super().__init__(servers, http=client, sync=sync, replay=replay, launch=launch, model_path=model_path,
+        super().__init__(servers, http=client, sync=sync, replay=replay, launch=launch, router_launch=router_launch,
+                         model_path=model_path,
                          confirm_timeout_s=confirm_timeout_s, poll_interval_s=poll_interval_s,
                          on_ready=VLLMEngine._start_checks, **kwargs)
 
