@@ -175,9 +175,9 @@ def test_replay_and_the_agreement_monitors_see_through_lora(tmp_path):
     monitors measure it (1.0 under replay)."""
     run = _build(tmp_path, "model.lora.rank=4", "algo.replay=both", "trainer.max_steps=1", "~callbacks.held_out_eval",
                  "model.index_topk=4", "model.n_routed_experts=16", "model.num_experts_per_tok=4",
-                 "+callbacks.routing_agreement._target_=callbacks.RoutingAgreement",
+                 "+callbacks.routing_agreement._target_=glmlight.callbacks.RoutingAgreement",
                  "+callbacks.routing_agreement.every_n_steps=1",
-                 "+callbacks.index_agreement._target_=callbacks.IndexAgreement",
+                 "+callbacks.index_agreement._target_=glmlight.callbacks.IndexAgreement",
                  "+callbacks.index_agreement.every_n_steps=1")
     run.fit()
     rows = list(csv.DictReader(open(glob.glob(os.path.join(tmp_path, "csv", "version_*", "metrics.csv"))[0])))

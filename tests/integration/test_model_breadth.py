@@ -31,7 +31,7 @@ def _metrics(root):
 RUNNER = {"llama": "DenseRunner", "qwen3": "DenseRunner", "glm4_moe": "DenseRunner", "glm4_moe_lite": "GlmDsaRunner"}
 LORA = ["model.lora.rank=4", "algo.lr=5e-3"]
 # routing replay, and the monitor of engine and trainer choosing the same experts, every step
-REPLAY = ["algo.replay=routing", "+callbacks.routing_agreement._target_=callbacks.RoutingAgreement",
+REPLAY = ["algo.replay=routing", "+callbacks.routing_agreement._target_=glmlight.callbacks.RoutingAgreement",
           "+callbacks.routing_agreement.every_n_steps=1"]
 AGREEMENT = REPLAY[1:]
 

@@ -85,3 +85,16 @@ def test_a_built_wheel_installs_alone_and_trains_from_another_directory(tmp_path
                           "trainer.enable_progress_bar=false"], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert os.path.isfile(elsewhere / "runs" / "default" / "hf" / "model.safetensors")
+
+
+def test_no_config_names_a_callback_by_its_folder():
+    """The callbacks are the package glmlight.callbacks: a `_target_` that names the folder (`callbacks.X`) imports
+    only from a checkout's root, as a second copy of every class, and fails in an installed glmlight."""
+    import re
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.py", "*.yaml", "*.md"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    bad = [f for f in files if re.search(r"_target_\s*[=:]\s*callbacks\.", open(os.path.join(REPO, f)).read())]
+    assert bad == []
+

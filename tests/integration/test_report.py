@@ -93,7 +93,7 @@ def test_samples_table_and_the_samples_command(tmp_path, capsys):
     run = glmlight.build(compose(overrides_for_tests(
         tmp_path, "trainer.max_steps=2", "~callbacks.held_out_eval", "callbacks.sample_table.every_n_steps=1",
         "rollout.dynamic_sampling=true", "task.reward._target_=tests.conftest.equal_on_even_prompts_reward",
-        "+callbacks.icepop._target_=callbacks.IcePop", "+callbacks.icepop.keep_in_denominator=false",
+        "+callbacks.icepop._target_=glmlight.callbacks.IcePop", "+callbacks.icepop.keep_in_denominator=false",
         "+callbacks.icepop.low=0.999", "+callbacks.icepop.high=1.001",  # a narrow band: tokens are removed
         "rollout.dtype=bfloat16")))
     run.fit()

@@ -186,7 +186,7 @@ def _run(tmp_path, server, backend, replay, *extra):
         tmp_path, f"rollout={backend}", f"rollout.server.urls=[{server.url}]", f"algo.replay={replay}", *MOE,
         "rollout.server.api_key_env=null", f"rollout.server.weight_sync_dir={tmp_path}/weights",
         "rollout.server.request_timeout_s=60", "rollout.max_new_tokens=8", "~callbacks.held_out_eval",
-        "~callbacks.sample_table", "+callbacks.routing_agreement._target_=callbacks.RoutingAgreement",
+        "~callbacks.sample_table", "+callbacks.routing_agreement._target_=glmlight.callbacks.RoutingAgreement",
         "+callbacks.routing_agreement.every_n_steps=1", *extra)))
     with torch.no_grad():  # the policy starts on the server's weights (near-ties included)
         for k, v in run.module.policy.state_dict().items():
@@ -211,7 +211,7 @@ def test_grpo_against_sglang_replays_both(tmp_path, tokenizer):
         k: v for k, v in body["meta_info"].items() if k != "routed_experts"}})
     try:
         run, gap = _run(tmp_path, server, "sglang", "both",
-                        "+callbacks.index_agreement._target_=callbacks.IndexAgreement",
+                        "+callbacks.index_agreement._target_=glmlight.callbacks.IndexAgreement",
                         "+callbacks.index_agreement.every_n_steps=1")
         run.fit()
     finally:

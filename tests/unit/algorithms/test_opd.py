@@ -271,7 +271,7 @@ def test_opd_fit_builtin_teacher_with_icepop(tmp_path):
     run = glmlight.build(compose(overrides_for_tests(
         tmp_path, "algo=opd", "rollout.n_samples_per_prompt=1", "algo.teachers.tiny150.preset=test",
         "algo.teachers.tiny150.warm_start.steps=2", "algo.teachers.tiny150.warm_start.batch_size=8",
-        f"algo.teachers.tiny150.warm_start.cache_dir={tmp_path}/cache", "+callbacks.icepop._target_=callbacks.IcePop",
+        f"algo.teachers.tiny150.warm_start.cache_dir={tmp_path}/cache", "+callbacks.icepop._target_=glmlight.callbacks.IcePop",
         "~callbacks.held_out_eval", "~callbacks.sample_table", "trainer.checkpoint_every_n_steps=1")))
     before = {k: v.clone() for k, v in run.module.policy.state_dict().items()}
     run.fit()

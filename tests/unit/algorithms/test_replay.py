@@ -455,9 +455,9 @@ def test_async_run_replays_and_monitors_read_exactly_one(tmp_path):
     run = glmlight.build(compose(overrides_for_tests(
         tmp_path, "algo.replay=both", "rollout.mode=async", "model.index_topk=4", "rollout.max_new_tokens=8",
         "~callbacks.held_out_eval", "~callbacks.sample_table",
-        "+callbacks.routing_agreement._target_=callbacks.RoutingAgreement",
+        "+callbacks.routing_agreement._target_=glmlight.callbacks.RoutingAgreement",
         "+callbacks.routing_agreement.every_n_steps=1",
-        "+callbacks.index_agreement._target_=callbacks.IndexAgreement",
+        "+callbacks.index_agreement._target_=glmlight.callbacks.IndexAgreement",
         "+callbacks.index_agreement.every_n_steps=1")))
     run.fit()
     rows = _metrics(tmp_path)
