@@ -87,6 +87,18 @@ def server_config(backend: str, python: str, model_path: str, root: str, **serve
                      "trainer": {"default_root_dir": root}})
 
 
+def with_launch_settings(cfg: Any, backend: str, python: str, model_path: str, root: str) -> Any:
+    """A composed run config (`glmlight.compose`) whose managed servers start as `server_config`'s do: its
+    interpreter, flags, environment, sync backend and request timeout."""
+    from omegaconf import OmegaConf
+
+    ref = OmegaConf.to_container(server_config(backend, python, model_path, root).rollout.server, resolve=True)
+    OmegaConf.set_struct(cfg, False)
+    for key in ("launch_python", "launch_args", "launch_env", "sync_backend", "request_timeout_s"):
+        cfg.rollout.server[key] = ref[key]
+    return cfg
+
+
 @torch.no_grad()
 def trainer_logprobs(model: Any, prompt: list[int], ids: list[int], temperature: float = 1.0, top_k: int = 0,
                      top_p: float = 1.0, order: str = "sequential") -> list[float]:

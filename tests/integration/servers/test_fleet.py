@@ -19,7 +19,7 @@ from glmlight.engines.base import SamplingParams
 from glmlight.engines.factory import build_server_engine
 from glmlight.engines.servers.launch import group_processes
 from glmlight.models.tiny_checkpoint import build_tiny_checkpoint
-from tests.support.real_servers import interpreter, server_config
+from tests.support.real_servers import interpreter, server_config, with_launch_settings
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +86,8 @@ def test_a_group_s_copies_go_to_one_worker_updates_reach_every_worker_and_a_kill
         print(f"groups whose 4 copies one worker answered: {one_worker} of 8; prefix-cache hit rate "
               f"{hits / queries:.2f} ({hits:.0f} of {queries:.0f} prompt tokens, the workers' own counters)")
         assert one_worker >= 7  # cache-aware routing keeps a group on one worker (its prefix cached there)
-        assert hits / queries >= 0.5  # 3 of a group's 4 copies find its whole blocks cached: 0.64 at vLLM's 128-token blocks
+        # 3 of a group's 4 copies find its whole blocks cached: 0.64 at vLLM's 128-token blocks
+        assert hits / queries >= 0.5
 
         engine.update_weights(read_checkpoint(ckpts[1]), version=1)
         assert engine.version == 1 and all(engine.suspects.versions[w] == 1 for w in workers)
@@ -135,23 +136,19 @@ def test_grpo_through_two_servers_and_the_real_router_with_a_worker_killed_mid_r
     stamped with the version its step trained, every produced sample is trained or counted as dropped, none
     twice; the killed worker was started again and re-synced; no process is left."""
     import lightning.pytorch as pl
-    from omegaconf import OmegaConf
 
     import glmlight
     from tests.conftest import overrides_for_tests
 
     python = interpreter(backend)
     ckpt = build_tiny_checkpoint(str(tmp_path / "tiny"), "llama", seed=0)
-    ref = server_config(backend, python, ckpt, str(tmp_path)).rollout.server
-    cfg = glmlight.compose(overrides_for_tests(
+    cfg = with_launch_settings(glmlight.compose(overrides_for_tests(
         tmp_path, f"rollout={backend}", "model=hf", f"model.path={ckpt}", "model.dtype=float32",
         "trainer.max_steps=4", "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.server.urls=[]",
         "rollout.server.launch=true", "rollout.server.num_servers=2", f"rollout.server.router={ROUTER[backend]}",
         "rollout.server.weight_sync=tensor", "rollout.server.launch_restarts=2", "~callbacks.held_out_eval",
-        "~callbacks.sample_table", "algo.lr=0.001"))
-    OmegaConf.set_struct(cfg, False)
-    for key in ("launch_python", "launch_args", "launch_env", "sync_backend", "request_timeout_s"):
-        cfg.rollout.server[key] = OmegaConf.to_container(ref, resolve=True)[key]
+        "~callbacks.sample_table", "algo.lr=0.001")),
+        backend, python, ckpt, str(tmp_path))
 
     class KillMidRollout(pl.Callback):
         def __init__(self):

@@ -26,7 +26,7 @@ from glmlight.models.tiny_checkpoint import build_tiny_checkpoint
 from glmlight.engines.transport import read_checkpoint
 from tests.support.waiting import running, wait_event, wait_until
 from tests.conftest import newest_pushed_version
-from tests.support.real_servers import (DEVICE, interpreter, logprob_tol, max_diff, server_config,
+from tests.support.real_servers import (DEVICE, interpreter, with_launch_settings, logprob_tol, max_diff, server_config,
                                         trainer_greedy, trainer_logprobs)
 from tests.support.tolerances import mean_tolerance
 
@@ -478,21 +478,18 @@ def test_grpo_run_against_the_real_server_trains_on_policy(real, tmp_path):
     ~ 0, logged from the real server), afterwards the server's log-probs equal the trainer's final
     policy, and the server is gone once the run is closed."""
     import lightning.pytorch as pl
-    from omegaconf import OmegaConf
 
     import glmlight
     from tests.conftest import overrides_for_tests
 
-    ref = server_config(real.backend, real.python, real.ckpts[0], str(tmp_path)).rollout.server
-    cfg = glmlight.compose(overrides_for_tests(
+    cfg = with_launch_settings(glmlight.compose(overrides_for_tests(
         tmp_path, f"rollout={real.backend}", "model=hf", f"model.path={real.ckpts[0]}", "model.dtype=float32",
         "trainer.max_steps=3", "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.server.urls=[]",
         "rollout.server.launch=true", "rollout.server.weight_sync=tensor", "~callbacks.held_out_eval",
-        "~callbacks.sample_table", "+callbacks.mismatch._target_=callbacks.MismatchMonitor",
-        "+callbacks.mismatch.probe_every_n_steps=1", "algo.lr=0.001"))
-    OmegaConf.set_struct(cfg, False)
-    for key in ("launch_python", "launch_args", "launch_env", "sync_backend", "request_timeout_s"):
-        cfg.rollout.server[key] = OmegaConf.to_container(ref, resolve=True)[key]
+        "~callbacks.sample_table", "+callbacks.mismatch._target_=glmlight.callbacks.MismatchMonitor",
+        "+callbacks.mismatch.probe_every_n_steps=1", "algo.lr=0.001")),
+        real.backend, real.python, real.ckpts[0], str(tmp_path))
+
     class Versions(pl.Callback):
         """Per RL step: the policy version, the versions stamped on its samples, the mismatch KL."""
 
@@ -617,23 +614,20 @@ def test_a_real_server_killed_mid_run_is_restarted_and_resynced(tmp_path, backen
     import signal
 
     import lightning.pytorch as pl
-    from omegaconf import OmegaConf
 
     import glmlight
     from tests.conftest import overrides_for_tests
 
     python = interpreter(backend)
     ckpt = build_tiny_checkpoint(str(tmp_path / "tiny-llama"), "llama", seed=0)
-    ref = server_config(backend, python, ckpt, str(tmp_path)).rollout.server
-    cfg = glmlight.compose(overrides_for_tests(
+    cfg = with_launch_settings(glmlight.compose(overrides_for_tests(
         tmp_path, f"rollout={backend}", "model=hf", f"model.path={ckpt}", "model.dtype=float32",
         "trainer.max_steps=4", "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.server.urls=[]",
         "rollout.server.launch=true", "rollout.server.weight_sync=tensor", "rollout.server.launch_restarts=1",
-        "~callbacks.held_out_eval", "~callbacks.sample_table", "+callbacks.mismatch._target_=callbacks.MismatchMonitor",
-        "+callbacks.mismatch.probe_every_n_steps=1", "algo.lr=0.001"))
-    OmegaConf.set_struct(cfg, False)
-    for key in ("launch_python", "launch_args", "launch_env", "sync_backend", "request_timeout_s"):
-        cfg.rollout.server[key] = OmegaConf.to_container(ref, resolve=True)[key]
+        "~callbacks.held_out_eval", "~callbacks.sample_table",
+        "+callbacks.mismatch._target_=glmlight.callbacks.MismatchMonitor",
+        "+callbacks.mismatch.probe_every_n_steps=1", "algo.lr=0.001")),
+        backend, python, ckpt, str(tmp_path))
 
     class KillOnce(pl.Callback):
         def __init__(self):
@@ -694,23 +688,18 @@ def test_grpo_on_a_pretrained_model_against_real_sglang(tmp_path):
     import os
 
     import lightning.pytorch as pl
-    from omegaconf import OmegaConf
 
     import glmlight
     from glmlight.models.gguf import package_checkpoint
 
     python = interpreter("sglang")
     path = package_checkpoint(*SMOLLM2)  # converted once into ~/.cache/glmlight/models (model=smollm2 does the same)
-    ref = server_config("sglang", python, path, str(tmp_path)).rollout.server
-    cfg = glmlight.compose([
+    cfg = with_launch_settings(glmlight.compose([
         "experiment=smollm2_grpo", "rollout=sglang", f"trainer.default_root_dir={tmp_path}", "logger=csv",
         "trainer.enable_progress_bar=false", "export.enabled=false", "trainer.max_steps=2", "eval.every_n_steps=0",
         "~callbacks.sample_table", "rollout.server.urls=[]", "rollout.server.launch=true",
         "rollout.server.weight_sync=tensor", "+callbacks.mismatch._target_=glmlight.callbacks.MismatchMonitor",
-        "+callbacks.mismatch.probe_every_n_steps=1"])
-    OmegaConf.set_struct(cfg, False)
-    for key in ("launch_python", "launch_args", "launch_env", "sync_backend", "request_timeout_s"):
-        cfg.rollout.server[key] = OmegaConf.to_container(ref, resolve=True)[key]
+        "+callbacks.mismatch.probe_every_n_steps=1"]), "sglang", python, path, str(tmp_path))
 
     class Versions(pl.Callback):
         def __init__(self):
