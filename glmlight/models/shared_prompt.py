@@ -118,6 +118,19 @@ def plan(model: torch.nn.Module, exp: Experience) -> Callable[[], torch.Tensor] 
     return lambda: forward_logits(model, exp, *groups, cache_argument=name)
 
 
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Each row of the cache's keys and values taken from row `rows[i]`, by `index_select`: its backward
+    sums the rows' gradients with `index_add_`, one index after another. transformers' own
+    `batch_select_indices` indexes (`keys[rows]`), whose backward on CPU is `index_put_(accumulate=True)`:
+    two threads add into a shared prompt's row in whatever order they reach it, so the gradient's last bits
+    depended on the machine's load (a group's rows split between the threads: 29 different gradients in 30
+    backwards beside a busy thread; by `index_select`, 1)."""
+    for layer in cache.layers:  # DynamicLayers (`plan` checks): plain keys and values [B, H, S, D]
+        if layer.get_seq_length() > 0:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+
+
 def forward_logits(model: torch.nn.Module, exp: Experience, first: torch.Tensor, inverse: torch.Tensor,
                    cache_argument: str = "cache") -> torch.Tensor:
     """Logits [B, T, V] at columns P-1 .. P+T-2 of `exp` (those predicting the response tokens), the
@@ -132,7 +145,7 @@ def forward_logits(model: torch.nn.Module, exp: Experience, first: torch.Tensor,
     last = head.logits.index_select(0, inverse)  # [B, 1, V]: column P-1 predicts the first response token
     if L - P <= 1:
         return last
-    cache.batch_select_indices(inverse)  # each row reads its prompt's keys and values (autograd: summed back)
+    select_rows(cache, inverse)  # each row reads its prompt's keys and values (autograd: summed back)
     out = model(input_ids=exp.input_ids[:, P:-1], attention_mask=exp.attention_mask[:, :-1],
                 position_ids=exp.position_ids[:, P:-1], use_cache=True, **{cache_argument: cache})
     return torch.cat([last, out.logits], dim=1)
