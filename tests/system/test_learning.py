@@ -225,15 +225,18 @@ def test_warm_start_mix_batch_sizes_must_match_the_mix(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_stages_learn_and_opd_brings_the_student_to_each_teacher(tmp_path):
-    """`python scripts/pipeline.py` as shipped (seed 0). The reasoning stage lifts arithmetic (measured
-    pass@1 0.668 -> 0.842); the agentic stage starts from the reasoning checkpoint with the agent format
-    already learned (the first stage's multi-task warm start) and rises (0.263 -> 0.669, greedy 0.023 ->
-    0.719); the general stage starts with the answer format intact (0.822) and ends above it (0.902).
-    The distillation student (the multi-task warm-started base) starts clearly below every teacher on the
-    teacher's own domain and ends above its start and closer to that teacher on each (measured, 32 held-out
-    prompts per domain: math 0.648 -> 0.754, teacher 0.816; agent 0.266 -> 0.625, teacher 0.742; general
-    0.574 -> 0.762, teacher 0.887). The margins allow for the evaluations' spread: the math domain read
-    0.65-0.77 over the stage's last six evaluations."""
+    """`python scripts/pipeline.py` as shipped (seed 0), every held-out set disjoint from training
+    (measured 7 December, docs/results/opd_and_pipeline.md). The reasoning stage lifts held-out sums
+    (pass@1 0.391 -> 0.504); the agentic stage starts from the reasoning checkpoint with the agent format
+    already learned (the first stage's multi-task warm start) and rises (0.431 -> 0.960, greedy 0.039 ->
+    0.977), and costs the arithmetic format half its pass rate (0.244 at the general stage's start),
+    which the general stage restores (0.244 -> 0.500). The distillation student (the multi-task
+    warm-started base) starts clearly below every teacher on the teacher's own domain and ends above its
+    start and closer to that teacher on each (32 held-out prompts per domain: math 0.359 -> 0.426, teacher
+    0.512; agent 0.457 -> 0.910, teacher 0.949; general 0.359 -> 0.445, teacher 0.496). The reasoning
+    stage's rise is small beside its own evaluations' spread (0.40-0.51 over its last seven). On
+    seed 2 the reasoning stage memorises its training sums and falls on the held-out ones (the log entry
+    says so): this asserts seed 0's run, not every seed's."""
     from glmlight.run.pipeline import load_config, run_pipeline
 
     manifest = run_pipeline(load_config(overrides=[f"pipeline.dir={tmp_path}/pipe"]))
@@ -245,8 +248,8 @@ def test_pipeline_stages_learn_and_opd_brings_the_student_to_each_teacher(tmp_pa
     assert reasoning["last"]["heldout/pass@1"] >= reasoning["first"]["heldout/pass@1"] + 0.08, reasoning
     assert agentic["last"]["heldout/pass@1"] >= agentic["first"]["heldout/pass@1"] + 0.3, agentic
     assert agentic["last"]["heldout/greedy/pass_rate"] >= agentic["first"]["heldout/greedy/pass_rate"] + 0.4, agentic
-    assert general["first"]["heldout/pass@1"] >= 0.5, general  # the agentic stage did not erase the answer format
-    assert general["last"]["heldout/pass@1"] > general["first"]["heldout/pass@1"], general
+    assert general["last"]["heldout/pass@1"] >= general["first"]["heldout/pass@1"] + 0.15, general  # restored
+    assert general["last"]["heldout/pass@1"] >= reasoning["last"]["heldout/pass@1"] - 0.1, (general, reasoning)
     assert stages["opd"]["input_checkpoint"] == stages["reasoning"]["initial_checkpoint"]
     gaps = []
     for teacher, domain in (("reasoning", "math"), ("agentic", "agent"), ("general", "general")):
@@ -255,4 +258,4 @@ def test_pipeline_stages_learn_and_opd_brings_the_student_to_each_teacher(tmp_pa
         assert best >= start + 0.1, (domain, start, best)  # a teacher clearly better than the student
         assert end >= start + 0.04, (domain, start, end, best)  # so also closer to that teacher
         gaps.append((best - start, best - end))
-    assert sum(g[1] for g in gaps) <= sum(g[0] for g in gaps) / 2, gaps  # measured: 0.96 -> 0.31 in all
+    assert sum(g[1] for g in gaps) <= sum(g[0] for g in gaps) / 2, gaps  # measured: 0.78 -> 0.18 in all
