@@ -9,9 +9,9 @@ every row that holds that prompt. This runs the model twice through its own (tra
     1. the distinct prompts, filling a key/value cache, with the logits of their last position only
        (they predict each response's first token);
     2. every row's response (all but its last token, whose logits predict nothing trained), with the
-       cache's rows indexed out to the rows that share them.
+       cache's rows selected for the rows that share them (`select_rows`).
 
-The indexing is part of the autograd graph, so the gradients of the prompt's keys and values sum over
+The selection is part of the autograd graph, so the gradients of the prompt's keys and values sum over
 the rows that read them, exactly as in a forward over every row: the same logits and the same gradients,
 up to float reassociation. What it saves is the prompt's forward and backward for all but one row of
 each group: on SmolLM2-135M-Instruct, 4 prompts of 47 tokens x 8 responses of 32, forward and backward
