@@ -38,7 +38,7 @@ def _kill(proc: Any) -> None:
     """kill -9 a managed server (its processes, not its guard), as a crash would."""
     import signal
 
-    from glmlight.engines.servers.launch import group_processes
+    from glmlight.engines.servers.guard import group_processes
 
     for pid in group_processes(proc.pgid):
         if pid != proc.proc.pid:

@@ -97,4 +97,3 @@ def test_no_config_names_a_callback_by_its_folder():
                            check=True).stdout.split()
     bad = [f for f in files if re.search(r"_target_\s*[=:]\s*callbacks\.", open(os.path.join(REPO, f)).read())]
     assert bad == []
-

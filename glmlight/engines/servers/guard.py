@@ -1,5 +1,5 @@
-"""The guard a managed server runs under (standard library only; run as a script, never imported
-by glmlight itself):
+"""The guard a managed server runs under (standard library only; run as a script; glmlight imports
+only its process-group scan, `group_processes`):
 
     python guard.py <watch-fd> <grace-seconds> -- <server command...>
 
@@ -38,6 +38,22 @@ def _set_pdeathsig() -> None:
         pass
 
 
+def group_processes(pgid: int) -> list[int]:
+    """The live processes (zombies excluded) of process group `pgid`; Linux /proc, [] elsewhere. Finds
+    a process that renamed itself (the routers call setproctitle, which overwrites /proc/<pid>/environ)."""
+    out = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -46,16 +62,7 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     # The guard itself is in the group: alive means another member exists.
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+    return any(pid != os.getpid() for pid in group_processes(pgid))
 
 
 def _stop(pgid: int, grace: float) -> None:

@@ -203,23 +203,6 @@ def processes_with_env(key: str, value: str) -> list[int]:
     return found
 
 
-def group_processes(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (a managed process's guard leads its own group). Finds what
-    `server_processes` cannot: a process that renamed itself (the routers call setproctitle, which overwrites
-    /proc/<pid>/environ and so its GLMLIGHT_SERVER_ID)."""
-    out = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
-
-
 def _group_exists(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

@@ -17,7 +17,7 @@ import pytest
 
 from glmlight.engines.base import SamplingParams
 from glmlight.engines.factory import build_server_engine
-from glmlight.engines.servers.launch import group_processes
+from glmlight.engines.servers.guard import group_processes
 from glmlight.models.tiny_checkpoint import build_tiny_checkpoint
 from tests.support.real_servers import interpreter, server_config, with_launch_settings
 
@@ -26,15 +26,9 @@ pytestmark = pytest.mark.slow
 ROUTER = {"vllm": "vllm-router", "sglang": "sglang-router"}
 
 
-def _group(pgid: int) -> list[int]:
-    """The live processes of a managed process's group (the routers rename themselves, so their
-    GLMLIGHT_SERVER_ID cannot be read back: their group is what finds them)."""
-    return group_processes(pgid)
-
-
 def _kill_server(proc) -> list[int]:
     """kill -9 a managed process (the server under its guard, not the guard): what a crash or the OOM killer does."""
-    pids = [p for p in _group(proc.pgid) if p != proc.proc.pid]
+    pids = [p for p in group_processes(proc.pgid) if p != proc.proc.pid]
     assert pids, "nothing to kill"
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
@@ -116,7 +110,7 @@ def test_a_group_s_copies_go_to_one_worker_updates_reach_every_worker_and_a_kill
         assert engine.num_server_restarts == 1 and engine.launchers[victim] is not old
         assert engine.num_resyncs >= 1 and engine.http.run(engine.servers[victim].label()) == "1"
         assert victim in engine.router_admin.workers() and victim not in engine.suspects
-        assert _group(old.pgid) == []
+        assert group_processes(old.pgid) == []
 
         old_router = engine.router_proc
         _kill_server(old_router)
@@ -126,7 +120,7 @@ def test_a_group_s_copies_go_to_one_worker_updates_reach_every_worker_and_a_kill
         groups += [engine.router_proc.pgid, engine.launchers[victim].pgid]
     finally:
         engine.close()
-    assert all(_group(g) == [] for g in groups), "a managed process outlived close()"
+    assert all(group_processes(g) == [] for g in groups), "a managed process outlived close()"
 
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
@@ -185,8 +179,8 @@ def test_grpo_through_two_servers_and_the_real_router_with_a_worker_killed_mid_r
         workers = engine.urls[1:]
         assert {engine.http.run(engine.servers[w].label()) for w in workers} == {"4"}
         assert sorted(engine.router_admin.workers()) == sorted(workers)
-        assert _group(seen.killed.pgid) == []
+        assert group_processes(seen.killed.pgid) == []
         groups += [m.pgid for m in engine.launchers.values()]
     finally:
         run.close()
-    assert all(_group(g) == [] for g in groups), "a managed process outlived the run"
+    assert all(group_processes(g) == [] for g in groups), "a managed process outlived the run"
