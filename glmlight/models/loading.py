@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from glmlight.dtypes import resolve_dtype
 from glmlight.errors import ConfigError
+from glmlight.models.experts import install_sorted_experts
 from glmlight.models.glm5.indexer import install_fast_indexer
 from glmlight.models.chat_templates import with_chat_template
 from glmlight.models.tiny import PRESETS, tiny_config
@@ -84,6 +85,7 @@ def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, pres
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config)
         install_fast_indexer(model)
+        install_sorted_experts(model)
         return model.to(torch_dtype)
     config = check_checkpoint(path, key)
     if dtype is None:
@@ -98,6 +100,7 @@ def load_causal_lm(path: str | None, tokenizer: PreTrainedTokenizerBase, *, pres
                           f"({_first_line(e)})") from None
     _check_loading_info(path, key, config, info)
     install_fast_indexer(model)
+    install_sorted_experts(model)
     return model
 
 

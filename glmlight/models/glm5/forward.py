@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from glmlight.ops.dsa import topk_mask
 from glmlight.ops.mtp import mtp_input
+from glmlight.models.experts import sorted_experts
 from glmlight.models.glm5.arch import is_glm5
 from glmlight.models.glm5.moe import route
 from glmlight.models.glm5.replay import Replay, columns_from_selection, selection_from_columns
@@ -444,15 +445,7 @@ def _mlp(mlp: torch.nn.Module, x: torch.Tensor,
 
 
 def _moe(mlp: torch.nn.Module, x: torch.Tensor, forced: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """GlmMoeDsaMoE: the routed experts (sigmoid router, top-k, `moe.route`) over the tokens sorted
-    by expert with one grouped matmul per projection, plus the shared expert as a dense MLP."""
-    ex = mlp.experts
+    """GlmMoeDsaMoE: the routed experts (sigmoid router, top-k, `moe.route`; `experts.sorted_experts`: the
+    tokens sorted by expert, one grouped matmul per projection) added onto the shared expert, a dense MLP."""
     w, idx = route(mlp.gate, x, forced)
-    flat = idx.reshape(-1)
-    order = flat.argsort(stable=True)
-    tok = order.div(idx.shape[1], rounding_mode="floor")
-    offs = torch.bincount(flat, minlength=ex.num_experts).cumsum(0).to(torch.int32)
-    g, u = F.grouped_mm(x.index_select(0, tok), ex.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    # the routing weight scales the down projection's input (it is linear) rather than its output
-    y = F.grouped_mm(F.silu(g) * u * w.reshape(-1)[order, None].to(x.dtype), ex.down_proj.transpose(1, 2), offs=offs)
-    return _mlp(mlp.shared_experts, x)[0].index_add(0, tok, y), idx
+    return sorted_experts(mlp.experts, x, idx, w, out=_mlp(mlp.shared_experts, x)[0]), idx
