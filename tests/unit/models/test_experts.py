@@ -1,14 +1,13 @@
 """The ordered experts forward (glmlight/models/experts.py) that glmlight selects for Hugging Face MoE models."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from glmlight.models.experts import SORTED
 from glmlight.models.loading import load_causal_lm
 from glmlight.models.tokenizer import build_char_tokenizer
+from tests.support.thread_timing import backward_nodes, gradients_beside_a_busy_thread
 from tests.support.tolerances import dims, gradient_tolerances, model_logit_tolerance, within
 
 ARCHES = ["glm4moe", "glm4moe_lite", "glm5"]
@@ -29,18 +28,6 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-
-
-def _backward_nodes(t: torch.Tensor) -> set[str]:
-    names, stack, done = set(), [t.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in done:
-            continue
-        done.add(node)
-        names.add(type(node).__name__)
-        stack.extend(f for f, _ in node.next_functions)
-    return names
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -78,26 +65,6 @@ def test_the_gradient_does_not_depend_on_thread_timing():
     gradients in 8 backwards here."""
     model = _model("glm4moe", hidden_size=192, moe_intermediate_size=96, n_routed_experts=16, num_experts_per_tok=8)
     ids = _batch(model.config.vocab_size, rows=8, length=64)
-    assert "IndexBackward0" not in _backward_nodes(_loss(model, ids)[1])
-
-    stop = threading.Event()
-
-    def spin():
-        while not stop.is_set():
-            pass
-
-    busy = threading.Thread(target=spin, daemon=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    busy.start()
-    try:
-        grads = []
-        for _ in range(6):
-            model.zero_grad(set_to_none=True)
-            _loss(model, ids)[1].backward()
-            grads.append(torch.cat([g.flatten() for g in _grads(model).values()]))
-    finally:
-        stop.set()
-        busy.join()
-        torch.set_num_threads(threads)
+    assert "IndexBackward0" not in backward_nodes(_loss(model, ids)[1])
+    grads = gradients_beside_a_busy_thread(model, lambda: _loss(model, ids)[1], times=8)
     assert all(torch.equal(grads[0], g) for g in grads[1:])

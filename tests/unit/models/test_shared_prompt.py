@@ -10,6 +10,7 @@ import torch
 
 from glmlight.models import shared_prompt
 from glmlight.sample import Experience, Sample
+from tests.support.thread_timing import backward_nodes, gradients_beside_a_busy_thread
 from tests.support.tolerances import dims, gradient_tolerances, model_logit_tolerance, within
 
 VOCAB = 97
@@ -130,24 +131,10 @@ def test_glm5_with_its_index_cache_is_not_shared():
     assert shared_prompt.cache_argument(model) is None
 
 
-def _backward_nodes(t: torch.Tensor) -> set[str]:
-    names, stack, done = set(), [t.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in done:
-            continue
-        done.add(node)
-        names.add(type(node).__name__)
-        stack.extend(f for f, _ in node.next_functions)
-    return names
-
-
 def test_the_gradient_does_not_depend_on_thread_timing():
     """The rows of a group are summed back into its prompt's keys and values by index_add_ (index by
     index), not by indexing's backward (index_put_ with accumulate on CPU: threads adding into one row in
     the order they reach it). Rows of each group in both threads' halves of the batch, a busy thread beside."""
-    import threading
-
     model = _model(hidden_size=192, num_attention_heads=3, num_key_value_heads=3, head_dim=64)
     g = random.Random(0)
     samples = []
@@ -160,26 +147,6 @@ def test_the_gradient_does_not_depend_on_thread_timing():
                                   group_id=gid))
     random.Random(1).shuffle(samples)
     exp = Experience.collate(samples, 0)
-    assert "IndexBackward0" not in _backward_nodes(shared_prompt.plan(model, exp)())
-
-    stop = threading.Event()
-
-    def spin():
-        while not stop.is_set():
-            pass
-
-    busy = threading.Thread(target=spin, daemon=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    busy.start()
-    try:
-        grads = []
-        for _ in range(6):
-            model.zero_grad(set_to_none=True)
-            _loss(shared_prompt.plan(model, exp)(), exp).backward()
-            grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
-    finally:
-        stop.set()
-        busy.join()
-        torch.set_num_threads(threads)
+    assert "IndexBackward0" not in backward_nodes(shared_prompt.plan(model, exp)())
+    grads = gradients_beside_a_busy_thread(model, lambda: _loss(shared_prompt.plan(model, exp)(), exp))
     assert all(torch.equal(grads[0], g) for g in grads[1:])
