@@ -181,6 +181,7 @@ class RolloutConfig:
     engine_retry_backoff_s: float = field_range(">= 0", 0.5)
     # async: in-flight generations continue (per-token versions) or abort
     on_weight_update: str = choice("continue", "abort", default="continue")
+    # the prompt order and the engine's sampling seeds; conf/train.yaml sets it to the run's seed
     seed: int = field_range(SEED, 0)
     # embedded engine: speculative rollout with the policy's MTP layers (speculative.depth=K; default off)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -145,6 +145,7 @@ class ModelConfig:
     # The training dtype. None: a checkpoint's own (config.json's dtype, or torch_dtype as older transformers
     # wrote it; float32 where it names none), float32 for the tiny GLM-5. An export keeps the dtype trained in.
     dtype: Optional[str] = choice(*DTYPES, default=None)
+    # a fresh model's initialisation (the tiny models, fresh MTP layers); conf/train.yaml sets it to the run's seed
     seed: int = field_range(SEED, 0)
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
@@ -291,7 +292,8 @@ class EvalConfig:
     k: int = field_range(">= 0", 8)
     greedy: bool = True  # also one greedy answer per prompt (eval/<set>/greedy/*)
     pass_threshold: float = field_range("(-inf, inf)", 1.0)  # an answer is correct when its reward reaches this
-    # evaluation's own seed stream: the same seeds at every evaluation, none of training's
+    # evaluation's own seed stream: the same seeds at every evaluation and in every run whatever its `seed`,
+    # none of training's
     seed: int = field_range(SEED, 0)
     # More held-out sets, each reported under eval/<name>/...; the task's own held-out set is "heldout".
     # Each entry is an EvalSetConfig (checked by validate: +eval.sets.NAME.path=... works from the CLI),
