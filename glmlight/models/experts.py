@@ -31,7 +31,9 @@ def sorted_experts(experts: torch.nn.Module, x: torch.Tensor, idx: torch.Tensor,
 
     idx, w [N, k]: the experts chosen and their routing weights. `experts` holds the weights in transformers'
     layout: gate_up_proj [E, 2m, h] (gate rows first), down_proj [E, h, m], and `num_experts`. The routing weight
-    scales the down projection's input (the projection is linear) rather than its output."""
+    scales the down projection's input (the projection is linear) rather than its output. The first four
+    arguments are those of transformers' experts interface (`ExpertsInterface`: module, hidden states, top-k
+    indices, top-k weights), so the function registers as it is."""
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
     tok = order.div(idx.shape[1], rounding_mode="floor")
@@ -40,12 +42,6 @@ def sorted_experts(experts: torch.nn.Module, x: torch.Tensor, idx: torch.Tensor,
     scale = w.reshape(-1).index_select(0, order)[:, None].to(x.dtype)
     y = F.grouped_mm(F.silu(g) * u * scale, experts.down_proj.transpose(1, 2), offs=offs)
     return (torch.zeros_like(x) if out is None else out).index_add(0, tok, y)
-
-
-def _experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts-interface signature (`ExpertsInterface`, integrations/moe.py)."""
-    return sorted_experts(self, hidden_states, top_k_index, top_k_weights)
 
 
 def _supported(experts: torch.nn.Module) -> bool:
@@ -78,6 +74,6 @@ def install_sorted_experts(model: torch.nn.Module) -> int:
                  "orders it)", type(model).__name__, model.config._experts_implementation)
         return 0
     if SORTED not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(SORTED, _experts_forward)
+        ALL_EXPERTS_FUNCTIONS.register(SORTED, sorted_experts)
     model.set_experts_implementation(SORTED)
     return len(layers)
