@@ -57,7 +57,7 @@ def test_the_tiny_models_choices_stay_as_they_were():
     arithmetic = _compose("tiny", "arithmetic")
     assert (arithmetic.rollout.max_new_tokens, arithmetic.algo.lr) == (6, 5e-4)
     assert _compose("tiny", "chat_sort").algo.lr == 2e-4 and _compose("tiny", "chat_sort", "algo=sao").algo.lr == 2e-4
-    assert _compose("tiny", "calculator_agent").model.warm_start.steps == 150
+    assert _compose("tiny", "calculator_agent").model.warm_start.steps == 300
 
 
 def test_a_command_line_override_wins_over_the_model_task_defaults():
